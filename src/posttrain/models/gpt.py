@@ -1,0 +1,90 @@
+"""A small decoder-only transformer (nanoGPT-shaped) with pre-norm blocks in ``model.layers``.
+
+``model.layers`` is a ``ModuleList`` so that FSDP2 can shard block by block and a pipeline
+can cut between blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPT", "GPTConfig", "token_loss_sum"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a :class:`GPT`.
+
+    Attributes:
+        vocab_size: number of token ids.
+        dim: hidden size.
+        num_layers: number of transformer blocks.
+        num_heads: attention heads; must divide ``dim``.
+        max_seq_len: longest sequence (learned position embedding).
+    """
+
+    vocab_size: int = 256
+    dim: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    max_seq_len: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide dim={self.dim}")
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.out = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.num_heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    """Token embedding + learned positions, ``num_layers`` blocks, final norm and LM head."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab)`` for token ids ``(batch, seq)``."""
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        pos = torch.arange(t, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(pos)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy; divide by a minibatch-global token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")

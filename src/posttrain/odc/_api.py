@@ -1,0 +1,76 @@
+"""User-facing policy and entry point of ODC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.nn as nn
+
+__all__ = ["ODCConfig", "enable"]
+
+
+@dataclass(frozen=True)
+class ODCConfig:
+    """How ODC runs. All fields have defaults suited to training.
+
+    Attributes:
+        mode: ``"odc"``: one-sided gather and scatter-accumulate, ranks synchronize only when
+            entering and leaving a minibatch, and may run different numbers of microbatches.
+            ``"collective"``: the same shared-memory transport with a barrier at every gather
+            and every reduce (FSDP's rendezvous semantics); ranks must run equal microbatch
+            counts. It exists so benchmarks can separate the effect of removing barriers from
+            the speed of the transport.
+        deterministic: ``False``: every writer adds straight into the owner's accumulator
+            under stripe locks; the summation order is arrival order, so results can differ in
+            the last bits from run to run. ``True``: every writer adds into its own slot on the
+            owner and the owner sums the slots in rank order at the sync: bitwise identical runs,
+            at a cost of ``shard_size`` accumulators per rank, i.e. one full unsharded gradient
+            (in the reduce dtype) per rank instead of one shard of it.
+        grad_divide_factor: gradients are the plain sum over every microbatch of every rank,
+            divided by this. Keep 1.0 and scale each microbatch's loss by a minibatch-global
+            normalizer (``Minibatch.global_tokens``); use the data-parallel size to reproduce
+            FSDP's averaging of per-rank gradients.
+        timeout_s: how long a rank waits at the minibatch barriers for a slow peer before
+            failing. A peer that aborts or dies is noticed within about 0.2 s regardless.
+    """
+
+    mode: Literal["odc", "collective"] = "odc"
+    deterministic: bool = False
+    grad_divide_factor: float = 1.0
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("odc", "collective"):
+            raise ValueError(f"mode={self.mode!r} is not one of 'odc', 'collective'")
+        if not self.grad_divide_factor > 0:
+            raise ValueError(f"grad_divide_factor={self.grad_divide_factor} must be positive")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be positive")
+
+
+def enable(model: nn.Module, config: ODCConfig | None = None, /, **overrides) -> ODC:  # noqa: F821
+    """Switch a ``fully_shard``-ed model from FSDP2's collectives to ODC.
+
+    A collective over the data-parallel group: every rank calls it with the same model
+    structure. Allocates the shared-memory buffers (unlinked from ``/dev/shm`` before this
+    returns) and installs ODC's gather and scatter-accumulate on every FSDP module.
+
+    Args:
+        model: a model on which ``fully_shard`` was applied (to blocks and/or the root).
+        config: an :class:`ODCConfig`; keyword ``overrides`` replace its fields
+            (``enable(model, deterministic=True)``).
+
+    Returns:
+        The :class:`~posttrain.odc.ODC` handle: ``with odc.minibatch(): ...``, ``odc.close()``.
+
+    Raises:
+        ValueError: the model has no FSDP module, its parameters are not sharded on dim 0 over a
+            1-D or (replicate, shard) mesh, or its shard group spans hosts.
+    """
+    from ._state import ODC
+
+    cfg = config or ODCConfig()
+    if overrides:
+        cfg = ODCConfig(**{**cfg.__dict__, **overrides})
+    return ODC(model, cfg)

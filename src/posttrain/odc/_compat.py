@@ -1,0 +1,72 @@
+"""The one place that reads private FSDP2 state (torch 2.13).
+
+ODC must expose each FSDP module's all-gather input *before* any rank gathers it, so it
+needs the per-parameter padded shard data and dtypes that FSDP2 keeps on its param group.
+Everything else goes through public ``FSDPModule`` methods. If torch moves these names, the
+version check below fails with a clear message instead of ODC gathering garbage (and the
+first gather of every module is also checked against FSDP2's own input, see ``_comm.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+#: (major, minor) versions whose FSDP2 internals this module was written and tested against.
+SUPPORTED_TORCH = ((2, 13),)
+
+
+def check_torch_version() -> None:
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version not in SUPPORTED_TORCH:
+        raise RuntimeError(
+            f"posttrain.odc supports torch {', '.join(f'{a}.{b}' for a, b in SUPPORTED_TORCH)}, "
+            f"found {torch.__version__}; install torch==2.13.0"
+        )
+
+
+@dataclass(frozen=True)
+class ShardedParamInfo:
+    """What ODC needs to know about one parameter of an FSDP param group."""
+
+    param: nn.Parameter  # the sharded DTensor parameter
+    padded_data: torch.Tensor  # flat local shard, padded to ceil(dim0 / shard_size) rows
+    unsharded_shape: torch.Size
+    param_dtype: torch.dtype  # dtype of the all-gather input (after mixed-precision cast)
+    reduce_dtype: torch.dtype  # dtype gradients are reduced in
+    requires_grad: bool
+
+
+def sharded_params(module: FSDPModule) -> list[ShardedParamInfo]:
+    """The parameters of ``module``'s own FSDP param group, in all-gather layout order."""
+    state = module._get_fsdp_state()
+    groups = state._fsdp_param_groups
+    if len(groups) > 1:
+        raise ValueError(
+            f"{type(module).__name__} has {len(groups)} FSDP param groups (shard_placement_fn "
+            "with per-parameter meshes); ODC supports one param group per fully_shard call"
+        )
+    if not groups:
+        return []
+    group = groups[0]
+    mp = group.mp_policy
+    infos = []
+    for fp in group.fsdp_params:
+        orig = fp.sharded_param.dtype
+        # Same clamping as FSDPParam.init_dtype_attrs (which only runs at lazy init).
+        param_dtype = mp.param_dtype if (mp.param_dtype is not None and orig.is_floating_point) else orig
+        reduce_dtype = mp.reduce_dtype or param_dtype
+        infos.append(
+            ShardedParamInfo(
+                param=fp.sharded_param,
+                padded_data=fp._sharded_param_data,
+                unsharded_shape=fp._orig_size,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                requires_grad=fp.sharded_param.requires_grad,
+            )
+        )
+    return infos

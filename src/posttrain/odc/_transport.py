@@ -1,0 +1,336 @@
+"""Shared-memory transport for ranks on one host: one-sided reads and adds, and a barrier.
+
+[Note: shm segments]
+Every rank of a group owns one *segment*: a file in ``/dev/shm`` mapped by every rank of the
+group with ``torch.from_file(shared=True)``. A segment is a small control header followed by
+named *regions* whose byte sizes are agreed by all ranks at creation (for ODC: the exposed
+parameter shards and the gradient accumulator). A peer reads from and adds into another rank's
+regions directly; the owner does nothing.
+
+Lifecycle: names carry a random token agreed through the process group, files are created
+``0600`` with ``O_EXCL`` (no other user or job can attach) and unlinked as soon as every rank of
+the group has mapped them, so a crash after :meth:`ShmTransport.create` leaks nothing; the
+memory goes away when the last process unmaps it.
+
+Concurrent adds into one accumulator race, so :meth:`ShmTransport.accumulate` takes a byte-range
+``fcntl.lockf`` lock per stripe of the destination (it excludes other processes) plus a
+``threading.Lock`` (``lockf`` does not exclude threads of one process).
+
+The barrier is a generation counter in each rank's header. It never blocks on a socket, so
+it can notice a peer that aborted (its header says so, with a message) or died (its pid is
+gone) and fail within a bounded time instead of hanging. Header words are 8-byte aligned
+stores; we rely on x86-64 total store order for data written before the generation bump to be
+visible to a peer that sees the bump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "posttrain-odc"
+
+# Header layout (int64 words), then a message area for abort reasons.
+_PID, _GEN, _TAG, _ABORT, _MSG_LEN = range(5)
+_VALUES = 8  # words 8.._HEADER_WORDS-1: small integers published for peers
+_HEADER_WORDS = 16
+_MSG_OFFSET = _HEADER_WORDS * 8
+_MSG_BYTES = 1024
+_HEADER_BYTES = 4096
+_ALIGN = 64
+
+#: Elements per lock stripe of an accumulator (1 MiB of fp32).
+STRIPE_ELEMS = 1 << 18
+
+
+class PeerFailedError(RuntimeError):
+    """A peer rank aborted, died, or did not reach a barrier within the timeout."""
+
+
+class BarrierMismatchError(RuntimeError):
+    """Ranks reached different barriers (e.g. unequal microbatch counts in collective mode)."""
+
+
+def host_identity() -> str:
+    """What must be equal for two processes to share ``/dev/shm`` and see each other's pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = 0
+    return f"{socket.gethostname()}/{boot}/{pid_ns}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class ShmTransport:
+    """One segment per rank of ``group``, all mapped by all ranks of the group.
+
+    Create with :meth:`create` (a collective over ``group``); free with :meth:`close`.
+
+    Args (of :meth:`create`):
+        group: the ranks that share memory; all must be on this host.
+        regions: name -> bytes, identical on every rank.
+        timeout_s: how long :meth:`barrier` waits for a slow peer before failing.
+    """
+
+    def __init__(self) -> None:  # use create()
+        raise TypeError("use ShmTransport.create(group, regions)")
+
+    @classmethod
+    def create(
+        cls,
+        group: dist.ProcessGroup,
+        regions: Mapping[str, int],
+        *,
+        timeout_s: float = 1800.0,
+    ) -> ShmTransport:
+        self = object.__new__(cls)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.global_ranks = dist.get_process_group_ranks(group)
+        self.timeout_s = float(timeout_s)
+        self._gen = 0
+        self._closed = False
+        self._thread_lock = threading.Lock()
+        self._fds: list[int] = []
+
+        offsets: dict[str, tuple[int, int]] = {}
+        pos = _HEADER_BYTES
+        for name, nbytes in regions.items():
+            if nbytes < 0:
+                raise ValueError(f"region {name!r} has negative size {nbytes}")
+            offsets[name] = (pos, int(nbytes))
+            pos = _align(pos + int(nbytes))
+        self._regions = offsets
+        self.segment_bytes = pos
+
+        # One collective exchange agrees on the token and checks host and layout.
+        token = secrets.token_hex(8) if self.rank == 0 else None
+        mine = (token, host_identity(), sorted(offsets.items()))
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        token = everyone[0][0]
+        hosts = {g: e[1] for g, e in zip(self.global_ranks, everyone)}
+        if len(set(hosts.values())) != 1:
+            raise ValueError(
+                "the shared-memory ODC transport needs every rank of its shard group on one "
+                f"host, but ranks are on different hosts: {hosts}. Shard within a node and "
+                "replicate across nodes (HSDP: a 2-D mesh (replicate, shard) whose shard "
+                "dimension stays inside a node)."
+            )
+        layouts = {e[2].__repr__() for e in everyone}
+        if len(layouts) != 1:
+            raise AssertionError(f"ranks disagree on the shm region layout: {everyone}")
+
+        self.paths = [
+            os.path.join(SHM_DIR, f"{NAME_PREFIX}-{token}-{g}") for g in self.global_ranks
+        ]
+        own = self.paths[self.rank]
+        try:
+            fd = os.open(own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, self.segment_bytes)
+            finally:
+                os.close(fd)
+            self._segments: list[torch.Tensor] = [None] * self.world_size  # type: ignore[list-item]
+            self._segments[self.rank] = torch.from_file(
+                own, shared=True, size=self.segment_bytes, dtype=torch.uint8
+            )
+            self._headers = [None] * self.world_size
+            self._headers[self.rank] = self._segments[self.rank][:_HEADER_BYTES].numpy().view(np.int64)
+            self._headers[self.rank][_PID] = os.getpid()
+            dist.barrier(group=group)
+            for r, path in enumerate(self.paths):
+                # Open before mapping: the fd carries the lockf locks on this owner's stripes.
+                self._fds.append(os.open(path, os.O_RDWR))
+                if r != self.rank:
+                    self._segments[r] = torch.from_file(
+                        path, shared=True, size=self.segment_bytes, dtype=torch.uint8
+                    )
+                    self._headers[r] = self._segments[r][:_HEADER_BYTES].numpy().view(np.int64)
+            dist.barrier(group=group)
+        finally:
+            # Every rank mapped (or we are failing): the name is no longer needed.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(own)
+        self._pids = [int(h[_PID]) for h in self._headers]
+        logger.debug("rank %d: mapped %d shm segments of %d bytes", self.rank, self.world_size, self.segment_bytes)
+        return self
+
+    # ------------------------------------------------------------------ views
+    def region(self, rank: int, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole region ``name`` of ``rank``'s segment as a flat tensor of ``dtype``."""
+        start, nbytes = self._regions[name]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if nbytes % itemsize:
+            raise AssertionError(f"region {name!r} of {nbytes} bytes is not a multiple of {dtype}")
+        return self._segments[rank][start : start + nbytes].view(dtype)
+
+    # ------------------------------------------------------------- operations
+    def accumulate(self, dst: torch.Tensor, src: torch.Tensor, *, owner: int, base_offset: int) -> None:
+        """``dst += src`` under stripe locks of ``owner``'s segment.
+
+        ``dst`` is a flat view into ``owner``'s accumulator starting ``base_offset`` elements
+        into it; stripes are aligned to absolute accumulator offsets so that every writer of the
+        same element takes the same lock. Writers start at different stripes to spread contention.
+        """
+        numel = dst.numel()
+        if numel == 0:
+            return
+        first = base_offset // STRIPE_ELEMS
+        last = (base_offset + numel - 1) // STRIPE_ELEMS
+        stripes = list(range(first, last + 1))
+        shift = self.rank % len(stripes)
+        stripes = stripes[shift:] + stripes[:shift]
+        fd = self._fds[owner]
+        with self._thread_lock:
+            for s in stripes:
+                a = max(s * STRIPE_ELEMS - base_offset, 0)
+                b = min((s + 1) * STRIPE_ELEMS - base_offset, numel)
+                fcntl.lockf(fd, fcntl.LOCK_EX, 1, s, os.SEEK_SET)
+                try:
+                    dst[a:b].add_(src[a:b])
+                finally:
+                    fcntl.lockf(fd, fcntl.LOCK_UN, 1, s, os.SEEK_SET)
+
+    def set_value(self, slot: int, value: int) -> None:
+        """Publish an integer in ``slot`` of this rank's header, for peers to read after a barrier.
+
+        A slot must not be rewritten before every peer has read it: use a different slot for
+        values published at consecutive barriers.
+        """
+        if not 0 <= slot < _HEADER_WORDS - _VALUES:
+            raise AssertionError(f"value {slot=} out of range")
+        self._headers[self.rank][_VALUES + slot] = int(value)
+
+    def values(self, slot: int) -> list[int]:
+        """Every rank's value in ``slot``; meaningful after a barrier that follows the writes."""
+        return [int(h[_VALUES + slot]) for h in self._headers]
+
+    def barrier(self, tag: int) -> None:
+        """Wait until every rank of the group reached its barrier of the same generation.
+
+        Raises:
+            BarrierMismatchError: a peer reached a barrier with a different ``tag``.
+            PeerFailedError: a peer aborted, died, or ``timeout_s`` passed.
+        """
+        if self._closed:
+            raise RuntimeError("the ODC transport is closed")
+        self._gen += 1
+        gen = self._gen
+        me = self._headers[self.rank]
+        me[_TAG] = tag
+        me[_GEN] = gen
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        start = time.monotonic()
+        next_check = start + 0.2
+        spins = 0
+        while pending:
+            still = []
+            for r in pending:
+                h = self._headers[r]
+                if h[_ABORT]:
+                    raise PeerFailedError(self._abort_message(r))
+                peer_gen = int(h[_GEN])
+                if peer_gen < gen:
+                    still.append(r)
+                elif peer_gen == gen and int(h[_TAG]) != tag:
+                    raise BarrierMismatchError(
+                        f"rank {self.global_ranks[self.rank]} is at barrier {tag=} but rank "
+                        f"{self.global_ranks[r]} is at barrier tag={int(h[_TAG])} (generation {gen}); "
+                        "ranks issued different sequences of synchronizations"
+                    )
+            pending = still
+            if not pending:
+                break
+            spins += 1
+            if spins < 200:
+                continue
+            time.sleep(0 if spins < 400 else min(1e-3, 1e-5 * (spins - 400) + 1e-5))
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.2
+                for r in pending:
+                    if not _pid_alive(self._pids[r]):
+                        raise PeerFailedError(
+                            f"rank {self.global_ranks[r]} (pid {self._pids[r]}) exited while "
+                            f"rank {self.global_ranks[self.rank]} waited for it at a barrier"
+                        )
+                if now - start > self.timeout_s:
+                    raise PeerFailedError(
+                        f"ranks {[self.global_ranks[r] for r in pending]} did not reach the "
+                        f"barrier within timeout_s={self.timeout_s:g}s"
+                    )
+
+    def abort(self, message: str) -> None:
+        """Tell peers this rank failed; their barriers raise :class:`PeerFailedError`."""
+        if self._closed:
+            return
+        data = message.encode(errors="replace")[:_MSG_BYTES]
+        seg = self._segments[self.rank]
+        seg[_MSG_OFFSET : _MSG_OFFSET + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        me = self._headers[self.rank]
+        me[_MSG_LEN] = len(data)
+        me[_ABORT] = 1
+
+    def _abort_message(self, r: int) -> str:
+        n = int(self._headers[r][_MSG_LEN])
+        msg = bytes(self._segments[r][_MSG_OFFSET : _MSG_OFFSET + n].numpy()).decode(errors="replace")
+        return f"rank {self.global_ranks[r]} failed: {msg}"
+
+    @contextlib.contextmanager
+    def aborting_on_error(self, what: str) -> Iterator[None]:
+        """Mark this rank aborted (with ``what`` and the exception) if the body raises."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, PeerFailedError):
+                self.abort(f"{what}: {type(exc).__name__}: {exc}")
+            raise
+
+    def close(self) -> None:
+        """Unmap every segment and close the lock files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+        self._headers = []
+        self._segments = []
+        # Names were unlinked at creation; make sure of it if creation was cut short.
+        own = self.paths[self.rank]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(own)
