@@ -67,7 +67,7 @@ class ODC:
         self._minibatch_index = -1
         self._pushes = 0
         self._step_hook = None
-        self.stats = {"gathers": 0, "pushes": 0, "gather_bytes": 0, "push_bytes": 0}
+        self.stats = {"gathers": 0, "regrouped_gathers": 0, "pushes": 0, "gather_bytes": 0, "push_bytes": 0}
 
         self.layouts = self._build_layouts(model)
         first = self.layouts[0].params[0].param
@@ -292,9 +292,14 @@ class ODC:
         else:
             acc = grads
         if self.replicate_group is not None:
-            for lay in self.layouts:
-                a, b = lay.grads_offset, lay.grads_offset + lay.reduce_bytes
-                dist.all_reduce(acc[a:b].view(lay.reduce_dtype), group=self.replicate_group)
+            dtypes = {lay.reduce_dtype for lay in self.layouts}
+            if len(dtypes) == 1:
+                # One all-reduce for the whole accumulator (64-byte aligned, so any dtype views it).
+                dist.all_reduce(acc[: self._grads_bytes].view(dtypes.pop()), group=self.replicate_group)
+            else:
+                for lay in self.layouts:
+                    a, b = lay.grads_offset, lay.grads_offset + lay.reduce_bytes
+                    dist.all_reduce(acc[a:b].view(lay.reduce_dtype), group=self.replicate_group)
         return acc
 
     # --------------------------------------------------- comms (called by FSDP2)
@@ -335,6 +340,7 @@ class ODC:
             exposures = [self._params_view(q, lay) for q in range(self.shard_size)]
             out = output.view(dist.get_world_size(group), -1)
             regroup_gather(out, lay, exposures, skip_slot=dist.get_rank(group))
+            self.stats["regrouped_gathers"] += 1
         self.stats["gathers"] += 1
         self.stats["gather_bytes"] += output.numel() * output.element_size()
         return None

@@ -1,0 +1,102 @@
+"""The shared-memory transport on its own: concurrent adds, barriers, file hygiene.
+
+A failure here pinpoints lost updates under concurrent scatter-accumulate (locking), a barrier
+that hangs instead of timing out, or segment files that other users could open or that stay.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from unittest import mock
+
+import pytest
+import torch
+
+from posttrain._launch import RanksFailedError, run_ranks
+from posttrain.odc import PeerFailedError, ShmTransport
+from posttrain.odc._transport import STRIPE_ELEMS
+
+NUMEL = 3 * STRIPE_ELEMS + 5  # spans four stripes, the last one partial
+REPEATS = 40
+
+
+def _accumulate_worker(rank, world_size, offset):
+    import torch.distributed as dist
+
+    t = ShmTransport.create(dist.group.WORLD, {"grads": (offset + NUMEL) * 4})
+    t.barrier(1)
+    src = torch.full((NUMEL,), float(rank + 1))
+    dst = t.region(0, "grads", torch.float32)[offset:]
+    for _ in range(REPEATS):
+        t.accumulate(dst, src, owner=0, base_offset=offset * 4)
+    t.barrier(2)
+    got = t.region(0, "grads", torch.float32)[offset:].clone()
+    t.close()
+    return got
+
+
+@pytest.mark.parametrize("offset", [0, 1000], ids=["aligned", "unaligned-start"])
+def test_concurrent_accumulate_loses_no_update(offset):
+    """4 ranks add into one owner 40 times each; every element must be exactly the full sum."""
+    want = REPEATS * sum(range(1, 5))
+    for got in run_ranks(_accumulate_worker, 4, offset):
+        assert torch.equal(got, torch.full((NUMEL,), float(want)))
+
+
+def _timeout_worker(rank, world_size):
+    import torch.distributed as dist
+
+    t = ShmTransport.create(dist.group.WORLD, {"x": 64}, timeout_s=0.5)
+    if rank == 1:
+        time.sleep(2.0)
+        t.close()
+        return "slept"
+    start = time.monotonic()
+    try:
+        t.barrier(1)
+    except PeerFailedError as e:
+        return (str(e), time.monotonic() - start)
+    finally:
+        t.close()
+    return "passed"
+
+
+def test_barrier_times_out_with_a_clear_error():
+    msg, waited = run_ranks(_timeout_worker, 2)[0]
+    assert "did not reach the barrier within timeout_s=0.5s" in msg
+    assert 0.5 <= waited < 1.5
+
+
+def _file_mode_worker(rank, world_size):
+    import torch.distributed as dist
+
+    seen = {}
+    real_unlink = os.unlink
+
+    def recording_unlink(path):
+        if "posttrain-odc" in str(path) and path not in seen:
+            seen[path] = stat.S_IMODE(os.stat(path).st_mode)
+        real_unlink(path)
+
+    with mock.patch.object(os, "unlink", recording_unlink):
+        t = ShmTransport.create(dist.group.WORLD, {"x": 64})
+    left = [f for f in os.listdir("/dev/shm") if f.startswith("posttrain-odc")]
+    t.region(1 - rank, "x", torch.uint8)[rank] = 7  # mapped memory still usable after unlink
+    t.barrier(1)
+    mine = int(t.region(rank, "x", torch.uint8)[1 - rank])
+    t.close()
+    return seen, left, mine
+
+
+def test_segments_are_private_and_unlinked_once_mapped():
+    for seen, left, mine in run_ranks(_file_mode_worker, 2):
+        assert list(seen.values()) == [0o600]
+        assert left == []
+        assert mine == 7
+
+
+def test_create_is_refused_without_create():
+    with pytest.raises(TypeError, match="create"):
+        ShmTransport()
