@@ -317,7 +317,7 @@ class ODC:
         if not self._in_minibatch:
             self._usable()
             # Outside a minibatch (e.g. evaluation) a forward gathers like FSDP: a collective.
-            return dist.all_gather_into_tensor(output, input, group=group)
+            return dist.all_gather_single(output, input, group=group)
         if self.config.mode == "collective":
             self.transport.barrier(_TAG_GATHER)
         if output.dtype != lay.param_dtype:

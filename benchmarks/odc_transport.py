@@ -1,0 +1,114 @@
+"""Bandwidth of ODC's shared-memory transport against gloo collectives, 2 ranks, side by side.
+
+    python benchmarks/odc_transport.py                 # sizes 1, 4, 16, 64 MiB per rank shard
+    python benchmarks/odc_transport.py --sizes-mib 8 32 --iters 10 --json out/odc_transport.json
+
+For each shard size S (fp32, per rank), one run measures on the same processes:
+  gather:  gloo ``all_gather_single`` (= all_gather_into_tensor) (S in, 2S out)  vs  ODC gather (copy the peer's
+           exposed shard out of its shm segment into the output);
+  reduce:  gloo ``reduce_scatter_single`` (= reduce_scatter_tensor) (2S in, S out)   vs  ODC scatter-accumulate (add each
+           owner's slice into its shm accumulator under stripe locks).
+Each timing is the slowest rank's median over ``--iters`` calls, ranks aligned by a barrier before
+every call. Printed ratios are gloo time / shm time (higher is better for ODC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from posttrain._launch import run_ranks
+from posttrain.odc import ShmTransport
+
+
+def _time(fn, iters: int, group) -> float:
+    times = []
+    for _ in range(iters + 1):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _worker(rank: int, world_size: int, sizes_mib: list[float], iters: int) -> list[dict]:
+    group = dist.group.WORLD
+    rows = []
+    for mib in sizes_mib:
+        n = int(mib * 2**20) // 4
+        t = ShmTransport.create(group, {"params": n * 4, "grads": n * 4})
+        shard = torch.randn(n)
+        t.region(rank, "params", torch.float32).copy_(shard)
+        out = torch.empty(world_size * n)
+        full_grad = torch.randn(world_size * n)
+        rs_out = torch.empty(n)
+        dist.barrier(group=group)
+
+        def gloo_gather():
+            dist.all_gather_single(out, shard, group=group)
+
+        def shm_gather():
+            view = out.view(world_size, n)
+            view[rank].copy_(shard)
+            for q in range(world_size):
+                if q != rank:
+                    view[q].copy_(t.region(q, "params", torch.float32))
+
+        def gloo_reduce():
+            dist.reduce_scatter_single(rs_out, full_grad, group=group)
+
+        def shm_reduce():
+            rows_ = full_grad.view(world_size, n)
+            for i in range(world_size):
+                owner = (rank + 1 + i) % world_size
+                t.accumulate(t.region(owner, "grads", torch.float32), rows_[owner], owner=owner, base_offset=0)
+
+        row = {"shard_mib": mib}
+        for name, fn in [("gloo_gather", gloo_gather), ("shm_gather", shm_gather),
+                         ("gloo_reduce", gloo_reduce), ("shm_reduce", shm_reduce)]:
+            row[name + "_s"] = _time(fn, iters, group)
+        # bytes that cross between ranks per rank: (world_size - 1) shards either way
+        moved = (world_size - 1) * n * 4
+        for name in ("gloo_gather", "shm_gather", "gloo_reduce", "shm_reduce"):
+            row[name + "_gib_s"] = moved / row[name + "_s"] / 2**30
+        row["gather_ratio"] = row["gloo_gather_s"] / row["shm_gather_s"]
+        row["reduce_ratio"] = row["gloo_reduce_s"] / row["shm_reduce_s"]
+        rows.append(row)
+        t.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64],
+                   help="per-rank shard sizes in MiB (fp32)")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per measurement")
+    p.add_argument("--json", default="out/odc_transport.json", help="where to write the results")
+    args = p.parse_args(argv)
+    if args.iters < 1 or any(s <= 0 for s in args.sizes_mib):
+        p.error("--iters and --sizes-mib must be positive")
+    rows = run_ranks(_worker, 2, args.sizes_mib, args.iters, timeout_s=900)[0]
+    print("ODC shm transport vs gloo, 2 ranks, fp32; GiB/s = bytes from/to the peer per rank")
+    print(f"{'shard MiB':>9} | {'gloo AG':>8} {'shm gather':>10} {'ratio':>6} | {'gloo RS':>8} {'shm s-acc':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['shard_mib']:>9g} | {r['gloo_gather_gib_s']:>8.2f} {r['shm_gather_gib_s']:>10.2f} "
+              f"{r['gather_ratio']:>5.1f}x | {r['gloo_reduce_gib_s']:>8.2f} {r['shm_reduce_gib_s']:>9.2f} "
+              f"{r['reduce_ratio']:>5.1f}x")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"world_size": 2, "iters": args.iters, "rows": rows}, f, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
