@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.profiler import record_function
 
-from ._compat import ShardedParamInfo
+from ._compat import AllGather, ReduceScatter, ShardedParamInfo
 
 if TYPE_CHECKING:
     from ._state import ODC
@@ -80,8 +79,8 @@ class ModuleLayout:
         return self.reduce_numel * self.reduce_dtype.itemsize
 
 
-class ODCAllGather(AllGather):
-    """FSDP2 all-gather replaced by one-sided reads of peers' exposed shards."""
+class _ODCComm:
+    """Binds a comm hook to the ODC handle and one module's layout; plain allocations."""
 
     def __init__(self, odc: ODC, layout: ModuleLayout) -> None:
         self._odc = odc
@@ -89,6 +88,10 @@ class ODCAllGather(AllGather):
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class ODCAllGather(_ODCComm, AllGather):
+    """FSDP2 all-gather replaced by one-sided reads of peers' exposed shards."""
 
     def __call__(
         self,
@@ -101,15 +104,8 @@ class ODCAllGather(AllGather):
             return self._odc._gather(self._layout, output_tensor, input_tensor, group)
 
 
-class ODCReduceScatter(ReduceScatter):
+class ODCReduceScatter(_ODCComm, ReduceScatter):
     """FSDP2 reduce-scatter replaced by one-sided adds into the owners' accumulators."""
-
-    def __init__(self, odc: ODC, layout: ModuleLayout) -> None:
-        self._odc = odc
-        self._layout = layout
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

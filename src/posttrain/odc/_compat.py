@@ -1,8 +1,10 @@
 """The one place that reads private FSDP2 state (torch 2.13).
 
 ODC must expose each FSDP module's all-gather input *before* any rank gathers it, so it
-needs the per-parameter padded shard data and dtypes that FSDP2 keeps on its param group.
-Everything else goes through public ``FSDPModule`` methods. If torch moves these names, the
+needs the per-parameter padded shard data and dtypes that FSDP2 keeps on its param group. The
+``AllGather`` / ``ReduceScatter`` ABCs that ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
+take are not re-exported by ``torch.distributed.fsdp`` either. Everything else goes through public
+``FSDPModule`` methods. If torch moves these names, the
 version check below fails with a clear message instead of ODC gathering garbage (and the
 first gather of every module is also checked against FSDP2's own input, see ``_comm.py``).
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 #: (major, minor) versions whose FSDP2 internals this module was written and tested against.
 SUPPORTED_TORCH = ((2, 13),)
@@ -26,6 +29,9 @@ def check_torch_version() -> None:
             f"posttrain.odc supports torch {', '.join(f'{a}.{b}' for a, b in SUPPORTED_TORCH)}, "
             f"found {torch.__version__}; install torch==2.13.0"
         )
+
+
+__all__ = ["AllGather", "ReduceScatter", "ShardedParamInfo", "check_torch_version", "sharded_params"]
 
 
 @dataclass(frozen=True)
