@@ -29,10 +29,12 @@ import contextlib
 import fcntl
 import logging
 import os
+import platform
 import secrets
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -114,6 +116,13 @@ class ShmTransport:
         *,
         timeout_s: float = 1800.0,
     ) -> ShmTransport:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            warnings.warn(
+                f"posttrain's shm barrier relies on x86-64 store ordering; on {platform.machine()} "
+                "data written before a barrier may not yet be visible to peers after it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self = object.__new__(cls)
         self.group = group
         self.rank = dist.get_rank(group)
