@@ -1,0 +1,19 @@
+"""Minibatch-level load balancing: cost models, partitioners and microbatch plans.
+
+    plan = posttrain.balance.plan_minibatch(lengths, world_size=8, max_tokens=16384,
+                                            method="diff_micro", cost=QuadraticCost())
+    print(plan.summary())
+    for mb in plan.microbatches_for(rank): ...
+
+See [Note: balancing methods] in ``plan.py``.
+"""
+
+from .cost import CalibratedCost, CostModel, FlopsCost, QuadraticCost, TokenCost, measure_step_times
+from .partition import balanced_partition, greedy, karmarkar_karp, refine, round_robin, spread
+from .plan import METHODS, Microbatch, Plan, plan_minibatch
+
+__all__ = [
+    "METHODS", "CalibratedCost", "CostModel", "FlopsCost", "Microbatch", "Plan", "QuadraticCost",
+    "TokenCost", "balanced_partition", "greedy", "karmarkar_karp", "measure_step_times",
+    "plan_minibatch", "refine", "round_robin", "spread",
+]

@@ -1,0 +1,214 @@
+"""Minibatch plans: which sequence goes to which rank and microbatch, and what it will cost.
+
+[Note: balancing methods]
+- ``round_robin``: sequence ``i`` to rank ``i % world_size``, packed in order into microbatches.
+- ``local_sort``: round-robin, then each rank packs its sequences longest first.
+- ``same_micro``: the best FSDP can do. FSDP's per-layer collectives make rank ``r``'s
+  microbatch ``j`` wait for every rank's microbatch ``j``, so every rank runs the same number of
+  microbatches and each round ``j`` should be balanced: sequences are partitioned into
+  ``rounds * world_size`` cost-balanced microbatches, sorted by cost, and dealt round by round.
+- ``diff_micro``: ODC. Ranks meet only at the end of the minibatch, so only each rank's *total*
+  cost matters: sequences are partitioned over ranks by cost and each rank packs its own share
+  into as many microbatches as it needs. It also considers ``same_micro``'s per-rank split and
+  keeps the better, so its worst rank is never worse than ``same_micro``'s.
+Every microbatch holds at most ``max_tokens`` tokens.
+
+``same_micro`` can contain empty microbatches (fewer sequences than microbatch slots): FSDP
+trainers run a zero-weight dummy there to keep the collectives matched.
+
+Predicted step time: ``sync="microbatch"`` (FSDP) is ``sum_j max_r cost(r, j)``; ``sync="minibatch"``
+(ODC) is ``max_r sum_j cost(r, j)``. Under ``sync="microbatch"`` a rank with fewer microbatches
+than others idles through the missing rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .cost import CostModel, TokenCost
+from .partition import balanced_partition, round_robin
+
+__all__ = ["METHODS", "Microbatch", "Plan", "plan_minibatch"]
+
+METHODS = ("round_robin", "local_sort", "same_micro", "diff_micro")
+Method = Literal["round_robin", "local_sort", "same_micro", "diff_micro"]
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """Sequences processed in one forward+backward on one rank."""
+
+    sequence_ids: tuple[int, ...]
+    num_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """rank -> microbatches -> sequence ids, with predicted costs. See [Note: balancing methods].
+
+    Attributes:
+        method: the balancing method that produced it.
+        max_tokens: the per-microbatch token budget.
+        ranks: ``ranks[r]`` is rank ``r``'s microbatches in execution order.
+    """
+
+    method: str
+    max_tokens: int
+    ranks: tuple[tuple[Microbatch, ...], ...]
+    lengths: tuple[int, ...] = field(repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def microbatches_for(self, rank: int) -> tuple[Microbatch, ...]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
+        return self.ranks[rank]
+
+    @property
+    def rank_costs(self) -> list[float]:
+        return [sum(m.cost for m in mbs) for mbs in self.ranks]
+
+    @property
+    def rank_tokens(self) -> list[int]:
+        return [sum(m.num_tokens for m in mbs) for mbs in self.ranks]
+
+    @property
+    def num_microbatches(self) -> list[int]:
+        return [len(mbs) for mbs in self.ranks]
+
+    @property
+    def imbalance(self) -> float:
+        """``max / mean`` of the ranks' total costs (1.0 is perfect)."""
+        costs = self.rank_costs
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean > 0 else 1.0
+
+    def step_time(self, sync: Literal["minibatch", "microbatch"] = "minibatch") -> float:
+        """Predicted compute-bound step time in cost units (communication not included)."""
+        if sync == "minibatch":
+            return max(self.rank_costs)
+        if sync == "microbatch":
+            rounds = max(self.num_microbatches)
+            return sum(
+                max((mbs[j].cost if j < len(mbs) else 0.0) for mbs in self.ranks) for j in range(rounds)
+            )
+        raise ValueError(f"sync={sync!r} is not one of 'minibatch', 'microbatch'")
+
+    def summary(self) -> str:
+        """A few lines: per-rank microbatches, tokens, cost; imbalance and predicted step times."""
+        lines = [
+            f"plan {self.method}: {len(self.lengths)} sequences, {self.world_size} ranks, "
+            f"max_tokens={self.max_tokens}, imbalance {self.imbalance:.3f}, step time "
+            f"{self.step_time('minibatch'):.4g} (minibatch sync) / {self.step_time('microbatch'):.4g} (per-microbatch sync)"
+        ]
+        for r, mbs in enumerate(self.ranks):
+            lines.append(
+                f"  rank {r}: {len(mbs):3d} microbatches, {self.rank_tokens[r]:7d} tokens, cost {self.rank_costs[r]:.4g}"
+            )
+        return "\n".join(lines)
+
+
+def _pack(ids: Sequence[int], lengths: Sequence[int], max_tokens: int, *, sort: bool) -> list[list[int]]:
+    """In order (or longest first), each sequence into the first microbatch that has room."""
+    order = sorted(ids, key=lambda i: -lengths[i]) if sort else list(ids)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins
+
+
+def _same_micro(lengths, costs, world_size, max_tokens) -> list[list[list[int]]]:
+    """Microbatches of ``rounds * world_size`` balanced bins, dealt round by round."""
+    n = len(lengths)
+    rounds = max(1, -(-sum(lengths) // (max_tokens * world_size)))
+    while True:
+        bins = balanced_partition(costs, rounds * world_size)
+        if all(sum(lengths[i] for i in b) <= max_tokens for b in bins):
+            break
+        if rounds * world_size >= n:
+            bins = [[i] for i in range(n)] + [[] for _ in range(rounds * world_size - n)]
+            break
+        rounds += 1
+    bins.sort(key=lambda b: -sum(costs[i] for i in b))
+    per_rank: list[list[list[int]]] = [[] for _ in range(world_size)]
+    for j in range(rounds):
+        round_bins = bins[j * world_size : (j + 1) * world_size]
+        # heaviest bin of this round to the rank with the least so far (keeps totals even too)
+        order = sorted(range(world_size), key=lambda r: sum(costs[i] for mb in per_rank[r] for i in mb))
+        for r, b in zip(order, round_bins):
+            per_rank[r].append(b)
+    # Empty bins stay: FSDP needs equal counts, so that rank runs a zero-weight dummy microbatch.
+    return per_rank
+
+
+def plan_minibatch(
+    lengths: Sequence[int],
+    *,
+    world_size: int,
+    max_tokens: int,
+    method: Method = "diff_micro",
+    cost: CostModel | None = None,
+) -> Plan:
+    """Assign the sequences of one minibatch to ranks and microbatches.
+
+    Args:
+        lengths: tokens per sequence; sequence ids are positions in this list.
+        world_size: data-parallel ranks.
+        max_tokens: most tokens in one microbatch (activation memory).
+        method: one of ``round_robin``, ``local_sort``, ``same_micro``, ``diff_micro``.
+        cost: cost model ``length -> float`` (default: tokens).
+
+    Raises:
+        ValueError: unknown method, bad sizes, or a sequence longer than ``max_tokens``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown balancing method {method!r}; choose one of {', '.join(METHODS)}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be at least 1")
+    lengths = tuple(int(n) for n in lengths)
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"sequence {i} has length {n}; every sequence needs at least 1 token")
+        if n > max_tokens:
+            raise ValueError(
+                f"max_tokens={max_tokens} is smaller than sequence {i} ({n} tokens); "
+                "raise --max-tokens or drop that sequence"
+            )
+    cost = cost or TokenCost()
+    costs = [float(cost(n)) for n in lengths]
+
+    if method in ("round_robin", "local_sort"):
+        shares = round_robin(costs, world_size)
+        per_rank = [_pack(s, lengths, max_tokens, sort=method == "local_sort") for s in shares]
+    elif method == "same_micro":
+        per_rank = _same_micro(lengths, costs, world_size, max_tokens)
+    else:
+        shares = balanced_partition(costs, world_size)
+        same = [[i for mb in mbs for i in mb] for mbs in _same_micro(lengths, costs, world_size, max_tokens)]
+        worst = lambda parts: max(sum(costs[i] for i in p) for p in parts)  # noqa: E731
+        if worst(same) < worst(shares):
+            shares = same
+        per_rank = [_pack(s, lengths, max_tokens, sort=True) for s in shares]
+
+    ranks = tuple(
+        tuple(
+            Microbatch(tuple(mb), sum(lengths[i] for i in mb), sum(costs[i] for i in mb)) for mb in mbs
+        )
+        for mbs in per_rank
+    )
+    return Plan(method=method, max_tokens=max_tokens, ranks=ranks, lengths=lengths)
