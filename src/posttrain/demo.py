@@ -1,15 +1,15 @@
 """The ODC demo: a tiny GPT trained on 2 CPU processes with ODC on long-tail sequence lengths.
 
-Each minibatch holds sequences whose lengths follow a long-tail (log-normal) profile. They are
-split so that each rank gets about the same number of tokens, which means the ranks run
-*different numbers of microbatches* (one sequence each) - something FSDP's per-layer
-collectives cannot do and ODC can. The task is learnable (each token is the previous one plus a
-per-sequence stride, mod the vocabulary), so the loss falls visibly within a few dozen steps.
+Each minibatch draws sequences from the embedded ``long_tail`` profile (:mod:`posttrain.data`).
+``diff_micro`` balancing (:mod:`posttrain.balance`, FLOPs cost model) gives every rank about the
+same cost, packed
+into microbatches of at most ``max_len`` tokens, so ranks run *different numbers of
+microbatches* - something FSDP's per-layer collectives cannot do and ODC can. The task is
+learnable (counting with a per-sequence stride), so the loss falls visibly within a few dozen steps.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -19,6 +19,8 @@ from torch.distributed.fsdp import fully_shard
 
 import posttrain.odc as odc_mod
 from posttrain._launch import run_ranks
+from posttrain.balance import FlopsCost, pack_sequences, plan_minibatch
+from posttrain.data import profile_lengths, synthetic_sequences
 from posttrain.models import GPT, GPTConfig, token_loss_sum
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -32,7 +34,7 @@ class DemoConfig:
         steps: optimizer steps (minibatches).
         world_size: CPU processes.
         sequences: sequences per minibatch, over all ranks.
-        max_len: longest sequence; lengths are log-normal with median ``max_len / 8``.
+        max_len: longest sequence, and the token budget of one microbatch.
         lr: AdamW learning rate.
         seed: seeds data and initialization.
     """
@@ -48,8 +50,8 @@ class DemoConfig:
         for name in ("steps", "world_size", "sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
-        if self.max_len < 8:
-            raise ValueError(f"--max-len={self.max_len} must be at least 8")
+        if not 8 <= self.max_len <= MODEL.max_seq_len:
+            raise ValueError(f"--max-len={self.max_len} must be between 8 and {MODEL.max_seq_len}")
         if self.sequences < self.world_size:
             raise ValueError(f"--sequences={self.sequences} is fewer than --world-size={self.world_size}")
 
@@ -58,27 +60,10 @@ MODEL = GPTConfig(vocab_size=64, dim=64, num_layers=4, num_heads=4, max_seq_len=
 
 
 def make_minibatch(step: int, cfg: DemoConfig) -> list[torch.Tensor]:
-    """Long-tail lengths; each sequence counts up from a random start with a random stride."""
-    g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-    median = cfg.max_len / 8
-    seqs = []
-    for _ in range(cfg.sequences):
-        n = int(min(cfg.max_len, max(8, math.exp(math.log(median) + 0.9 * torch.randn((), generator=g).item()))))
-        start = torch.randint(0, MODEL.vocab_size, (1,), generator=g)
-        stride = torch.randint(1, 4, (1,), generator=g)
-        seqs.append(((start + stride * torch.arange(n + 1)) % MODEL.vocab_size).unsqueeze(0))
-    return seqs
-
-
-def split_by_tokens(seqs: list[torch.Tensor], world_size: int) -> list[list[int]]:
-    """Longest first onto the least-loaded rank: equal tokens, unequal sequence counts."""
-    loads = [0] * world_size
-    ranks: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(seqs)), key=lambda i: -seqs[i].shape[1]):
-        r = loads.index(min(loads))
-        ranks[r].append(i)
-        loads[r] += seqs[i].shape[1] - 1
-    return ranks
+    """The sequences of one step (same on every rank)."""
+    seed = cfg.seed * 100_003 + step
+    lengths = profile_lengths("long_tail", cfg.sequences, max_len=cfg.max_len, seed=seed)
+    return synthetic_sequences([n + 1 for n in lengths], vocab_size=MODEL.vocab_size, seed=seed)
 
 
 def _worker(rank: int, world_size: int, cfg: DemoConfig) -> list[dict]:
@@ -88,17 +73,21 @@ def _worker(rank: int, world_size: int, cfg: DemoConfig) -> list[dict]:
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    cost = FlopsCost.from_config(MODEL)
     log = []
     with odc_mod.enable(model) as odc:
         for step in range(cfg.steps):
             seqs = make_minibatch(step, cfg)
-            mine = split_by_tokens(seqs, world_size)[rank]
+            plan = plan_minibatch([len(s) - 1 for s in seqs], world_size=world_size,
+                                  max_tokens=cfg.max_len, method="diff_micro", cost=cost)
+            mine = plan.microbatches_for(rank)
             t0 = time.perf_counter()
             loss_sum = torch.zeros(())
-            with odc.minibatch(num_tokens=sum(seqs[i].shape[1] - 1 for i in mine)) as mb:
-                for i in mine:
-                    x = seqs[i]
-                    loss = token_loss_sum(model(x[:, :-1]), x[:, 1:]) / mb.global_tokens
+            with odc.minibatch(num_tokens=sum(m.num_tokens for m in mine)) as mb:
+                for micro in mine:
+                    packed = pack_sequences([seqs[i] for i in micro.sequence_ids])
+                    logits = model(packed.inputs, document_lengths=packed.document_lengths)
+                    loss = token_loss_sum(logits, packed.targets) / mb.global_tokens
                     loss.backward()
                     loss_sum += loss.detach()
             opt.step()
@@ -124,7 +113,7 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
     """Run the demo and print one line per step; returns rank 0's per-step log."""
     print(
         f"posttrain demo: ODC on {cfg.world_size} CPU processes, GPT {MODEL.num_layers}x{MODEL.dim}, "
-        f"{cfg.sequences} long-tail sequences per minibatch, {cfg.steps} steps"
+        f"{cfg.sequences} long-tail sequences per minibatch (diff_micro, packed), {cfg.steps} steps"
     )
     log = run_ranks(_worker, cfg.world_size, cfg, timeout_s=1800)[0]
     for row in log:

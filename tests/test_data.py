@@ -1,0 +1,79 @@
+"""Embedded datasets and the JSONL loader. A failure pinpoints a profile with the wrong shape,
+non-reproducible data, or a loader that accepts bad lines or reports them unclearly."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from posttrain.data import PROFILES, load_jsonl, profile_lengths, synthetic_sequences
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profiles_are_seeded_and_in_range(profile):
+    a = profile_lengths(profile, 500, max_len=1024, seed=1)
+    assert a == profile_lengths(profile, 500, max_len=1024, seed=1)
+    assert a != profile_lengths(profile, 500, max_len=1024, seed=2)
+    assert all(8 <= n <= 1024 for n in a)
+
+
+def test_profiles_have_their_shapes():
+    tail = profile_lengths("long_tail", 2000, max_len=4096)
+    assert statistics.median(tail) < 700 and max(tail) > 2000  # short median, long tail
+    bi = profile_lengths("bimodal", 2000, max_len=4096)
+    assert 0.7 < sum(n < 500 for n in bi) / len(bi) < 0.9 and sum(n >= 2048 for n in bi) > 300
+    uni = profile_lengths("uniform", 2000, max_len=4096)
+    assert min(uni) >= 2048
+
+
+def test_synthetic_sequences_follow_the_counting_task():
+    seqs = synthetic_sequences([5, 9], vocab_size=16, seed=0)
+    assert [len(s) for s in seqs] == [5, 9]
+    for s in seqs:
+        steps = {int((s[i + 1] - s[i]) % 16) for i in range(len(s) - 1)}
+        assert len(steps) == 1 and steps.pop() in (1, 2, 3)
+
+
+def test_unknown_profile_lists_choices():
+    with pytest.raises(ValueError, match="long_tail, bimodal, uniform"):
+        profile_lengths("zipf", 3, max_len=64)
+
+
+def test_load_jsonl_token_ids_and_text(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n\n" + json.dumps({"input_ids": [4, 5]}) + "\n")
+    assert [s.tolist() for s in load_jsonl(p)] == [[1, 2, 3], [4, 5]]
+    t = tmp_path / "t.jsonl"
+    t.write_text(json.dumps({"text": "a b c"}) + "\n")
+    fake_tokenizer = lambda text: {"input_ids": [ord(c) for c in text.split()]}  # noqa: E731
+    assert load_jsonl(t, tokenizer=fake_tokenizer)[0].tolist() == [97, 98, 99]
+
+
+def test_load_jsonl_with_a_real_transformers_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"text": "hello world hello"}) + "\n")
+    assert load_jsonl(p, tokenizer=fast)[0].tolist() == [1, 2, 1]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"ids": [1, 2]}), "'input_ids' field"),
+        (json.dumps({"input_ids": [1, "x"]}), "list of non-negative token ids"),
+        (json.dumps({"input_ids": [1]}), "at least 2 tokens"),
+    ],
+)
+def test_corrupt_jsonl_line_is_named(tmp_path, line, message):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{message}"):
+        load_jsonl(p)
