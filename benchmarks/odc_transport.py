@@ -70,7 +70,7 @@ def _worker(rank: int, world_size: int, sizes_mib: list[float], iters: int) -> l
             rows_ = full_grad.view(world_size, n)
             for i in range(world_size):
                 owner = (rank + 1 + i) % world_size
-                t.accumulate(t.region(owner, "grads", torch.float32), rows_[owner], owner=owner, base_offset=0)
+                t.accumulate(t.region(owner, "grads", torch.float32), rows_[owner], owner=owner, byte_offset=0)
 
         row = {"shard_mib": mib}
         for name, fn in [("gloo_gather", gloo_gather), ("shm_gather", shm_gather),

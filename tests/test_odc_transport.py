@@ -16,9 +16,9 @@ import torch
 
 from posttrain._launch import RanksFailedError, run_ranks
 from posttrain.odc import PeerFailedError, ShmTransport
-from posttrain.odc._transport import STRIPE_ELEMS
+from posttrain.odc._transport import STRIPE_BYTES
 
-NUMEL = 3 * STRIPE_ELEMS + 5  # spans four stripes, the last one partial
+NUMEL = 3 * STRIPE_BYTES // 4 + 5  # fp32: spans four stripes, the last one partial
 REPEATS = 40
 
 
@@ -30,7 +30,7 @@ def _accumulate_worker(rank, world_size, offset):
     src = torch.full((NUMEL,), float(rank + 1))
     dst = t.region(0, "grads", torch.float32)[offset:]
     for _ in range(REPEATS):
-        t.accumulate(dst, src, owner=0, base_offset=offset * 4)
+        t.accumulate(dst, src, owner=0, byte_offset=offset * 4)
     t.barrier(2)
     got = t.region(0, "grads", torch.float32)[offset:].clone()
     t.close()

@@ -209,11 +209,11 @@ class ODC:
             t = self.transport
             with torch.no_grad():
                 for lay in self.layouts:
-                    self._params_view(self.rank, lay).copy_(
-                        torch.cat([p.padded_data for p in lay.params]).to(lay.param_dtype)
-                        if len(lay.params) > 1
-                        else lay.params[0].padded_data.to(lay.param_dtype)
-                    )
+                    exposed, off = self._params_view(self.rank, lay), 0
+                    for p in lay.params:  # copy_ casts to the mixed-precision param dtype
+                        n = p.padded_data.numel()
+                        exposed[off : off + n].copy_(p.padded_data)
+                        off += n
                 t.region(self.rank, "grads", torch.uint8).zero_()
             t.set_value(_TOKENS_SLOT, -1 if num_tokens is None else num_tokens)
             self._pushes = 0
@@ -369,7 +369,7 @@ class ODC:
                 slot = grads.view(self.shard_size, self._grads_bytes)[self.rank, a:b]
                 slot.view(lay.reduce_dtype).add_(rows[owner])
             else:
-                t.accumulate(grads[a:b].view(lay.reduce_dtype), rows[owner], owner=owner, base_offset=a)
+                t.accumulate(grads[a:b].view(lay.reduce_dtype), rows[owner], owner=owner, byte_offset=a)
         output.zero_()  # FSDP2 adds this into .grad; the real gradient is written at the sync
         self._pushes += 1
         self.stats["pushes"] += 1

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -55,8 +55,8 @@ _MSG_BYTES = 1024
 _HEADER_BYTES = 4096
 _ALIGN = 64
 
-#: Elements per lock stripe of an accumulator (1 MiB of fp32).
-STRIPE_ELEMS = 1 << 18
+#: Bytes per lock stripe of an accumulator (1 MiB), counted from the start of the segment region.
+STRIPE_BYTES = 1 << 20
 
 
 class PeerFailedError(RuntimeError):
@@ -207,26 +207,28 @@ class ShmTransport:
         return self._segments[rank][start : start + nbytes].view(dtype)
 
     # ------------------------------------------------------------- operations
-    def accumulate(self, dst: torch.Tensor, src: torch.Tensor, *, owner: int, base_offset: int) -> None:
-        """``dst += src`` under stripe locks of ``owner``'s segment.
+    def accumulate(self, dst: torch.Tensor, src: torch.Tensor, *, owner: int, byte_offset: int) -> None:
+        """``dst += src`` under the stripe locks of ``owner``'s segment.
 
-        ``dst`` is a flat view into ``owner``'s accumulator starting ``base_offset`` elements
-        into it; stripes are aligned to absolute accumulator offsets so that every writer of the
-        same element takes the same lock. Writers start at different stripes to spread contention.
+        ``dst`` is a flat view that starts ``byte_offset`` bytes into ``owner``'s region. Stripes
+        are fixed 1 MiB ranges of that region, so every writer of a byte takes the same lock
+        whatever module or dtype it writes. Writers start at different stripes to spread contention.
         """
         numel = dst.numel()
         if numel == 0:
             return
-        first = base_offset // STRIPE_ELEMS
-        last = (base_offset + numel - 1) // STRIPE_ELEMS
-        stripes = list(range(first, last + 1))
+        itemsize = dst.element_size()
+        if byte_offset % itemsize:
+            raise AssertionError(f"{byte_offset=} is not aligned to {dst.dtype}")
+        end = byte_offset + numel * itemsize
+        stripes = list(range(byte_offset // STRIPE_BYTES, (end - 1) // STRIPE_BYTES + 1))
         shift = self.rank % len(stripes)
         stripes = stripes[shift:] + stripes[:shift]
         fd = self._fds[owner]
         with self._thread_lock:
             for s in stripes:
-                a = max(s * STRIPE_ELEMS - base_offset, 0)
-                b = min((s + 1) * STRIPE_ELEMS - base_offset, numel)
+                a = (max(s * STRIPE_BYTES, byte_offset) - byte_offset) // itemsize
+                b = (min((s + 1) * STRIPE_BYTES, end) - byte_offset) // itemsize
                 fcntl.lockf(fd, fcntl.LOCK_EX, 1, s, os.SEEK_SET)
                 try:
                     dst[a:b].add_(src[a:b])
@@ -317,16 +319,6 @@ class ShmTransport:
         n = int(self._headers[r][_MSG_LEN])
         msg = bytes(self._segments[r][_MSG_OFFSET : _MSG_OFFSET + n].numpy()).decode(errors="replace")
         return f"rank {self.global_ranks[r]} failed: {msg}"
-
-    @contextlib.contextmanager
-    def aborting_on_error(self, what: str) -> Iterator[None]:
-        """Mark this rank aborted (with ``what`` and the exception) if the body raises."""
-        try:
-            yield
-        except BaseException as exc:
-            if not isinstance(exc, PeerFailedError):
-                self.abort(f"{what}: {type(exc).__name__}: {exc}")
-            raise
 
     def close(self) -> None:
         """Unmap every segment and close the lock files. Idempotent."""
