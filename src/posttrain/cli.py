@@ -14,13 +14,13 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from posttrain.demo import DemoConfig, run_demo
+    from dataclasses import replace
 
-    cfg = DemoConfig(
-        steps=args.steps, world_size=args.world_size, sequences=args.sequences,
-        max_len=args.max_len, lr=args.lr, seed=args.seed,
-    )
-    run_demo(cfg)
+    from posttrain.demo import DEMO, run_demo
+
+    cfg = replace(DEMO, steps=args.steps, sequences=args.sequences, max_len=args.max_len,
+                  max_tokens=args.max_len, lr=args.lr, seed=args.seed)
+    run_demo(cfg, world_size=args.world_size)
     return 0
 
 

@@ -2,8 +2,9 @@
 
 A packed microbatch lays the sequences' inputs end to end in a ``(1, total)`` tensor, their
 next-token targets likewise, and keeps the per-sequence lengths: models that accept
-``document_lengths`` (``posttrain.models.GPT``) restart positions and use a block-diagonal causal
-mask, so the logits equal those of running each sequence alone.
+``document_lengths`` (``posttrain.models.GPT``) restart positions and run causal attention per
+sequence, so the logits equal those of running each sequence alone and attention costs
+``sum(n_i^2)``, not ``(sum n_i)^2``.
 """
 
 from __future__ import annotations
