@@ -36,3 +36,25 @@ def test_bad_demo_input_is_a_clear_error():
 def test_unknown_command_lists_choices():
     proc = _run("fly")
     assert proc.returncode != 0 and "demo" in proc.stderr
+
+
+def test_train_fsdp_writes_metrics(tmp_path):
+    """`posttrain train` with FSDP2 and same_micro: per-step lines and a JSONL line per rank and step."""
+    import json
+
+    metrics = tmp_path / "m.jsonl"
+    proc = _run("train", "--dp", "fsdp", "--balance", "same_micro", "--steps", "3", "--sequences", "6",
+                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    assert sum(line.startswith("step") for line in proc.stdout.splitlines()) == 3
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 6 and {r["rank"] for r in rows} == {0, 1}
+    assert all(r["step_time_s"] > 0 and r["tokens"] > 0 for r in rows)
+
+
+def test_train_bad_choice_and_budget():
+    proc = _run("train", "--balance", "best")
+    assert proc.returncode == 2 and "invalid choice: 'best'" in proc.stderr and "diff_micro" in proc.stderr
+    proc = _run("train", "--max-len", "100", "--max-tokens", "50")
+    assert proc.returncode == 2 and "--max-tokens=50 is smaller than the longest sequence" in proc.stderr
+    assert "Traceback" not in proc.stderr
