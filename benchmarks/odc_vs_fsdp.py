@@ -15,11 +15,11 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from posttrain._launch import run_ranks
 from posttrain.train import (
-    TrainConfig, config_dict, microbatch_compute_times, minibatch_sequences, summarize, train_worker,
+    TrainConfig, microbatch_compute_times, minibatch_sequences, summarize, train_worker,
 )
 
 VARIANTS = [
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{odc / results['ideal']['tokens_per_s']:.2f}")
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as f:
-        json.dump({"config": config_dict(base), "world_size": world_size, "results": results}, f, indent=2)
+        json.dump({"config": asdict(base), "world_size": world_size, "results": results}, f, indent=2)
     print(f"wrote {a.json}")
     return 0
 

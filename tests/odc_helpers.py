@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -126,9 +123,3 @@ def assert_states_close(got: dict, want: dict, **tol) -> None:
     for k in want:
         torch.testing.assert_close(got[k], want[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
-
-def now() -> float:
-    return time.monotonic()
-
-
-__all__ = ["dist"]

@@ -27,15 +27,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from posttrain.demo import run_demo
-    from posttrain.train import TrainConfig
+    from posttrain.train import TrainConfig, run_training
 
     cfg = TrainConfig(
         dp=args.dp, balance=args.balance, profile=args.profile, steps=args.steps,
         sequences=args.sequences, max_len=args.max_len, max_tokens=args.max_tokens or args.max_len,
         dim=args.dim, num_layers=args.layers, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
     )
-    run_demo(cfg, world_size=args.world_size, metrics_path=args.metrics)
+    run_training(cfg, world_size=args.world_size, metrics_path=args.metrics)
     return 0
 
 

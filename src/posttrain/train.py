@@ -18,8 +18,11 @@ Step timing starts after a reporting barrier outside the minibatch, identical fo
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -27,11 +30,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import posttrain.odc as odc_mod
+from posttrain._launch import run_ranks
 from posttrain.balance import METHODS, FlopsCost, pack_sequences, plan_minibatch
 from posttrain.data import PROFILES, profile_lengths, synthetic_sequences
 from posttrain.models import GPT, GPTConfig, token_loss_sum
 
-__all__ = ["DP_MODES", "TrainConfig", "microbatch_compute_times", "train_worker"]
+__all__ = ["DP_MODES", "TrainConfig", "microbatch_compute_times", "run_training", "summarize", "train_worker"]
 
 DP_MODES = ("fsdp", "odc", "odc-collective")
 
@@ -103,9 +107,9 @@ def minibatch_sequences(cfg: TrainConfig, step: int) -> list[torch.Tensor]:
     return synthetic_sequences([n + 1 for n in lengths], vocab_size=64, seed=seed)
 
 
-def _plan(cfg: TrainConfig, seqs: list[torch.Tensor], world_size: int):
+def _plan(cfg: TrainConfig, seqs: list[torch.Tensor], world_size: int, cost: FlopsCost):
     return plan_minibatch([len(s) - 1 for s in seqs], world_size=world_size, max_tokens=cfg.max_tokens,
-                          method=cfg.balance, cost=FlopsCost.from_config(cfg.model_config))
+                          method=cfg.balance, cost=cost)
 
 
 def _microbatch_loss(model, seqs, ids, scale: float) -> torch.Tensor:
@@ -129,11 +133,12 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:
     odc = None if cfg.dp == "fsdp" else odc_mod.enable(
         model, mode="collective" if cfg.dp == "odc-collective" else "odc")
     pad = cfg.dp != "odc"  # engines with per-layer rendezvous need equal microbatch counts
+    cost = FlopsCost.from_config(cfg.model_config)
     metrics = []
     try:
         for step in range(cfg.steps):
             seqs = minibatch_sequences(cfg, step)
-            plan = _plan(cfg, seqs, world_size)
+            plan = _plan(cfg, seqs, world_size, cost)
             mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
             rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
             total = sum(plan.rank_tokens)
@@ -141,14 +146,14 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:
             dist.barrier()  # reporting alignment, outside any minibatch
             t0 = time.perf_counter()
             compute = 0.0
-            loss_sum = 0.0
-            ctx = odc.minibatch(num_tokens=sum(m.num_tokens for m in mine)) if odc else _nullctx()
+            loss_sum = torch.zeros(())
+            ctx = odc.minibatch(num_tokens=sum(m.num_tokens for m in mine)) if odc else contextlib.nullcontext()
             with ctx:
                 for j in range(rounds if pad else len(mine)):
                     t1 = time.perf_counter()
                     if j < len(mine):
                         loss = _microbatch_loss(model, seqs, mine[j].sequence_ids, scale)
-                        loss_sum += loss.item() / (world_size if odc is None else 1.0)
+                        loss_sum += loss.detach()
                     else:
                         loss = model(_DUMMY).sum() * 0.0  # keeps FSDP's collectives matched
                     loss.backward()
@@ -159,7 +164,8 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:
             opt.zero_grad()
             metrics.append({
                 "step": step, "rank": rank, "step_time_s": time.perf_counter() - t0,
-                "microbatch_time_s": compute, "sync_time_s": sync, "loss": loss_sum,
+                "microbatch_time_s": compute, "sync_time_s": sync,
+                "loss": loss_sum.item() / (world_size if odc is None else 1.0),
                 "tokens": total, "microbatches": len(mine),
             })
     finally:
@@ -168,23 +174,16 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:
     return metrics
 
 
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def microbatch_compute_times(cfg: TrainConfig, world_size: int) -> list[float]:
     """Per step: single-process forward+backward time of every microbatch of the plan, no
     communication at all (the ideal bound divides this evenly over ``world_size`` ranks)."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config)
+    cost = FlopsCost.from_config(cfg.model_config)
     out = []
     for step in range(cfg.steps):
         seqs = minibatch_sequences(cfg, step)
-        plan = _plan(cfg, seqs, world_size)
+        plan = _plan(cfg, seqs, world_size, cost)
         t0 = time.perf_counter()
         for mbs in plan.ranks:
             for m in mbs:
@@ -214,5 +213,43 @@ def summarize(per_rank: list[list[dict]]) -> dict:
     }
 
 
-def config_dict(cfg: TrainConfig) -> dict:
-    return asdict(cfg)
+def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | None = None) -> list[list[dict]]:
+    """Train ``cfg`` on ``world_size`` forked CPU processes, printing one line per step.
+
+    Args:
+        cfg: the run.
+        world_size: CPU processes.
+        metrics_path: if given, every rank's per-step metrics are written there as JSON lines.
+
+    Returns:
+        Every rank's per-step metrics.
+    """
+    if world_size < 1:
+        raise ValueError(f"--world-size={world_size} must be at least 1")
+    if cfg.sequences < world_size:
+        raise ValueError(f"--sequences={cfg.sequences} is fewer than --world-size={world_size}")
+    print(
+        f"posttrain: {cfg.dp} on {world_size} CPU processes, GPT {cfg.num_layers}x{cfg.dim}, "
+        f"{cfg.sequences} {cfg.profile} sequences per minibatch ({cfg.balance}, packed), {cfg.steps} steps",
+        flush=True,
+    )
+    per_rank = run_ranks(train_worker, world_size, cfg, timeout_s=24 * 3600)
+    steps = list(zip(*per_rank))
+    for s in steps:
+        step_time = max(r["step_time_s"] for r in s)
+        print(
+            f"step {s[0]['step']:3d}  loss {sum(r['loss'] for r in s):.3f}  {s[0]['tokens']:5d} tokens  "
+            f"{s[0]['tokens'] / step_time:8.0f} tokens/s  microbatches per rank {[r['microbatches'] for r in s]}"
+        )
+    steady = steps[len(steps) // 3 :] or steps
+    tps = sum(s[0]["tokens"] for s in steady) / sum(max(r["step_time_s"] for r in s) for s in steady)
+    first, last = (sum(r["loss"] for r in s) for s in (steps[0], steps[-1]))
+    print(f"loss {first:.3f} -> {last:.3f}; {tps:.0f} tokens/s after warm-up")
+    if metrics_path:
+        os.makedirs(os.path.dirname(metrics_path) or ".", exist_ok=True)
+        with open(metrics_path, "w") as f:
+            for s in steps:
+                for r in s:
+                    f.write(json.dumps(r) + "\n")
+        print(f"wrote {metrics_path}")
+    return per_rank

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from ._state import ODC
 
 __all__ = ["ODCConfig", "enable"]
 
@@ -49,7 +52,7 @@ class ODCConfig:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive")
 
 
-def enable(model: nn.Module, config: ODCConfig | None = None, /, **overrides) -> ODC:  # noqa: F821
+def enable(model: nn.Module, config: ODCConfig | None = None, /, **overrides) -> ODC:
     """Switch a ``fully_shard``-ed model from FSDP2's collectives to ODC.
 
     A collective over the data-parallel group: every rank calls it with the same model
@@ -68,9 +71,6 @@ def enable(model: nn.Module, config: ODCConfig | None = None, /, **overrides) ->
         ValueError: the model has no FSDP module, its parameters are not sharded on dim 0 over a
             1-D or (replicate, shard) mesh, or its shard group spans hosts.
     """
-    from ._state import ODC
+    from ._state import ODC  # noqa: F811 - runtime import; _state imports this module
 
-    cfg = config or ODCConfig()
-    if overrides:
-        cfg = ODCConfig(**{**cfg.__dict__, **overrides})
-    return ODC(model, cfg)
+    return ODC(model, replace(config or ODCConfig(), **overrides))
