@@ -101,3 +101,25 @@ def test_segments_are_private_and_unlinked_once_mapped():
 def test_create_is_refused_without_create():
     with pytest.raises(TypeError, match="create"):
         ShmTransport()
+
+
+def _barrier_storm_worker(rank, world_size, rounds):
+    import torch.distributed as dist
+
+    t = ShmTransport.create(dist.group.WORLD, {"x": 64})
+    try:
+        for i in range(rounds):
+            t.barrier(1 + i % 2)  # alternating tags, like minibatch enter/exit
+    finally:
+        t.close()
+    return rounds
+
+
+def test_back_to_back_barriers_with_alternating_tags_never_mismatch():
+    """A rank racing into the next barrier must never be read as a different tag of this one.
+
+    Four ranks on two cores pass thousands of barriers back to back; a barrier whose generation
+    and tag were published as two separate stores let a slow reader pair the old generation with
+    the next tag and report a mismatch that did not happen (seen once in CI).
+    """
+    assert run_ranks(_barrier_storm_worker, 4, 20000) == [20000] * 4

@@ -46,8 +46,11 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "posttrain-odc"
 
-# Header layout (int64 words), then a message area for abort reasons.
-_PID, _GEN, _TAG, _ABORT, _MSG_LEN = range(5)
+# Header layout (int64 words), then a message area for abort reasons. The barrier word holds
+# ``generation << _TAG_BITS | tag`` so that a peer reads both in one aligned 8-byte load: written
+# as two words, a reader could pair the previous generation with the next barrier's tag.
+_PID, _BARRIER, _ABORT, _MSG_LEN = range(4)
+_TAG_BITS = 8
 _VALUES = 8  # words 8.._HEADER_WORDS-1: small integers published for peers
 _HEADER_WORDS = 16
 _MSG_OFFSET = _HEADER_WORDS * 8
@@ -258,11 +261,11 @@ class ShmTransport:
         """
         if self._closed:
             raise RuntimeError("the ODC transport is closed")
+        if not 0 <= tag < 1 << _TAG_BITS:
+            raise ValueError(f"barrier tag {tag} must be in [0, {1 << _TAG_BITS})")
         self._gen += 1
         gen = self._gen
-        me = self._headers[self.rank]
-        me[_TAG] = tag
-        me[_GEN] = gen
+        self._headers[self.rank][_BARRIER] = gen << _TAG_BITS | tag
         pending = [r for r in range(self.world_size) if r != self.rank]
         start = time.monotonic()
         next_check = start + 0.2
@@ -273,13 +276,14 @@ class ShmTransport:
                 h = self._headers[r]
                 if h[_ABORT]:
                     raise PeerFailedError(self._abort_message(r))
-                peer_gen = int(h[_GEN])
+                word = int(h[_BARRIER])
+                peer_gen, peer_tag = word >> _TAG_BITS, word & ((1 << _TAG_BITS) - 1)
                 if peer_gen < gen:
                     still.append(r)
-                elif peer_gen == gen and int(h[_TAG]) != tag:
+                elif peer_gen == gen and peer_tag != tag:
                     raise BarrierMismatchError(
                         f"rank {self.global_ranks[self.rank]} is at barrier {tag=} but rank "
-                        f"{self.global_ranks[r]} is at barrier tag={int(h[_TAG])} (generation {gen}); "
+                        f"{self.global_ranks[r]} is at barrier tag={peer_tag} (generation {gen}); "
                         "ranks issued different sequences of synchronizations"
                     )
             pending = still
