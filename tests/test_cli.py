@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -15,15 +16,16 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_trains_and_reports():
-    """A short demo run: per-step loss and tokens/s, unequal microbatch counts, falling loss."""
-    proc = _run("demo", "--steps", "12")
+def test_demo_trains_fsdp_then_odc_and_reports(tmp_path):
+    """A short demo: both runs, a table with the speedup, the same final loss, a timeline PNG."""
+    png = tmp_path / "t.png"
+    proc = _run("demo", "--steps", "6", "--timeline", str(png))
     assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("step")]
-    assert len(lines) == 12
-    assert "tokens/s" in lines[0] and "microbatches per rank" in lines[0]
-    first, last = proc.stdout.splitlines()[-1].split("loss ")[1].split(";")[0].split(" -> ")
-    assert float(last) < float(first)
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("FSDP2 +", "ODC +"))}
+    assert set(rows) == {"FSDP2", "ODC"}
+    assert rows["FSDP2"][-1] == "1.00x" and float(rows["ODC"][-1].rstrip("x")) > 0
+    assert rows["FSDP2"][-2] == rows["ODC"][-2]  # same final loss: same gradients
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_bad_demo_input_is_a_clear_error():
@@ -38,18 +40,65 @@ def test_unknown_command_lists_choices():
     assert proc.returncode != 0 and "demo" in proc.stderr
 
 
-def test_train_fsdp_writes_metrics(tmp_path):
-    """`posttrain train` with FSDP2 and same_micro: per-step lines and a JSONL line per rank and step."""
+def test_train_fsdp_writes_metrics_and_timeline(tmp_path):
+    """`posttrain train` with FSDP2 and same_micro: step lines, a CSV row per rank and step, a PNG."""
+    import csv
+
+    metrics, png = tmp_path / "m.csv", tmp_path / "t.png"
+    proc = _run("train", "--dp", "fsdp", "--balance", "same_micro", "--steps", "3", "--sequences", "6",
+                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics), "--timeline", str(png))
+    assert proc.returncode == 0, proc.stderr
+    assert sum(line.startswith("step") for line in proc.stdout.splitlines()) == 3
+    rows = list(csv.DictReader(metrics.open()))
+    assert len(rows) == 6 and {r["rank"] for r in rows} == {"0", "1"}
+    assert all(float(r["step_time_s"]) > 0 and float(r["comm_s"]) > 0 for r in rows)
+    assert png.stat().st_size > 10_000
+
+
+def test_train_under_torchrun(tmp_path):
+    """torchrun starts the processes; posttrain runs one rank in each and rank 0 reports."""
     import json
 
     metrics = tmp_path / "m.jsonl"
-    proc = _run("train", "--dp", "fsdp", "--balance", "same_micro", "--steps", "3", "--sequences", "6",
-                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "posttrain", "train", "--steps", "2",
+           "--sequences", "4", "--max-len", "32", "--dim", "32", "--layers", "1", "--metrics", str(metrics)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          env={**ENV, "OMP_NUM_THREADS": "1"}) as p:
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and its ranks
+            raise
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     assert proc.returncode == 0, proc.stderr
-    assert sum(line.startswith("step") for line in proc.stdout.splitlines()) == 3
+    assert proc.stdout.count("posttrain: odc+diff_micro on 2 CPU processes") == 1  # rank 0 only
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len(rows) == 6 and {r["rank"] for r in rows} == {0, 1}
-    assert all(r["step_time_s"] > 0 and r["tokens"] > 0 for r in rows)
+    assert sorted((r["step"], r["rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_bench_odc_runs_every_variant_and_the_ideal(tmp_path):
+    import json
+
+    out = tmp_path / "b.json"
+    proc = _run("bench", "odc", "--steps", "2", "--sequences", "4", "--max-len", "64", "--dim", "32",
+                "--layers", "1", "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    median = json.loads(out.read_text())["median"]
+    assert set(median) == {"fsdp+round_robin", "fsdp+same_micro", "odc-collective+same_micro",
+                           "odc+round_robin", "odc+diff_micro", "ideal"}
+    assert median["fsdp+same_micro"]["vs_fsdp_same_micro"] == 1.0
+    assert median["ideal"]["vs_ideal"] == 1.0 and median["odc+diff_micro"]["tokens_per_s"] > 0
+    assert "odc+diff_micro / fsdp+same_micro" in proc.stdout
+
+
+def test_bad_data_inputs_are_clear_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
+    proc = _run("train", "--data", str(bad), "--sequences", "2")
+    assert proc.returncode == 2 and f"{bad}:2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _run("train", "--world-size", "4", "--sequences", "3")
+    assert proc.returncode == 2 and "--sequences=3 is fewer than the 4 ranks" in proc.stderr
 
 
 def test_train_bad_choice_and_budget():

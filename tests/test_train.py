@@ -1,22 +1,24 @@
 """The training loop over every data-parallel engine. A failure pinpoints an engine or balancing
-method that computes a different gradient (the loss curves diverge) or bad config handling."""
+method that computes a different gradient (the loss curves diverge), wrong time accounting, a
+checkpoint that does not resume the same trajectory, or bad config handling."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
 from posttrain._launch import run_ranks
-from posttrain.train import TrainConfig, summarize, train_worker
+from posttrain.train import TrainConfig, TrainData, run_training, summarize, train_worker, write_metrics
 
 # SGD: a gradient off by a constant factor changes the curve (Adam would normalize it away).
 BASE = TrainConfig(steps=3, sequences=6, max_len=48, max_tokens=64, dim=32, num_layers=2, optimizer="sgd", lr=0.5)
 
 
-def _losses(cfg):
-    per_rank = run_ranks(train_worker, 2, cfg)
-    return [sum(r["loss"] for r in step) for step in zip(*per_rank)], per_rank
+def _losses(cfg, world_size=2):
+    results = run_ranks(train_worker, world_size, cfg)
+    return [step[0]["loss"] for step in zip(*(r["metrics"] for r in results))], results
 
 
 def test_every_engine_and_method_follows_the_same_loss_curve():
@@ -25,10 +27,85 @@ def test_every_engine_and_method_follows_the_same_loss_curve():
     want, _ = _losses(replace(BASE, dp="fsdp", balance="same_micro"))
     for dp, balance in [("fsdp", "round_robin"), ("odc-collective", "same_micro"),
                         ("odc", "round_robin"), ("odc", "diff_micro")]:
-        got, per_rank = _losses(replace(BASE, dp=dp, balance=balance))
+        got, _ = _losses(replace(BASE, dp=dp, balance=balance))
         assert got == pytest.approx(want, rel=1e-4), (dp, balance)
-    summary = summarize(per_rank)
-    assert summary["tokens_per_s"] > 0 and 0 < summary["utilization"] <= 1.0
+
+
+@pytest.mark.parametrize("dp", ["fsdp", "odc"])
+def test_time_accounting_adds_up(dp):
+    """compute + optimizer + wait is the step time on every rank; FSDP2's time goes into its
+    collectives, ODC's into one sync per step; every rank sees the same global figures."""
+    _, results = _losses(replace(BASE, dp=dp, balance="same_micro" if dp == "fsdp" else "diff_micro"))
+    for step in zip(*(r["metrics"] for r in results)):
+        assert len({(r["loss"], r["tokens"], r["step_time_s"]) for r in step}) == 1
+        assert sum(r["rank_tokens"] for r in step) == step[0]["tokens"]
+        for r in step:
+            assert r["compute_s"] > 0 and r["wait_s"] >= 0 and 0 < r["utilization"] <= 1
+            assert r["compute_s"] + r["optimizer_s"] + r["wait_s"] == pytest.approx(r["step_time_s"])
+            if dp == "fsdp":
+                assert r["comm_s"] > 0 and r["sync_s"] == 0
+            else:
+                assert r["sync_s"] > 0
+    s = summarize(results)
+    assert s["tokens_per_s"] > 0 and 0 < s["utilization"] <= 1 and 0 <= s["wait_share"] < 1
+
+
+@pytest.mark.parametrize("dp", ["fsdp", "odc"])
+def test_resumed_run_follows_the_uninterrupted_loss_curve_exactly(dp, tmp_path):
+    """AdamW (optimizer state matters), checkpoint after 3 of 6 steps, a fresh job resumes:
+    steps 3-5 give bitwise the same losses as one uninterrupted 6-step run."""
+    cfg = replace(BASE, dp=dp, balance="diff_micro", optimizer="adamw", lr=3e-3, steps=6)
+    want, _ = _losses(cfg)
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = _losses(replace(cfg, steps=3, checkpoint_dir=ckpt))
+    assert first == want[:3]
+    meta = json.loads((tmp_path / "ckpt" / "step-000003" / "posttrain.json").read_text())
+    assert meta["steps_done"] == 3 and meta["data_position"] == 3 * cfg.sequences
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-000003"
+    rest, results = _losses(replace(cfg, checkpoint_dir=ckpt))
+    assert results[0]["resumed_from"] == 3
+    assert [r["step"] for r in results[0]["metrics"]] == [3, 4, 5]
+    assert rest == want[3:]
+
+
+def test_resume_refuses_a_checkpoint_of_different_data(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(train_worker, 2, replace(BASE, steps=1, checkpoint_dir=ckpt))
+    with pytest.raises(ValueError, match="written with --seed=0, this run has 1; resuming would replay different data"):
+        run_training(replace(BASE, steps=2, seed=1, checkpoint_dir=ckpt), world_size=2, quiet=True)
+
+
+def test_checkpoints_keep_the_two_newest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_ranks(train_worker, 2, replace(BASE, steps=4, checkpoint_dir=str(ckpt), checkpoint_every=1))
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == ["step-000003", "step-000004"]
+
+
+def test_bf16_mixed_precision_trains_close_to_fp32():
+    want, _ = _losses(replace(BASE, dp="odc"))
+    got, _ = _losses(replace(BASE, dp="odc", precision="bf16"))
+    assert got == pytest.approx(want, rel=0.05)
+
+
+def test_transformers_llama_trains_the_same_under_fsdp_and_odc():
+    cfg = replace(BASE, model="llama")
+    want, _ = _losses(replace(cfg, dp="fsdp", balance="same_micro"))
+    got, _ = _losses(replace(cfg, dp="odc", balance="diff_micro"))
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_jsonl_data_epochs_and_positions(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(i, i + 5 + i))}) + "\n" for i in range(5)))
+    cfg = replace(BASE, data=str(path), sequences=3)
+    data = TrainData(cfg, 2)
+    assert data.vocab_size == 4 + 5 + 4
+    seen = [tuple(s.tolist()) for k in range(5) for s in data.minibatch(k)]  # 15 positions = 3 epochs
+    for epoch in range(3):
+        assert len(set(seen[5 * epoch : 5 * epoch + 5])) == 5  # each epoch is a permutation
+    assert seen[:5] != seen[5:10]  # reshuffled per epoch
+    results = run_ranks(train_worker, 2, cfg)
+    assert len(results[0]["metrics"]) == 3
 
 
 @pytest.mark.parametrize(
@@ -37,11 +114,37 @@ def test_every_engine_and_method_follows_the_same_loss_curve():
         ({"dp": "ddp"}, "--dp='ddp' is not one of fsdp, odc, odc-collective"),
         ({"balance": "best"}, "--balance='best' is not one of round_robin"),
         ({"profile": "zipf"}, "--profile='zipf'"),
+        ({"model": "bert"}, "--model='bert' is not one of gpt, llama"),
+        ({"precision": "fp8"}, "--precision='fp8' is not one of fp32, bf16"),
         ({"max_len": 100, "max_tokens": 64}, "--max-tokens=64 is smaller than the longest sequence"),
         ({"steps": 0}, "--steps=0 must be at least 1"),
+        ({"num_layers": 0}, "--layers=0 must be at least 1"),
+        ({"checkpoint_every": -1}, "--checkpoint-every=-1 must be non-negative"),
         ({"optimizer": "lion"}, "--optimizer='lion' is not one of adamw, sgd"),
     ],
 )
 def test_bad_config_names_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         replace(BASE, **kwargs)
+
+
+def test_more_ranks_than_sequences_is_refused_before_starting():
+    with pytest.raises(ValueError, match="--sequences=3 is fewer than the 4 ranks"):
+        run_training(replace(BASE, sequences=3), world_size=4, quiet=True)
+
+
+def test_sequence_longer_than_max_tokens_in_a_file_names_it(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in (10, 10, 90, 10)))
+    with pytest.raises(ValueError, match=r"d.jsonl:3: a sequence of 90 tokens trains on 89, more than --max-tokens=64"):
+        run_training(replace(BASE, data=str(path), sequences=4, max_tokens=64), world_size=2, quiet=True)
+
+
+def test_metrics_files_csv_and_jsonl(tmp_path):
+    _, results = _losses(replace(BASE, steps=2))
+    write_metrics(results, str(tmp_path / "m.csv"))
+    lines = (tmp_path / "m.csv").read_text().splitlines()
+    assert lines[0].startswith("step,rank,loss,tokens,tokens_per_s") and len(lines) == 1 + 2 * 2
+    write_metrics(results, str(tmp_path / "m.jsonl"))
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["rank"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]

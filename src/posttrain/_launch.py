@@ -36,6 +36,15 @@ class RanksFailedError(RuntimeError):
         super().__init__(message)
         self.errors = errors
 
+    def value_error(self) -> str | None:
+        """The message of a ``ValueError`` (bad input) some rank raised, if any: the
+        user-facing cause, without the rank tracebacks."""
+        for r in sorted(self.errors):
+            _, sep, msg = self.errors[r].rpartition("\nValueError: ")
+            if sep:
+                return msg.strip()
+        return None
+
 
 def _rank_main(
     fn: Callable[..., Any],

@@ -1,9 +1,10 @@
 """posttrain command line.
 
-    posttrain demo                          # ODC: tiny GPT, 2 CPU processes, long-tail lengths
-    posttrain demo --steps 60 --world-size 4
-    posttrain train --dp fsdp --balance same_micro --steps 20 --metrics out/fsdp.jsonl
-    posttrain train --dp odc --balance diff_micro --profile bimodal --max-len 1024
+    posttrain demo                          # FSDP2 then ODC: tiny GPT, 2 CPU processes, long-tail lengths
+    posttrain train --dp fsdp --balance same_micro --steps 20 --metrics out/fsdp.csv
+    posttrain train --dp odc --model llama --precision bf16 --checkpoint-dir out/ckpt
+    torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
+    posttrain bench odc --profile long_tail --repeats 3
     python -m posttrain demo                # the same without the console script
 """
 
@@ -15,6 +16,17 @@ import sys
 __all__ = ["main"]
 
 
+def _config(args: argparse.Namespace, **extra):
+    from posttrain.train import TrainConfig
+
+    return TrainConfig(
+        profile=args.profile, data=args.data, model=args.model, precision=args.precision,
+        steps=args.steps, sequences=args.sequences, max_len=args.max_len,
+        max_tokens=args.max_tokens or args.max_len, dim=args.dim, num_layers=args.layers, lr=args.lr,
+        seed=args.seed, **extra,
+    )
+
+
 def _demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -22,54 +34,87 @@ def _demo(args: argparse.Namespace) -> int:
 
     cfg = replace(DEMO, steps=args.steps, sequences=args.sequences, max_len=args.max_len,
                   max_tokens=args.max_len, lr=args.lr, seed=args.seed)
-    run_demo(cfg, world_size=args.world_size)
+    run_demo(cfg, world_size=args.world_size, timeline_path=args.timeline or None)
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    from posttrain.train import TrainConfig, run_training
+    from posttrain.timeline import plot_timelines
+    from posttrain.train import run_training, step_events
 
-    cfg = TrainConfig(
-        dp=args.dp, balance=args.balance, profile=args.profile, steps=args.steps,
-        sequences=args.sequences, max_len=args.max_len, max_tokens=args.max_tokens or args.max_len,
-        dim=args.dim, num_layers=args.layers, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-    )
-    run_training(cfg, world_size=args.world_size, metrics_path=args.metrics)
+    cfg = _config(args, dp=args.dp, balance=args.balance, optimizer=args.optimizer,
+                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, progress=True)
+    results = run_training(cfg, world_size=args.world_size, metrics_path=args.metrics)
+    if results is not None and args.timeline and results[0]["metrics"]:
+        last = results[0]["metrics"][-1]["step"]
+        plot_timelines({f"{cfg.dp}+{cfg.balance}": [step_events(r, last) for r in results]}, args.timeline,
+                       title=f"step {last}: per-rank compute, communication and waiting")
+        print(f"wrote {args.timeline}")
     return 0
+
+
+def _bench_odc(args: argparse.Namespace) -> int:
+    from posttrain.bench import bench_odc
+
+    bench_odc(_config(args), world_size=args.world_size, repeats=args.repeats, json_path=args.json)
+    return 0
+
+
+def _add_run_args(p: argparse.ArgumentParser, *, steps: int, sequences: int, max_len: int, dim: int) -> None:
+    from posttrain.data import PROFILES
+    from posttrain.models import MODELS
+    from posttrain.train import PRECISIONS
+
+    p.add_argument("--profile", choices=PROFILES, default="long_tail", help="synthetic length profile (default long_tail)")
+    p.add_argument("--data", default=None, help="train on this JSONL file of {\"input_ids\": [...]} lines instead")
+    p.add_argument("--model", choices=MODELS, default="gpt", help="built-in gpt or transformers llama (default gpt)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16: bf16 params, fp32 gradient reduction")
+    p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2; torchrun sets its own)")
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--sequences", type=int, default=sequences, help=f"sequences per minibatch (default {sequences})")
+    p.add_argument("--max-len", type=int, default=max_len, help=f"longest synthetic sequence (default {max_len})")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per microbatch (default: --max-len)")
+    p.add_argument("--dim", type=int, default=dim, help=f"model hidden size (default {dim})")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="data and init seed (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from posttrain.balance import METHODS
-    from posttrain.data import PROFILES
     from posttrain.train import DP_MODES
 
-    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a tiny GPT with ODC on CPU processes")
-    demo.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    demo = sub.add_parser("demo", help="FSDP2 then ODC on a tiny GPT, 2 CPU processes: table and timeline")
+    demo.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     demo.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
     demo.add_argument("--sequences", type=int, default=12, help="sequences per minibatch (default 12)")
     demo.add_argument("--max-len", type=int, default=192, help="longest sequence (default 192)")
     demo.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     demo.add_argument("--seed", type=int, default=0, help="data and init seed (default 0)")
+    demo.add_argument("--timeline", default="out/demo_timeline.png", help="timeline PNG ('' for none)")
     demo.set_defaults(func=_demo)
 
-    train = sub.add_parser("train", help="train a GPT on synthetic data with FSDP2 or ODC")
+    train = sub.add_parser("train", help="train with FSDP2 or ODC on CPU processes (or under torchrun)")
     train.add_argument("--dp", choices=DP_MODES, default="odc", help="data-parallel engine (default odc)")
     train.add_argument("--balance", choices=METHODS, default="diff_micro", help="balancing method (default diff_micro)")
-    train.add_argument("--profile", choices=PROFILES, default="long_tail", help="length profile (default long_tail)")
-    train.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
-    train.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    train.add_argument("--sequences", type=int, default=16, help="sequences per minibatch (default 16)")
-    train.add_argument("--max-len", type=int, default=512, help="longest sequence (default 512)")
-    train.add_argument("--max-tokens", type=int, default=None, help="tokens per microbatch (default: --max-len)")
-    train.add_argument("--dim", type=int, default=128, help="model hidden size (default 128)")
-    train.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    _add_run_args(train, steps=20, sequences=16, max_len=512, dim=128)
     train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="(default adamw)")
-    train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    train.add_argument("--seed", type=int, default=0, help="data and init seed (default 0)")
-    train.add_argument("--metrics", default=None, help="write per-rank, per-step metrics to this JSONL file")
+    train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest found")
+    train.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (default: at the end)")
+    train.add_argument("--metrics", default=None, help="per-rank, per-step metrics: .csv or JSON lines")
+    train.add_argument("--timeline", default=None, help="write a per-rank timeline PNG of the last step")
     train.set_defaults(func=_train)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    odc = bench_sub.add_parser("odc", help="FSDP2 vs ODC vs the ideal bound, side by side, 2 ranks")
+    _add_run_args(odc, steps=8, sequences=16, max_len=1024, dim=128)
+    odc.add_argument("--repeats", type=int, default=3, help="interleaved rounds; ratios are medians (default 3)")
+    odc.add_argument("--json", default="out/bench_odc.json", help="results file (default out/bench_odc.json)")
+    odc.set_defaults(func=_bench_odc)
     return parser
 
 

@@ -61,7 +61,8 @@ def synthetic_sequences(lengths: Sequence[int], *, vocab_size: int, seed: int = 
     return seqs
 
 
-def load_jsonl(path: str | Path, *, tokenizer=None, field: str | None = None) -> list[torch.Tensor]:
+def load_jsonl(path: str | Path, *, tokenizer=None, field: str | None = None,
+               max_tokens: int | None = None) -> list[torch.Tensor]:
     """Sequences from a JSONL file: one object per line with ``input_ids`` (a list of ints) or,
     with a ``transformers`` tokenizer, ``text``.
 
@@ -69,6 +70,8 @@ def load_jsonl(path: str | Path, *, tokenizer=None, field: str | None = None) ->
         path: the file.
         tokenizer: a tokenizer callable (``tokenizer(text)["input_ids"]``) for ``text`` lines.
         field: the key to read (default ``input_ids``, or ``text`` when a tokenizer is given).
+        max_tokens: if given, a sequence that trains on more tokens than this (its length minus
+            one: inputs predict the next token) is an error naming its line.
 
     Raises:
         ValueError: a line that is not JSON, lacks the field, or holds something other than token
@@ -95,6 +98,9 @@ def load_jsonl(path: str | Path, *, tokenizer=None, field: str | None = None) ->
                 raise ValueError(f"{where}: {key!r} must be a list of non-negative token ids")
             if len(value) < 2:
                 raise ValueError(f"{where}: a sequence needs at least 2 tokens, got {len(value)}")
+            if max_tokens is not None and len(value) - 1 > max_tokens:
+                raise ValueError(f"{where}: a sequence of {len(value)} tokens trains on {len(value) - 1}, more "
+                                 f"than --max-tokens={max_tokens} fit in a microbatch; raise --max-tokens")
             seqs.append(torch.tensor(value, dtype=torch.long))
     if not seqs:
         raise ValueError(f"{path}: no sequences")

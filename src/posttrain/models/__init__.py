@@ -1,5 +1,22 @@
-"""Small models for examples, tests and benchmarks."""
+"""Small models for examples, tests and benchmarks: a built-in GPT and a ``transformers`` Llama,
+both called as ``model(tokens, document_lengths=None) -> logits`` with blocks in ``model.layers``."""
+
+from __future__ import annotations
+
+import torch.nn as nn
 
 from .gpt import GPT, GPTConfig, token_loss_sum
+from .llama import LlamaLM, llama_config
 
-__all__ = ["GPT", "GPTConfig", "token_loss_sum"]
+__all__ = ["MODELS", "GPT", "GPTConfig", "LlamaLM", "build_model", "llama_config", "token_loss_sum"]
+
+MODELS = ("gpt", "llama")
+
+
+def build_model(kind: str, cfg: GPTConfig) -> nn.Module:
+    """A randomly initialized ``gpt`` (:class:`GPT`) or ``llama`` (:class:`LlamaLM`) of shape ``cfg``."""
+    if kind == "gpt":
+        return GPT(cfg)
+    if kind == "llama":
+        return LlamaLM(cfg)
+    raise ValueError(f"--model={kind!r} is not one of {', '.join(MODELS)}")

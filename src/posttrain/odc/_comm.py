@@ -19,6 +19,7 @@ row ``p`` of the local gradient into owner ``p``'s ``grads`` slice. Neither invo
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,8 +101,12 @@ class ODCAllGather(_ODCComm, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
+        start = time.perf_counter()
         with record_function("ODC::gather"):
-            return self._odc._gather(self._layout, output_tensor, input_tensor, group)
+            self._odc._gather(self._layout, output_tensor, input_tensor, group)
+        if self._odc.on_comm is not None:
+            self._odc.on_comm("gather", start, time.perf_counter())
+        return None
 
 
 class ODCReduceScatter(_ODCComm, ReduceScatter):
@@ -115,8 +120,12 @@ class ODCReduceScatter(_ODCComm, ReduceScatter):
         op=None,
         async_op: bool = False,
     ) -> dist.Work | None:
+        start = time.perf_counter()
         with record_function("ODC::scatter_accumulate"):
-            return self._odc._scatter_accumulate(self._layout, output_tensor, input_tensor, group)
+            self._odc._scatter_accumulate(self._layout, output_tensor, input_tensor, group)
+        if self._odc.on_comm is not None:
+            self._odc.on_comm("reduce", start, time.perf_counter())
+        return None
 
 
 def regroup_gather(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -68,6 +68,10 @@ class ODC:
         self._pushes = 0
         self._step_hook = None
         self.stats = {"gathers": 0, "regrouped_gathers": 0, "pushes": 0, "gather_bytes": 0, "push_bytes": 0}
+        #: Called as ``on_comm(kind, start, end)`` (``kind`` "gather" or "reduce", times from
+        #: ``time.perf_counter``) after every gather and scatter-accumulate FSDP2 asks for;
+        #: the training loop uses it for wait-time accounting and timelines.
+        self.on_comm: Callable[[str, float, float], None] | None = None
 
         self.layouts = self._build_layouts(model)
         first = self.layouts[0].params[0].param
