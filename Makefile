@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
 
-.PHONY: setup test demo bench-odc clean
+.PHONY: setup test demo bench-odc bench-train clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ demo: setup
 
 bench-odc: setup
 	$(PY) benchmarks/odc_transport.py
+
+bench-train: setup
+	$(PY) -m posttrain bench odc
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

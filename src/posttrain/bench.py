@@ -31,12 +31,13 @@ ODC_VARIANTS = (
 _REF = "fsdp+same_micro"
 
 
-def _ideal_tokens_per_s(cfg: TrainConfig, world_size: int) -> float:
+def _ideal(cfg: TrainConfig, world_size: int) -> dict:
     per_rank = run_ranks(ideal_compute_worker, world_size, cfg, timeout_s=3600)
     times = [sum(step) / len(step) for step in zip(*per_rank)][1:]  # mean over ranks, first step out
     data = TrainData(cfg, world_size)
     tokens = sum(sum(len(s) - 1 for s in data.minibatch(k)) for k in range(1, cfg.steps))
-    return tokens / (sum(times) / world_size)
+    return {"tokens_per_s": tokens / (sum(times) / world_size), "utilization": 1.0,
+            "compute_s": sum(times) / len(times)}
 
 
 def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 3, json_path: str | None = None,
@@ -45,7 +46,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 3, json_
 
     Returns:
         ``{"config", "world_size", "repeats", "rounds": [{variant: summary}], "median": {variant:
-        {"tokens_per_s", "utilization", "vs_fsdp_same_micro", "vs_ideal"}}}``.
+        {"tokens_per_s", "utilization", "vs_fsdp_same_micro", "vs_ideal", "compute_vs_ideal"}}}``.
     """
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be at least 1")
@@ -61,7 +62,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 3, json_
             got[name] = summarize(run_ranks(train_worker, world_size, replace(base, dp=dp, balance=balance),
                                             timeout_s=3600))
             log(f"  round {k + 1}/{repeats}  {name:28} {got[name]['tokens_per_s']:9.0f} tokens/s", flush=True)
-        got["ideal"] = {"tokens_per_s": _ideal_tokens_per_s(base, world_size), "utilization": 1.0}
+        got["ideal"] = _ideal(base, world_size)
         log(f"  round {k + 1}/{repeats}  {'ideal':28} {got['ideal']['tokens_per_s']:9.0f} tokens/s", flush=True)
         rounds.append(got)
     median = {}
@@ -71,15 +72,19 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 3, json_
             "utilization": statistics.median(r[name]["utilization"] for r in rounds),
             "vs_fsdp_same_micro": statistics.median(r[name]["tokens_per_s"] / r[_REF]["tokens_per_s"] for r in rounds),
             "vs_ideal": statistics.median(r[name]["tokens_per_s"] / r["ideal"]["tokens_per_s"] for r in rounds),
+            # the same microbatches' compute (communication excluded) relative to the ideal's
+            "compute_vs_ideal": statistics.median(r[name]["compute_s"] / r["ideal"]["compute_s"] for r in rounds),
         }
     source = base.data or f"profile {base.profile}"
     log(f"\nFSDP2 vs ODC, {world_size} ranks, {source}, {base.model} {base.num_layers}x{base.dim} {base.precision}, "
         f"{base.sequences} sequences/step up to {base.max_len} tokens, {base.steps} steps (first excluded), "
         f"median of {repeats} rounds")
-    log(f"{'variant':28} {'tokens/s':>9} {'util':>6} {'vs fsdp+same_micro':>19} {'vs ideal':>9}")
+    log(f"{'variant':28} {'tokens/s':>9} {'util':>6} {'vs fsdp+same_micro':>19} {'vs ideal':>9} {'compute/ideal':>14}")
     for name, m in median.items():
         log(f"{name:28} {m['tokens_per_s']:9.0f} {m['utilization']:6.2f} {m['vs_fsdp_same_micro']:18.2f}x "
-            f"{m['vs_ideal']:9.2f}")
+            f"{m['vs_ideal']:9.2f} {m['compute_vs_ideal']:14.2f}")
+    log("(util: compute share of step time; compute/ideal: the same microbatches' compute time, communication "
+        "excluded, over the ideal's: FSDP2's per-module unshard/reshard work shows here)")
     odc = median["odc+diff_micro"]
     log(f"\nodc+diff_micro / fsdp+same_micro = {odc['vs_fsdp_same_micro']:.2f}x; "
         f"odc+diff_micro / ideal = {odc['vs_ideal']:.2f}; "

@@ -393,7 +393,7 @@ def summarize(results: list[dict]) -> dict:
     """Aggregate ranks' metrics over the steps after the first (warm-up).
 
     Returns tokens/s, utilization (compute share of step time averaged over ranks), wait share,
-    final loss and mean step time.
+    compute seconds per step summed over ranks, first and final loss, and mean step time.
     """
     steps = list(zip(*(r["metrics"] for r in results)))
     steady = steps[1:] or steps
@@ -403,6 +403,7 @@ def summarize(results: list[dict]) -> dict:
         "tokens_per_s": sum(s[0]["tokens"] for s in steady) / sum(step_times),
         "utilization": sum(util) / len(util),
         "wait_share": sum(sum(r["wait_s"] for r in s) / (len(s) * s[0]["step_time_s"]) for s in steady) / len(steady),
+        "compute_s": sum(sum(r["compute_s"] for r in s) for s in steady) / len(steady),
         "final_loss": steps[-1][0]["loss"],
         "first_loss": steps[0][0]["loss"],
         "step_time_s": sum(step_times) / len(step_times),
