@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -121,10 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
     except ValueError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun, a process that used FSDP2 on gloo sometimes aborts during interpreter
+        # teardown ("terminate called without an active exception"; torch 2.13 CPU, reproduced
+        # without posttrain in a few of 15 runs). Everything is written and flushed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":
