@@ -1,0 +1,251 @@
+"""Schedule generators: pure functions ``(num_ranks, num_microbatches, ...) -> Schedule``.
+
+Every generator here is one rule, run on a unit clock (``F = I = W = 1``, ``B = 2``): each rank
+keeps ordered queues of forwards and backwards; when it is free it runs, in this priority,
+
+1. the next backward (``B``, or ``I`` when split) whose inputs are ready;
+2. the next forward whose input is ready, if fewer than ``cap(rank)`` chunk-microbatches are in
+   flight (forward started, backward not finished);
+3. a pending ``W`` (split schedules fill bubbles with them);
+
+and otherwise waits. The queues and caps define the schedule family:
+
+- ``gpipe``: all forwards, then all backwards (cap = m).
+- ``1f1b`` (Narayanan et al., PipeDream-Flush): cap ``p - r`` on rank ``r``.
+- ``interleaved_1f1b`` (Narayanan et al., SC'21): ``v`` chunks per rank in a loop; microbatches
+  in groups of ``p``, each group through chunk 0, then chunk 1, ...; cap ``2(p-r-1) + (v-1)p + 1``
+  (Megatron-LM's warm-up plus one).
+- ``group_interleaved`` (Qi et al., "Pipeline Parallelism with Controllable Memory", the family
+  PipeOffload uses): the same with groups of ``g`` microbatches and cap ``2(p-r-1) + (v-1)g + 1``;
+  ``g = p`` is interleaved 1F1B, smaller ``g`` keeps fewer microbatches of each chunk alive.
+  Known limit of this construction: each rank follows the group order strictly, so with
+  ``g < p`` a rank waits for a group to come round the loop and bubbles grow as ``g`` shrinks
+  (p=8, m=32, v=2: makespan 252 units at g=8, 637 at g=1, where the paper's schedule stays
+  within 240); the paper's warm-up order is still to be built.
+- ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order and memory
+  with the backward split into ``I`` and ``W``; ``W`` fills the bubbles.
+- ``zbv``: V-shape placement (rank 0 holds the first and the last stage), split backward,
+  cap ``2p`` (1F1B's activation memory, counted in half-size chunks); deeper stages first.
+
+The rule is validated by :func:`posttrain.pipeline.simulate` and the peak in-flight count it
+produces is the schedule's stated memory need (:attr:`Schedule.predicted_peaks`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ._ir import Action, format_schedule
+from .layout import StageLayout
+from .simulate import SimResult, simulate
+
+__all__ = ["SCHEDULES", "Schedule", "build_schedule"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "zb_h1", "zbv")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A generated schedule and what it promises.
+
+    Attributes:
+        name: generator name.
+        layout: stage placement.
+        num_microbatches: microbatches per step.
+        actions: ``{rank: [Action]}``.
+        predicted_peaks: peak in-flight chunk-microbatches per rank (unit clock).
+        group_size: microbatch group size (group-interleaved family), else ``None``.
+    """
+
+    name: str
+    layout: StageLayout
+    num_microbatches: int
+    actions: dict[int, list[Action]]
+    predicted_peaks: tuple[int, ...]
+    group_size: int | None = None
+
+    def text(self) -> dict[int, str]:
+        return format_schedule(self.actions)
+
+    def simulate(self, **kwargs) -> SimResult:
+        return simulate(self.actions, self.layout, self.num_microbatches, **kwargs)
+
+
+def _greedy(layout: StageLayout, m: int, fwd: dict[int, list[deque]], bwd: dict[int, list[deque]],
+            cap: list[int], split: bool, *, forward_first: bool = False) -> dict[int, list[Action]]:
+    """Run the priority rule on a unit clock; ``fwd[r]``/``bwd[r]`` are queues of stages-microbatch
+    pairs (the head of each queue is a candidate; earlier queues win ties). ``forward_first``
+    (GPipe) runs every forward of a rank before any backward."""
+    p, last = layout.num_ranks, layout.num_stages - 1
+    dur = {"F": 1, "B": 2, "I": 1, "W": 1}
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> end time
+    free = [0] * p
+    inflight = [0] * p
+    pending_w: list[deque] = [deque() for _ in range(p)]
+    release: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (end time, 1) in-flight decrements
+    out: dict[int, list[Action]] = {r: [] for r in range(p)}
+    bkind = "I" if split else "B"
+    total = sum(len(q) for qs in fwd.values() for q in qs) * (3 if split else 2)
+    scheduled = 0
+
+    def ready(kind: str, s: int, j: int, t: int) -> bool:
+        if kind == "F":
+            return s == 0 or done.get(("F", s - 1, j), t + 1) <= t
+        return done.get(("F", s, j), t + 1) <= t and (s == last or done.get((bkind, s + 1, j), t + 1) <= t)
+
+    t = 0
+    while scheduled < total:
+        for r in range(p):
+            if free[r] > t:
+                continue
+            live = inflight[r] - sum(1 for e in release[r] if e <= t)
+            choice = None
+            for q in ([] if forward_first and any(fwd[r]) else bwd[r]):
+                if q and ready(bkind, *q[0], t):
+                    choice = (bkind, q)
+                    break
+            if choice is None and live < cap[r]:
+                for q in fwd[r]:
+                    if q and ready("F", *q[0], t):
+                        choice = ("F", q)
+                        break
+            if choice is None and split and pending_w[r]:
+                choice = ("W", pending_w[r])
+            if choice is None:
+                continue
+            kind, q = choice
+            s, j = q.popleft()
+            out[r].append(Action(s, kind, j))
+            done[(kind, s, j)] = t + dur[kind]
+            free[r] = t + dur[kind]
+            scheduled += 1
+            if kind == "F":
+                inflight[r] += 1
+            elif kind == "I":
+                pending_w[r].append((s, j))
+            if kind in ("B", "W"):
+                release[r].append(t + dur[kind])
+        t += 1
+        if t > 10 * total + 10:
+            raise AssertionError(f"schedule rule made no progress: {layout=} {m=} {cap=}")
+    return out
+
+
+def _stage_queues(layout: StageLayout, m: int, group_size: int, *, reverse_chunks: bool) -> dict[int, list[deque]]:
+    out = {}
+    for r in range(layout.num_ranks):
+        order = []
+        chunks = range(layout.num_chunks)
+        for g0 in range(0, m, group_size):
+            for c in (reversed(chunks) if reverse_chunks else chunks):
+                order += [(layout.stage_of(r, c), j) for j in range(g0, min(m, g0 + group_size))]
+        out[r] = [deque(order)]
+    return out
+
+
+def _check_counts(name: str, num_ranks: int, num_microbatches: int, minimum: int) -> None:
+    if num_ranks < 1:
+        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1")
+    if num_microbatches < minimum:
+        raise ValueError(f"{name} needs at least {minimum} microbatches for {num_ranks} ranks, "
+                         f"got num_microbatches={num_microbatches}")
+
+
+def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None) -> Schedule:
+    sim = simulate(actions, layout, m)
+    return Schedule(name, layout, m, actions, tuple(sim.peaks()), group_size)
+
+
+def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
+    """GPipe (Huang et al., 2019): every forward, then every backward."""
+    _check_counts("gpipe", num_ranks, num_microbatches, 1)
+    layout = StageLayout(num_ranks)
+    q = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=False)
+    actions = _greedy(layout, num_microbatches, q, _stage_queues(layout, num_microbatches, num_microbatches,
+                                                                 reverse_chunks=True),
+                      [num_microbatches] * num_ranks, split=False, forward_first=True)
+    return _finish("gpipe", layout, num_microbatches, actions)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): at most ``p - r`` microbatches in flight on rank ``r``."""
+    _check_counts("1f1b", num_ranks, num_microbatches, 1)
+    layout = StageLayout(num_ranks)
+    fwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=False)
+    bwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=True)
+    actions = _greedy(layout, num_microbatches, fwd, bwd, [num_ranks - r for r in range(num_ranks)], split=False)
+    return _finish("1f1b", layout, num_microbatches, actions)
+
+
+def group_interleaved(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int,
+                      name: str = "group_interleaved") -> Schedule:
+    """Interleaved schedule with microbatch groups of ``group_size`` (see the module docstring)."""
+    if not 1 <= group_size <= num_ranks:
+        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
+    _check_counts(name, num_ranks, num_microbatches, group_size)
+    if num_microbatches % group_size:
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
+    layout = StageLayout(num_ranks, num_chunks)
+    fwd = _stage_queues(layout, num_microbatches, group_size, reverse_chunks=False)
+    bwd = _stage_queues(layout, num_microbatches, group_size, reverse_chunks=True)
+    if num_chunks == 1:
+        cap = [num_ranks - r for r in range(num_ranks)]
+    else:
+        cap = [2 * (num_ranks - r - 1) + (num_chunks - 1) * group_size + 1 for r in range(num_ranks)]
+    actions = _greedy(layout, num_microbatches, fwd, bwd, cap, split=False)
+    return _finish(name, layout, num_microbatches, actions, group_size)
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, num_chunks: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM): :func:`group_interleaved` with ``group_size = num_ranks``."""
+    return group_interleaved(num_ranks, num_microbatches, num_chunks=num_chunks, group_size=num_ranks,
+                             name="interleaved_1f1b")
+
+
+def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B's memory, backward split into I and W, W filling the bubbles."""
+    _check_counts("zb_h1", num_ranks, num_microbatches, 1)
+    layout = StageLayout(num_ranks)
+    fwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=False)
+    bwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=True)
+    actions = _greedy(layout, num_microbatches, fwd, bwd, [num_ranks - r for r in range(num_ranks)], split=True)
+    return _finish("zb_h1", layout, num_microbatches, actions)
+
+
+def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
+    """V-shape zero bubble: two chunks per rank in a V, split backward, deeper stages first."""
+    _check_counts("zbv", num_ranks, num_microbatches, 1)
+    layout = StageLayout(num_ranks, 2, "v")
+    m = num_microbatches
+
+    def queues() -> dict[int, list[deque]]:  # one queue per chunk, the deeper (chunk 1) first
+        return {r: [deque((layout.stage_of(r, c), j) for j in range(m)) for c in (1, 0)]
+                for r in range(num_ranks)}
+
+    actions = _greedy(layout, m, queues(), queues(), [2 * num_ranks] * num_ranks, split=True)
+    return _finish("zbv", layout, m, actions)
+
+
+def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+                   group_size: int | None = None) -> Schedule:
+    """The named schedule.
+
+    Args:
+        name: one of :data:`SCHEDULES`.
+        num_ranks: pipeline ranks.
+        num_microbatches: microbatches per step.
+        num_chunks: chunks per rank (interleaved families; ``zbv`` always uses 2).
+        group_size: microbatch group size for ``group_interleaved`` (default ``num_ranks``).
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    single = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
+    if name in single:
+        if num_chunks != 1 and name != "zbv":
+            raise ValueError(f"{name} runs one chunk per rank, got num_chunks={num_chunks}")
+        return single[name](num_ranks, num_microbatches)
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(num_ranks, num_microbatches, num_chunks=num_chunks)
+    return group_interleaved(num_ranks, num_microbatches, num_chunks=num_chunks,
+                             group_size=num_ranks if group_size is None else group_size)

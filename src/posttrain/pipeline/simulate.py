@@ -1,0 +1,201 @@
+"""The one dependency model: validate a schedule by running it on a clock, and measure memory.
+
+Every rank has a compute stream (``F B I W`` and the zero-time ``SEND_*``/``RECV_*``) and a copy
+stream (``OFFLOAD``/``RELOAD``); each runs its share of the rank's list in order. An action
+starts when its stream is free and its dependencies have finished:
+
+- ``F(s, j)`` after ``F(s-1, j)`` (through ``RECV_F`` when lowered);
+- ``B``/``I(s, j)`` after ``F(s, j)`` and after ``B``/``I(s+1, j)`` (through ``RECV_B``), and
+  after ``RELOAD(s, j)`` if there is one;
+- ``W(s, j)`` after ``I(s, j)``; ``OFFLOAD(s, j)`` after ``F(s, j)``; ``RELOAD(s, j)`` after
+  ``OFFLOAD(s, j)``; ``RECV_x`` after the matching ``SEND_x``.
+
+A schedule that cannot finish (each stream waits on another) is a deadlock, reported with the
+stuck actions. Activation memory (see [Note: pipeline vocabulary]): a chunk-microbatch is resident
+from the start of its ``F`` until its ``OFFLOAD`` finishes, and again from the start of its
+``RELOAD`` until its backward (``B`` or ``W``) finishes; without offload, from ``F`` to backward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ._ir import Action
+from .layout import StageLayout
+
+__all__ = ["Durations", "SimResult", "ScheduleError", "simulate"]
+
+
+class ScheduleError(ValueError):
+    """A schedule that is not valid: missing or repeated actions, wrong order, or a deadlock."""
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Time units per action kind (defaults: unit compute, ``B = I + W``, free copies)."""
+
+    F: float = 1.0
+    B: float = 2.0
+    I: float = 1.0  # noqa: E741 - the action kind's name
+    W: float = 1.0
+    OFFLOAD: float = 0.0
+    RELOAD: float = 0.0
+
+
+@dataclass
+class SimResult:
+    """Start and end of every action, and the activation memory it implies."""
+
+    layout: StageLayout
+    start: dict[tuple[int, Action], float] = field(default_factory=dict)
+    end: dict[tuple[int, Action], float] = field(default_factory=dict)
+    resident: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)  # rank -> (t0, t1, stage)
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end.values(), default=0.0)
+
+    def memory_curve(self, rank: int) -> list[tuple[float, int]]:
+        """``(time, chunk-microbatches resident from then on)`` at every change on ``rank``."""
+        deltas: Counter[float] = Counter()
+        for t0, t1, _ in self.resident.get(rank, []):
+            deltas[t0] += 1
+            deltas[t1] -= 1
+        level, out = 0, []
+        for t in sorted(deltas):
+            level += deltas[t]
+            out.append((t, level))
+        return out
+
+    def peak(self, rank: int) -> int:
+        """Peak resident chunk-microbatches on ``rank`` (an interval ending at ``t`` does not
+        overlap one starting at ``t``)."""
+        return max((n for _, n in self.memory_curve(rank)), default=0)
+
+    def peaks(self) -> list[int]:
+        return [self.peak(r) for r in range(self.layout.num_ranks)]
+
+    def bubble_fraction(self, rank: int) -> float:
+        busy = sum(e - s for (r, a), s in self.start.items()
+                   if r == rank and a.kind in ("F", "B", "I", "W") for e in [self.end[(r, a)]])
+        return 1.0 - busy / self.makespan if self.makespan else 0.0
+
+
+def _check_complete(schedule: dict[int, list[Action]], layout: StageLayout, num_microbatches: int) -> None:
+    if sorted(schedule) != list(range(layout.num_ranks)):
+        raise ScheduleError(f"schedule has ranks {sorted(schedule)}, the layout has {layout.num_ranks}")
+    seen: Counter[Action] = Counter()
+    for rank, actions in schedule.items():
+        for a in actions:
+            if a.stage >= layout.num_stages or a.microbatch >= num_microbatches:
+                raise ScheduleError(f"rank {rank}: {a} is outside {layout.num_stages} stages x {num_microbatches} microbatches")
+            if layout.rank_of(a.stage) != rank:
+                raise ScheduleError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank {layout.rank_of(a.stage)}")
+            seen[a] += 1
+    for a, n in seen.items():
+        if n > 1:
+            raise ScheduleError(f"{a} appears {n} times")
+    for s in range(layout.num_stages):
+        for j in range(num_microbatches):
+            if Action(s, "F", j) not in seen:
+                raise ScheduleError(f"{Action(s, 'F', j)} is missing")
+            full, split = Action(s, "B", j) in seen, Action(s, "I", j) in seen or Action(s, "W", j) in seen
+            if full == split:
+                raise ScheduleError(f"stage {s} microbatch {j} needs either B or I+W, not "
+                                    f"{'both' if full else 'neither'}")
+            if split and not (Action(s, "I", j) in seen and Action(s, "W", j) in seen):
+                raise ScheduleError(f"stage {s} microbatch {j} has only one of I and W")
+
+
+def _deps(a: Action, layout: StageLayout, present: set[Action]) -> list[Action]:
+    s, j, last = a.stage, a.microbatch, layout.num_stages - 1
+
+    def bwd(stage: int) -> Action:
+        return Action(stage, "B", j) if Action(stage, "B", j) in present else Action(stage, "I", j)
+
+    if a.kind == "F":
+        if s == 0:
+            return []
+        recv = Action(s, "RECV_F", j)
+        return [recv] if recv in present else [Action(s - 1, "F", j)]
+    if a.kind in ("B", "I"):
+        out = [Action(s, "F", j)]
+        if Action(s, "RELOAD", j) in present:
+            out.append(Action(s, "RELOAD", j))
+        if s < last:
+            recv = Action(s, "RECV_B", j)
+            out.append(recv if recv in present else bwd(s + 1))
+        return out
+    if a.kind == "W":
+        return [Action(s, "I", j)]
+    if a.kind == "SEND_F":
+        return [Action(s, "F", j)]
+    if a.kind == "RECV_F":
+        return [Action(s - 1, "SEND_F", j)]
+    if a.kind == "SEND_B":
+        return [bwd(s)]
+    if a.kind == "RECV_B":
+        return [Action(s + 1, "SEND_B", j)]
+    if a.kind == "OFFLOAD":
+        return [Action(s, "F", j)]
+    if a.kind == "RELOAD":
+        return [Action(s, "OFFLOAD", j)]
+    raise AssertionError(f"unhandled kind {a.kind}")
+
+
+def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microbatches: int, *,
+             durations: Durations = Durations()) -> SimResult:
+    """Validate ``schedule`` and run it on a clock.
+
+    Raises:
+        ScheduleError: a missing, repeated or misplaced action, a dependency that runs later in
+            the same stream (e.g. ``W`` before its ``I``), or a deadlock across ranks.
+    """
+    _check_complete(schedule, layout, num_microbatches)
+    present = {a for actions in schedule.values() for a in actions}
+    for a in present:
+        for d in _deps(a, layout, present):
+            if d not in present:
+                raise ScheduleError(f"{a} depends on {d}, which no rank runs")
+    copy_kinds = ("OFFLOAD", "RELOAD")
+    streams = {(r, c): [a for a in acts if (a.kind in copy_kinds) == (c == "copy")]
+               for r, acts in schedule.items() for c in ("compute", "copy")}
+    pos = dict.fromkeys(streams, 0)
+    free = dict.fromkeys(streams, 0.0)
+    end: dict[Action, float] = {}
+    res = SimResult(layout)
+    remaining = sum(len(v) for v in streams.values())
+    while remaining:
+        progressed = False
+        for key, acts in streams.items():
+            while pos[key] < len(acts):
+                a = acts[pos[key]]
+                deps = _deps(a, layout, present)
+                if any(d not in end for d in deps):
+                    break
+                t0 = max([free[key], *(end[d] for d in deps)])
+                t1 = t0 + (getattr(durations, a.kind) if hasattr(durations, a.kind) else 0.0)
+                end[a] = t1
+                free[key] = t1
+                res.start[(key[0], a)], res.end[(key[0], a)] = t0, t1
+                pos[key] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [f"rank {k[0]} {k[1]}: {acts[pos[k]]} waits for "
+                     f"{', '.join(str(d) for d in _deps(acts[pos[k]], layout, present) if d not in end)}"
+                     for k, acts in streams.items() if pos[k] < len(acts)]
+            raise ScheduleError("deadlock: " + "; ".join(stuck))
+    for (rank, a), t0 in res.start.items():
+        if a.kind != "F":
+            continue
+        s, j = a.stage, a.microbatch
+        release = end.get(Action(s, "B", j), end.get(Action(s, "W", j)))
+        intervals = res.resident.setdefault(rank, [])
+        if Action(s, "OFFLOAD", j) in end:
+            intervals.append((t0, end[Action(s, "OFFLOAD", j)], s))
+            intervals.append((res.start[(rank, Action(s, "RELOAD", j))], release, s))
+        else:
+            intervals.append((t0, release, s))
+    return res

@@ -1,0 +1,115 @@
+"""Pipeline schedules as data: the action IR, generators (golden strings), the validator and the
+unit-clock simulation. A failure names a generator whose order changed, a peak that no longer
+matches the schedule's promise, or a validator that accepts a broken schedule."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posttrain.pipeline import (
+    KINDS, SCHEDULES, Action, ScheduleError, StageLayout, build_schedule, parse_schedule, simulate,
+)
+
+
+def test_action_text_round_trips_for_every_kind():
+    for kind in KINDS:
+        a = Action(12, kind, 7)
+        assert str(a) == f"12{kind}7" and Action.parse(str(a)) == a
+    with pytest.raises(ValueError, match="expected <stage><kind><microbatch> with kind one of F, B, I, W"):
+        Action.parse("1X0")
+    with pytest.raises(ValueError, match="unknown action kind 'Q'"):
+        Action(0, "Q", 0)
+
+
+GOLDEN = {
+    ("gpipe", 2, 3, 1): {0: "0F0 0F1 0F2 0B0 0B1 0B2", 1: "1F0 1F1 1F2 1B0 1B1 1B2"},
+    ("1f1b", 2, 3, 1): {0: "0F0 0F1 0B0 0F2 0B1 0B2", 1: "1F0 1B0 1F1 1B1 1F2 1B2"},
+    ("zb_h1", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2"},
+    ("interleaved_1f1b", 2, 4, 2): {
+        0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 0B0 0B1 2F2 2F3 2B2 2B3 0B2 0B3",
+        1: "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1F2 1F3 3F2 3B2 3F3 3B3 1B2 1B3",
+    },
+    ("zbv", 2, 2, 2): {0: "0F0 0F1 3F0 3I0 3F1 3I1 0I0 3W0 0I1 3W1 0W0 0W1",
+                       1: "1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1"},
+}
+
+
+@pytest.mark.parametrize("key", list(GOLDEN), ids=[k[0] for k in GOLDEN])
+def test_golden_action_strings(key):
+    name, p, m, v = key
+    s = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v)
+    assert s.text() == GOLDEN[key]
+    assert parse_schedule(s.text()) == s.actions
+
+
+def test_stated_peaks_and_the_1f1b_bubble():
+    p, m = 4, 8
+    assert build_schedule("1f1b", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
+    assert build_schedule("zb_h1", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
+    assert build_schedule("gpipe", num_ranks=p, num_microbatches=m).predicted_peaks == (8,) * 4
+    sim = build_schedule("1f1b", num_ranks=p, num_microbatches=m).simulate()
+    assert sim.makespan == 3 * (m + p - 1)  # F=1, B=2
+    assert sim.bubble_fraction(0) == pytest.approx((p - 1) / (m + p - 1))
+    assert build_schedule("zb_h1", num_ranks=p, num_microbatches=m).simulate().makespan < sim.makespan
+    # Megatron's interleaved warm-up: 2(p-r-1) + (v-1)p forwards, plus the one in steady state
+    inter = build_schedule("interleaved_1f1b", num_ranks=p, num_microbatches=m, num_chunks=2)
+    assert inter.predicted_peaks == tuple(2 * (p - r - 1) + p + 1 for r in range(p))
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 5), k=st.integers(1, 4), v=st.integers(1, 3), data=st.data())
+def test_every_generator_gives_a_valid_schedule(p, k, v, data):
+    m = p * k
+    for name in SCHEDULES:
+        kw = {}
+        if name in ("interleaved_1f1b", "group_interleaved"):
+            kw["num_chunks"] = v
+        if name == "group_interleaved":
+            kw["group_size"] = data.draw(st.sampled_from([g for g in range(1, p + 1) if m % g == 0]))
+        s = build_schedule(name, num_ranks=p, num_microbatches=m, **kw)
+        sim = s.simulate()  # raises on any invalid schedule
+        assert tuple(sim.peaks()) == s.predicted_peaks
+        per_rank_work = m * s.layout.num_chunks * 3
+        assert all(sum(1 for a in acts if a.kind in "FBIW") > 0 for acts in s.actions.values())
+        assert sim.makespan >= per_rank_work
+
+
+def _sched(text):
+    return parse_schedule(text)
+
+
+def test_validator_rejects_broken_schedules():
+    layout = StageLayout(2)
+    good = {0: "0F0 0B0", 1: "1F0 1B0"}
+    simulate(_sched(good), layout, 1)
+    cases = [
+        ({0: "0F0", 1: "1F0 1B0"}, "stage 0 microbatch 0 needs either B or I\\+W, not neither"),
+        ({0: "0F0 0F0 0B0", 1: "1F0 1B0"}, "0F0 appears 2 times"),
+        ({0: "0F0 0B0 1F0", 1: "1B0"}, "rank 0 runs 1F0, but stage 1 lives on rank 1"),
+        ({0: "0F0 0B0", 1: "1F0 1W0 1I0"}, "deadlock: .*1W0 waits for 1I0"),
+        ({0: "0F0 0I0 0W0", 1: "1F0 1I0"}, "stage 1 microbatch 0 has only one of I and W"),
+        ({0: "0B0 0F0", 1: "1F0 1B0"}, "deadlock"),
+        ({0: "0F0 0B0"}, "schedule has ranks \\[0\\], the layout has 2"),
+    ]
+    for text, message in cases:
+        with pytest.raises(ScheduleError, match=message):
+            simulate(_sched(text), layout, 1)
+    # a cross-rank cycle: rank 0 waits for 1B1 before running 0F1, which rank 1 needs for 1F1
+    two = {0: "0F0 0B0 0B1 0F1", 1: "1F0 1B0 1F1 1B1"}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(_sched(two), layout, 2)
+
+
+def test_bad_schedule_requests_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown schedule 'zb_h9'; valid: gpipe, 1f1b, interleaved_1f1b"):
+        build_schedule("zb_h9", num_ranks=2, num_microbatches=4)
+    with pytest.raises(ValueError, match="group_interleaved needs at least 4 microbatches"):
+        build_schedule("group_interleaved", num_ranks=4, num_microbatches=2, num_chunks=2)
+    with pytest.raises(ValueError, match="num_microbatches=6 must be a multiple of group_size=4"):
+        build_schedule("group_interleaved", num_ranks=4, num_microbatches=6, num_chunks=2)
+    with pytest.raises(ValueError, match="1f1b runs one chunk per rank, got num_chunks=2"):
+        build_schedule("1f1b", num_ranks=2, num_microbatches=4, num_chunks=2)
+    with pytest.raises(ValueError, match="num_ranks=0 must be at least 1"):
+        build_schedule("1f1b", num_ranks=0, num_microbatches=4)
