@@ -113,3 +113,56 @@ def test_bad_schedule_requests_are_clear_errors():
         build_schedule("1f1b", num_ranks=2, num_microbatches=4, num_chunks=2)
     with pytest.raises(ValueError, match="num_ranks=0 must be at least 1"):
         build_schedule("1f1b", num_ranks=0, num_microbatches=4)
+
+
+def test_send_recv_lowering_golden():
+    from posttrain.pipeline import add_send_recv, format_schedule
+
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    lowered = add_send_recv(s.actions, s.layout)
+    assert format_schedule(lowered) == {
+        0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+        1: "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+    }
+    simulate(lowered, s.layout, 2)
+    # V shape: stages 1 and 2 share the last rank, so nothing is sent between them
+    v = build_schedule("zbv", num_ranks=2, num_microbatches=1)
+    text = format_schedule(add_send_recv(v.actions, v.layout))
+    assert "SEND_F1" not in text[1] and "RECV_F2" not in text[1] and "0SEND_F0" in text[0]
+
+
+def test_offload_lowering_golden_and_memory():
+    from posttrain.pipeline import OffloadPolicy, add_offload, add_send_recv, format_schedule
+
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=3)
+    lowered = add_offload(s.actions, s.layout, 3, OffloadPolicy(1))
+    # rank 1's backwards follow their forwards at once (lifespan 0): never worth a round trip
+    assert format_schedule(lowered) == {
+        0: "0F0 0OFFLOAD0 0RELOAD0 0F1 0OFFLOAD1 0B0 0RELOAD1 0F2 0OFFLOAD2 0RELOAD2 0B1 0B2",
+        1: "1F0 1B0 1F1 1B1 1F2 1B2",
+    }
+    for name, kw in [("1f1b", {}), ("interleaved_1f1b", {"num_chunks": 2}), ("interleaved_1f1b", {"num_chunks": 4}),
+                     ("group_interleaved", {"num_chunks": 2, "group_size": 2})]:
+        sched = build_schedule(name, num_ranks=4, num_microbatches=8, **kw)
+        peaks = []
+        for k in range(sched.layout.num_chunks + 1):
+            lo = add_send_recv(add_offload(sched.actions, sched.layout, 8, OffloadPolicy(k)), sched.layout)
+            sim = simulate(lo, sched.layout, 8)
+            assert sim.makespan == sched.simulate().makespan  # free copies cost no time
+            peaks.append(sim.peaks())
+        assert peaks[0] == list(sched.predicted_peaks)
+        for fewer, more in zip(peaks, peaks[1:]):  # each chunk offloaded lowers or keeps every rank's peak
+            assert all(b <= a for a, b in zip(fewer, more)), (name, peaks)
+        assert max(peaks[-1]) <= 3  # full offload: a constant few, not growing with stages
+
+
+def test_offload_skips_short_lifespans_and_checks_policy():
+    from posttrain.pipeline import OffloadPolicy, add_offload
+
+    s = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    assert add_offload(s.actions, s.layout, 8, OffloadPolicy(1, min_lifespan=1e9)) == s.actions
+    with pytest.raises(ValueError, match="offload chunks=2 exceeds the 1 chunks per rank"):
+        add_offload(s.actions, s.layout, 8, OffloadPolicy(2))
+    with pytest.raises(ValueError, match="--offload='half' is not none, full or a number of chunks"):
+        OffloadPolicy.parse("half", 2)
+    assert OffloadPolicy.parse("full", 4).chunks == 4 and OffloadPolicy.parse("none", 4).chunks == 0

@@ -8,10 +8,12 @@ schedule, and :mod:`posttrain.pipeline.passes` lowers one (send/recv, offload/re
 
 from ._ir import COMPUTE_KINDS, KINDS, Action, format_schedule, parse_schedule
 from .layout import StageLayout
+from .passes import OffloadPolicy, add_offload, add_send_recv
 from .schedules import SCHEDULES, Schedule, build_schedule
 from .simulate import Durations, ScheduleError, SimResult, simulate
 
 __all__ = [
-    "COMPUTE_KINDS", "KINDS", "SCHEDULES", "Action", "Durations", "Schedule", "ScheduleError", "SimResult",
-    "StageLayout", "build_schedule", "format_schedule", "parse_schedule", "simulate",
+    "COMPUTE_KINDS", "KINDS", "SCHEDULES", "Action", "Durations", "OffloadPolicy", "Schedule", "ScheduleError",
+    "SimResult", "StageLayout", "add_offload", "add_send_recv", "build_schedule", "format_schedule",
+    "parse_schedule", "simulate",
 ]

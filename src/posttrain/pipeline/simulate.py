@@ -8,7 +8,9 @@ starts when its stream is free and its dependencies have finished:
 - ``B``/``I(s, j)`` after ``F(s, j)`` and after ``B``/``I(s+1, j)`` (through ``RECV_B``), and
   after ``RELOAD(s, j)`` if there is one;
 - ``W(s, j)`` after ``I(s, j)``; ``OFFLOAD(s, j)`` after ``F(s, j)``; ``RELOAD(s, j)`` after
-  ``OFFLOAD(s, j)``; ``RECV_x`` after the matching ``SEND_x``.
+  ``OFFLOAD(s, j)``; ``RECV_x`` after the matching ``SEND_x``;
+- a copy (``OFFLOAD``/``RELOAD``) not before the compute action in front of it in the rank's list
+  has started: its position is where it is issued.
 
 A schedule that cannot finish (each stream waits on another) is a deadlock, reported with the
 stuck actions. Activation memory (see [Note: pipeline vocabulary]): a chunk-microbatch is resident
@@ -161,6 +163,18 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
     copy_kinds = ("OFFLOAD", "RELOAD")
     streams = {(r, c): [a for a in acts if (a.kind in copy_kinds) == (c == "copy")]
                for r, acts in schedule.items() for c in ("compute", "copy")}
+    # A copy is issued where it sits in the rank's list: not before the compute action in front
+    # of it has started (that is how a RELOAD placed ahead of a backward prefetches it).
+    trigger: dict[Action, Action] = {}
+    for acts in schedule.values():
+        last_compute = None
+        for a in acts:
+            if a.kind in copy_kinds:
+                if last_compute is not None:
+                    trigger[a] = last_compute
+            else:
+                last_compute = a
+    started: dict[Action, float] = {}
     pos = dict.fromkeys(streams, 0)
     free = dict.fromkeys(streams, 0.0)
     end: dict[Action, float] = {}
@@ -172,9 +186,10 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
             while pos[key] < len(acts):
                 a = acts[pos[key]]
                 deps = _deps(a, layout, present)
-                if any(d not in end for d in deps):
+                if any(d not in end for d in deps) or (a in trigger and trigger[a] not in started):
                     break
-                t0 = max([free[key], *(end[d] for d in deps)])
+                t0 = max([free[key], *(end[d] for d in deps), started.get(trigger.get(a), 0.0)])
+                started[a] = t0
                 t1 = t0 + (getattr(durations, a.kind) if hasattr(durations, a.kind) else 0.0)
                 end[a] = t1
                 free[key] = t1
@@ -183,8 +198,13 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [f"rank {k[0]} {k[1]}: {acts[pos[k]]} waits for "
-                     f"{', '.join(str(d) for d in _deps(acts[pos[k]], layout, present) if d not in end)}"
+            def waits(a: Action) -> str:
+                out = [str(d) for d in _deps(a, layout, present) if d not in end]
+                if a in trigger and trigger[a] not in started:
+                    out.append(f"{trigger[a]} to start (issue point)")
+                return ", ".join(out)
+
+            stuck = [f"rank {k[0]} {k[1]}: {acts[pos[k]]} waits for {waits(acts[pos[k]])}"
                      for k, acts in streams.items() if pos[k] < len(acts)]
             raise ScheduleError("deadlock: " + "; ".join(stuck))
     for (rank, a), t0 in res.start.items():
