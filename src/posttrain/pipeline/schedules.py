@@ -168,14 +168,18 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     return _finish("gpipe", layout, num_microbatches, actions)
 
 
-def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
-    """1F1B (PipeDream-Flush): at most ``p - r`` microbatches in flight on rank ``r``."""
-    _check_counts("1f1b", num_ranks, num_microbatches, 1)
+def _one_chunk_1f1b(name: str, num_ranks: int, num_microbatches: int, *, split: bool) -> Schedule:
+    _check_counts(name, num_ranks, num_microbatches, 1)
     layout = StageLayout(num_ranks)
     fwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=False)
     bwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=True)
-    actions = _greedy(layout, num_microbatches, fwd, bwd, [num_ranks - r for r in range(num_ranks)], split=False)
-    return _finish("1f1b", layout, num_microbatches, actions)
+    actions = _greedy(layout, num_microbatches, fwd, bwd, [num_ranks - r for r in range(num_ranks)], split=split)
+    return _finish(name, layout, num_microbatches, actions)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): at most ``p - r`` microbatches in flight on rank ``r``."""
+    return _one_chunk_1f1b("1f1b", num_ranks, num_microbatches, split=False)
 
 
 def group_interleaved(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int,
@@ -205,12 +209,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, num_chunks: int) 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B's memory, backward split into I and W, W filling the bubbles."""
-    _check_counts("zb_h1", num_ranks, num_microbatches, 1)
-    layout = StageLayout(num_ranks)
-    fwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=False)
-    bwd = _stage_queues(layout, num_microbatches, num_microbatches, reverse_chunks=True)
-    actions = _greedy(layout, num_microbatches, fwd, bwd, [num_ranks - r for r in range(num_ranks)], split=True)
-    return _finish("zb_h1", layout, num_microbatches, actions)
+    return _one_chunk_1f1b("zb_h1", num_ranks, num_microbatches, split=True)
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
