@@ -41,14 +41,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from posttrain.timeline import plot_timelines
-    from posttrain.train import run_training, step_events
+    from posttrain.train import run_training
 
     cfg = _config(args, dp=args.dp, balance=args.balance, optimizer=args.optimizer,
                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, progress=True)
     results = run_training(cfg, world_size=args.world_size, metrics_path=args.metrics)
     if results is not None and args.timeline and results[0]["metrics"]:
         last = results[0]["metrics"][-1]["step"]
-        plot_timelines({f"{cfg.dp}+{cfg.balance}": [step_events(r, last) for r in results]}, args.timeline,
+        plot_timelines({f"{cfg.dp}+{cfg.balance}": [r["events"] for r in results]}, args.timeline,
                        title=f"step {last}: per-rank compute, communication and waiting")
         print(f"wrote {args.timeline}")
     return 0

@@ -14,7 +14,7 @@ import os
 from dataclasses import replace
 
 from posttrain.timeline import plot_timelines
-from posttrain.train import TrainConfig, run_training, step_events, summarize
+from posttrain.train import TrainConfig, run_training, summarize
 
 __all__ = ["DEMO", "run_demo"]
 
@@ -45,7 +45,7 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2,
     print("(steps after the first; utilization: compute share of step time; waiting: communication and idle)")
     if timeline_path:
         last = cfg.steps - 1
-        runs = {label: [step_events(r, last) for r in res] for label, res in results.items()}
+        runs = {label: [r["events"] for r in res] for label, res in results.items()}
         os.makedirs(os.path.dirname(timeline_path) or ".", exist_ok=True)
         plot_timelines(runs, timeline_path, title=f"step {last}: per-rank compute, communication and waiting")
         print(f"wrote {timeline_path}")

@@ -53,9 +53,9 @@ class Recorder:
         finally:
             self.events.append((kind, start, time.perf_counter()))
 
-    def total(self, kind: str, since: float = float("-inf")) -> float:
-        """Seconds recorded under ``kind`` in intervals starting at or after ``since``."""
-        return sum(e - s for k, s, e in self.events if k == kind and s >= since)
+    def total(self, kind: str) -> float:
+        """Seconds recorded under ``kind``."""
+        return sum(e - s for k, s, e in self.events if k == kind)
 
 
 class _Timed:

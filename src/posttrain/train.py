@@ -272,7 +272,8 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Run ``cfg`` on this rank (inside an initialized process group).
 
     Returns:
-        ``{"metrics": [one dict per step], "events": Recorder events, "resumed_from": step}``.
+        ``{"metrics": [one dict per step], "events": the last step's Recorder events,
+        "resumed_from": step}``.
         Every rank's metrics rows hold its own times and the step's global figures.
     """
     data = TrainData(cfg, world_size)
@@ -306,7 +307,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             scale = (world_size if odc is None else 1.0) / total
             dist.barrier()  # step start, outside any minibatch
             t0 = time.perf_counter()
-            rec.add("step", t0, t0)
+            rec.events.clear()  # keep one step's intervals: the timeline shows the last step
             loss_sum = torch.zeros((), dtype=torch.float64)
             ctx = odc.minibatch(num_tokens=sum(m.num_tokens for m in mine)) if odc else contextlib.nullcontext()
             with ctx:
@@ -325,10 +326,10 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 opt.step()
                 opt.zero_grad()
             busy = time.perf_counter() - t0
-            comm = sum(rec.total(k, t0) for k in COMM_KINDS)
+            comm = sum(rec.total(k) for k in COMM_KINDS)
             mine_stats = torch.tensor(
-                [loss_sum.item(), rec.total("microbatch", t0) - comm, comm, rec.total("sync", t0),
-                 rec.total("optimizer", t0), busy, len(mine), sum(m.num_tokens for m in mine)],
+                [loss_sum.item(), rec.total("microbatch") - comm, comm, rec.total("sync"),
+                 rec.total("optimizer"), busy, len(mine), sum(m.num_tokens for m in mine)],
                 dtype=torch.float64,
             )
             every = torch.empty(world_size * len(_STAT_FIELDS), dtype=torch.float64)
@@ -423,15 +424,6 @@ def write_metrics(results: list[dict], path: str) -> None:
         else:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-
-
-def step_events(result: dict, step: int) -> list[tuple[str, float, float]]:
-    """One rank's events of ``step`` (index into its metrics), for a timeline."""
-    marks = [s for k, s, _ in result["events"] if k == "step"]
-    i = step - result["resumed_from"]
-    lo = marks[i]
-    hi = marks[i + 1] if i + 1 < len(marks) else float("inf")
-    return [(k, s, e) for k, s, e in result["events"] if k != "step" and lo <= s < hi]
 
 
 def _under_torchrun() -> bool:
