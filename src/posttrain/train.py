@@ -335,8 +335,9 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             every = torch.empty(world_size * len(_STAT_FIELDS), dtype=torch.float64)
             dist.all_gather_single(every, mine_stats)
             every = every.view(world_size, len(_STAT_FIELDS))
-            step_time = float(every[:, 5].max())
-            loss = float(every[:, 0].sum()) / (world_size if odc is None else 1.0)
+            col = {name: every[:, i] for i, name in enumerate(_STAT_FIELDS)}
+            step_time = float(col["busy_s"].max())
+            loss = float(col["loss"].sum()) / (world_size if odc is None else 1.0)
             own = dict(zip(_STAT_FIELDS, mine_stats.tolist()))
             metrics.append({
                 "step": step, "rank": rank, "loss": loss, "tokens": total,
@@ -350,9 +351,9 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             if cfg.checkpoint_dir and (step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
                 _save_checkpoint(cfg, model, opt, step, rank)
             if bar is not None and (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps):
-                util = float((every[:, 1] / step_time).mean())
+                util = float((col["compute_s"] / step_time).mean())
                 bar.write(f"step {step:4d}  loss {loss:.4f}  {total:6d} tokens  {total / step_time:8.0f} tokens/s  "
-                          f"util {util:.2f}  microbatches/rank {[int(x) for x in every[:, 6].tolist()]}")
+                          f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}")
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{total / step_time:.0f}")
                 bar.update(1)

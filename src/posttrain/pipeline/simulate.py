@@ -79,8 +79,8 @@ class SimResult:
         return [self.peak(r) for r in range(self.layout.num_ranks)]
 
     def bubble_fraction(self, rank: int) -> float:
-        busy = sum(e - s for (r, a), s in self.start.items()
-                   if r == rank and a.kind in ("F", "B", "I", "W") for e in [self.end[(r, a)]])
+        busy = sum(self.end[key] - t0 for key, t0 in self.start.items()
+                   if key[0] == rank and key[1].kind in ("F", "B", "I", "W"))
         return 1.0 - busy / self.makespan if self.makespan else 0.0
 
 
@@ -190,7 +190,7 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
                     break
                 t0 = max([free[key], *(end[d] for d in deps), started.get(trigger.get(a), 0.0)])
                 started[a] = t0
-                t1 = t0 + (getattr(durations, a.kind) if hasattr(durations, a.kind) else 0.0)
+                t1 = t0 + getattr(durations, a.kind, 0.0)  # sends and receives take no time
                 end[a] = t1
                 free[key] = t1
                 res.start[(key[0], a)], res.end[(key[0], a)] = t0, t1
