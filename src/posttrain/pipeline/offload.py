@@ -1,0 +1,241 @@
+"""Activation offload: move the tensors autograd saves for a (stage, microbatch) to host memory and back.
+
+:class:`ActivationStore` is used by :class:`~posttrain.pipeline.PipelineRunner`; every forward of
+a stage runs under ``store.hooks(stage, microbatch)``, a ``torch.autograd.graph.saved_tensors_hooks``
+pair, and the runner calls :meth:`~ActivationStore.offload`, :meth:`~ActivationStore.reload` and
+:meth:`~ActivationStore.release` where the lowered schedule says so.
+
+[Note: saved-tensor lifecycle]
+- *pack*: a parameter (or a view of one) and a tensor of at most ``min_numel`` elements pass
+  through untouched. Any other tensor is recorded by its storage: the first tensor on a storage
+  registers the whole storage with the (stage, microbatch) entry, and every later tensor on the
+  same storage (a view: ``q, k, v`` split from one matmul, a transpose) is kept as an alias
+  (dtype, size, stride, offset) into it, so shared memory moves once.
+- *offload* (state device -> host): every storage of the entry is copied into host memory and
+  the device copy is dropped. On CUDA the copy runs on a side stream into a pinned buffer taken
+  from a pool; the device memory is handed back when the copy's event has completed (checked
+  without blocking), so the compute stream never waits. On CPU the "host store" is a separate
+  buffer, copied synchronously: the same state machine, so CPU tests exercise every transition.
+- *reload* (host -> device): the copy back, again on the side stream on CUDA; the compute stream
+  waits on its event only when the backward unpacks the first tensor of the entry.
+- *unpack*: the saved tensor rebuilt as a view of the device storage. A backward that finds its
+  entry still on the host (no reload scheduled) reloads it on the spot and counts it in
+  :attr:`ActivationStore.late_reloads`: correct, but the schedule missed a prefetch.
+- *release*: after the last backward pass that needs the entry (``B``, or ``W`` of a split
+  backward: ``I`` and ``W`` both unpack), its memory is freed.
+
+Accounting: :attr:`ActivationStore.resident` holds the device-resident bytes per stage, changed
+at pack, offload completion, reload and release; :attr:`ActivationStore.history` records every
+change as ``(seq, perf_counter time, stage, resident bytes of that stage)`` so runners can plot and compare curves.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import time
+
+import torch
+
+__all__ = ["ActivationStore"]
+
+
+@dataclass
+class _Entry:
+    storages: dict[int, torch.Tensor] = field(default_factory=dict)  # key -> flat uint8 tensor (device or host)
+    nbytes: int = 0
+    state: str = "device"  # device | offloading | host | reloading
+    event: object = None  # CUDA event of the copy in flight
+    pending_free: list = field(default_factory=list)  # device tensors kept alive until a D2H copy finishes
+
+
+@dataclass(frozen=True)
+class _Saved:
+    key: tuple[int, int]
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class ActivationStore:
+    """Saved activations per (stage, microbatch), with offload to host and exact byte accounting.
+
+    Args:
+        params: the parameters of the stages this store serves (saved as-is, never moved).
+        device: where compute runs; ``cuda`` enables the side-stream, pinned-buffer path.
+        min_numel: tensors with at most this many elements stay where they are.
+    """
+
+    def __init__(self, params, device: torch.device | str = "cpu", min_numel: int = 1024) -> None:
+        self.device = torch.device(device)
+        self.min_numel = min_numel
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self.resident: dict[int, int] = defaultdict(int)
+        self.packed: dict[tuple[int, int], int] = {}  # bytes registered per (stage, microbatch)
+        self.history: list[tuple[int, float, int, int]] = []
+        self.late_reloads = 0
+        self.offloaded_bytes = 0
+        self._seq = 0
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._pool: dict[int, list[torch.Tensor]] = defaultdict(list)  # pinned host buffers by size
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def _account(self, stage: int, delta: int) -> None:
+        self.resident[stage] += delta
+        self._seq += 1
+        self.history.append((self._seq, time.perf_counter(), stage, self.resident[stage]))
+
+    def peak(self, stage: int) -> int:
+        """Peak device-resident saved bytes of ``stage`` so far."""
+        return max((b for _, _, s, b in self.history if s == stage), default=0)
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def hooks(self, stage: int, microbatch: int):
+        """Context manager: saved tensors of a forward go through this store as ``(stage, microbatch)``."""
+        key = (stage, microbatch)
+        if key in self._entries:
+            raise RuntimeError(f"stage {stage} microbatch {microbatch}: saved activations already held "
+                               f"(a forward ran twice without a release)")
+        entry = self._entries[key] = _Entry()
+        self.packed[key] = 0
+
+        def pack(t: torch.Tensor):
+            if t.numel() <= self.min_numel or t.device.type != self.device.type:
+                return t
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in self._param_storages:
+                return t
+            if ptr not in entry.storages:
+                entry.storages[ptr] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                entry.nbytes += storage.nbytes()
+                self.packed[key] += storage.nbytes()
+                self._account(stage, storage.nbytes())
+            return _Saved(key, ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+        def unpack(saved):
+            if not isinstance(saved, _Saved):
+                return saved
+            return self._materialize(saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _materialize(self, s: _Saved) -> torch.Tensor:
+        entry = self._entries.get(s.key)
+        if entry is None:
+            raise RuntimeError(f"stage {s.key[0]} microbatch {s.key[1]}: saved activations were released "
+                               f"before a backward that needs them")
+        if entry.state in ("host", "offloading"):
+            self.late_reloads += 1
+            self.reload(*s.key)
+        if entry.state == "reloading":
+            torch.cuda.current_stream(self.device).wait_event(entry.event)
+            entry.state, entry.event = "device", None
+        flat = entry.storages[s.storage]
+        return torch.empty(0, dtype=s.dtype, device=flat.device).set_(
+            flat.untyped_storage(), s.offset, s.size, s.stride)
+
+    # -- transitions ------------------------------------------------------------------------
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        pool = self._pool[nbytes]
+        if pool:
+            return pool.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+
+    def offload(self, stage: int, microbatch: int) -> None:
+        """Start moving ``(stage, microbatch)`` to host memory (synchronous on CPU)."""
+        entry = self._get(stage, microbatch, "offload")
+        if entry.state != "device":
+            raise RuntimeError(f"stage {stage} microbatch {microbatch}: offload in state {entry.state}")
+        host = {}
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for k, flat in entry.storages.items():
+                    host[k] = self._host_buffer(flat.numel())
+                    host[k].copy_(flat, non_blocking=True)
+                entry.event = torch.cuda.Event()
+                entry.event.record(self._stream)
+            entry.pending_free = list(entry.storages.values())
+            entry.state = "offloading"
+        else:
+            for k, flat in entry.storages.items():
+                host[k] = flat.clone()
+            entry.state = "host"
+            self._account(stage, -entry.nbytes)
+        entry.storages = host
+        self.offloaded_bytes += entry.nbytes
+
+    def reload(self, stage: int, microbatch: int) -> None:
+        """Start moving ``(stage, microbatch)`` back to the device (synchronous on CPU)."""
+        entry = self._get(stage, microbatch, "reload")
+        self.poll()
+        if entry.state == "offloading":  # the D2H copy must land before the H2D copy reads it
+            entry.event.synchronize()
+            self._finish_offload(stage, entry)
+        if entry.state != "host":
+            raise RuntimeError(f"stage {stage} microbatch {microbatch}: reload in state {entry.state}")
+        dev = {}
+        if self._cuda:
+            with torch.cuda.stream(self._stream):
+                for k, host in entry.storages.items():
+                    dev[k] = torch.empty_like(host, device=self.device)
+                    dev[k].copy_(host, non_blocking=True)
+                entry.event = torch.cuda.Event()
+                entry.event.record(self._stream)
+            for k, host in entry.storages.items():  # back to the pool once the copy has read them
+                self._pool[host.numel()].append(host)
+            entry.state = "reloading"
+        else:
+            for k, host in entry.storages.items():
+                dev[k] = host.clone()
+            entry.state = "device"
+        entry.storages = dev
+        self._account(stage, entry.nbytes)
+
+    def release(self, stage: int, microbatch: int) -> None:
+        """Free ``(stage, microbatch)``: its backward is complete."""
+        entry = self._entries.pop((stage, microbatch), None)
+        if entry is None:
+            raise RuntimeError(f"stage {stage} microbatch {microbatch}: release without saved activations")
+        if entry.state == "offloading":
+            entry.event.synchronize()
+            self._finish_offload(stage, entry)
+        if entry.state in ("device", "reloading"):
+            if self._cuda:
+                for flat in entry.storages.values():  # the side stream may still be writing it
+                    flat.record_stream(torch.cuda.current_stream(self.device))
+            self._account(stage, -entry.nbytes)
+        elif entry.state == "host" and self._cuda:
+            for host in entry.storages.values():
+                self._pool[host.numel()].append(host)
+
+    def poll(self) -> None:
+        """Account finished CUDA offloads (non-blocking; a no-op on CPU)."""
+        for (stage, _), entry in self._entries.items():
+            if entry.state == "offloading" and entry.event.query():
+                self._finish_offload(stage, entry)
+
+    def _finish_offload(self, stage: int, entry: _Entry) -> None:
+        entry.pending_free = []
+        entry.state, entry.event = "host", None
+        self._account(stage, -entry.nbytes)
+
+    def _get(self, stage: int, microbatch: int, what: str) -> _Entry:
+        entry = self._entries.get((stage, microbatch))
+        if entry is None:
+            raise RuntimeError(f"stage {stage} microbatch {microbatch}: {what} without saved activations "
+                               f"(forward not run, or already released)")
+        return entry
+
+    def held(self) -> list[tuple[int, int]]:
+        """Entries not yet released (empty after a complete step)."""
+        return sorted(self._entries)

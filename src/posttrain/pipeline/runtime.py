@@ -1,0 +1,311 @@
+"""Run a schedule: :class:`PipelineRunner`, our own executor over ``torch.distributed`` point-to-point.
+
+Why our own executor and not torch's ``_PipelineScheduleRuntime``: torch's runtime has no
+``OFFLOAD``/``RELOAD`` actions, and its custom-function hook runs *instead of* a compute action,
+so the saved-tensor hooks could not wrap torch's own forward, and reloads could not be issued at
+the point the schedule places them (before the compute action ahead of a backward). Our executor
+runs the lowered action list exactly: every action kind of :mod:`posttrain.pipeline._ir`, one
+rank-local ``{stage: module}`` dict, and gloo (CPU) or NCCL (GPU) ``isend``/``recv`` between ranks.
+It uses torch's split-backward functions (``stage_backward_input`` / ``stage_backward_weight``
+from ``torch.distributed.pipelining``) for ``I`` and ``W``, so split backward costs what it
+costs in torch. :func:`to_torch_actions` converts our compute schedules to torch's action lists,
+which :mod:`benchmarks.pipeline` runs through torch's runtime for comparison.
+
+Execution order (the simulator's semantics, ``simulate.py``): a copy (``OFFLOAD``/``RELOAD``) is
+issued when the compute action in front of it in the list starts, so a ``RELOAD`` runs just
+*before* that compute action (a prefetch) and an ``OFFLOAD`` right after its forward. Sends are
+asynchronous (waited at the end of the step); a receive blocks until its data is there. Every
+tensor crossing ranks is preceded by a small header (shape, dtype), so microbatches may differ
+in shape. Any failure is raised as :class:`PipelineActionError` naming rank, stage, action and
+microbatch.
+
+Loss: the last stage computes ``loss_fn(logits, target) / num_microbatches`` per microbatch, so
+the gradients equal one backward of the mean microbatch loss on the whole model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from ._ir import Action
+from .offload import ActivationStore
+from .passes import OffloadPolicy, add_offload, add_send_recv
+from .schedules import Schedule
+
+__all__ = ["PipelineActionError", "PipelineRunner", "StepResult", "execution_order", "to_torch_actions"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 10  # ndim, up to 8 dims, dtype code
+
+
+class PipelineActionError(RuntimeError):
+    """An action failed; the message names rank, stage, action and microbatch."""
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`PipelineRunner.step` did on this rank.
+
+    Attributes:
+        loss: mean microbatch loss (on the rank holding the last stage; ``None`` elsewhere).
+        step_time_s: wall time of the step.
+        actions: ``(action text, start s, end s)`` from the step start, in execution order.
+        chunk_bytes: per stage, saved bytes of one microbatch (the unit "chunk-microbatch").
+        peak_bytes: per stage, peak device-resident saved bytes.
+        curve: ``(time s, resident chunk-microbatches summed over this rank's stages)`` at every change.
+        peak_units: the peak of ``curve``.
+        offloaded_bytes: bytes copied to host memory.
+        late_reloads: backwards that found their activations still on the host (0 when every
+            reload was scheduled ahead).
+    """
+
+    loss: float | None
+    step_time_s: float
+    actions: list[tuple[str, float, float]] = field(default_factory=list)
+    chunk_bytes: dict[int, int] = field(default_factory=dict)
+    peak_bytes: dict[int, int] = field(default_factory=dict)
+    curve: list[tuple[float, float]] = field(default_factory=list)
+    peak_units: float = 0.0
+    offloaded_bytes: int = 0
+    late_reloads: int = 0
+
+
+def execution_order(actions: Sequence[Action]) -> list[Action]:
+    """The lowered list in the order one thread runs it: each ``RELOAD`` moved ahead of the compute
+    action in front of it (the point where the simulator issues it), but never ahead of an earlier
+    copy (the copy stream runs in list order, so a reload also waits for its own ``OFFLOAD``)."""
+    out: list[Action] = []
+    last_compute = None  # index in out of the latest compute action
+    after_copy = 0  # index in out just after the latest copy
+    for a in actions:
+        if a.kind == "RELOAD" and last_compute is not None:
+            at = max(last_compute, after_copy)
+            out.insert(at, a)
+            after_copy = at + 1
+            if at <= last_compute:
+                last_compute += 1
+            continue
+        if a.kind in ("F", "B", "I", "W"):
+            last_compute = len(out)
+        out.append(a)
+        if a.kind == "OFFLOAD":
+            after_copy = len(out)
+    return out
+
+
+def to_torch_actions(actions: dict[int, list[Action]]):
+    """``{rank: [torch _Action]}`` for torch's pipelining runtime (compute and send/recv kinds).
+
+    Raises:
+        ValueError: the schedule has ``OFFLOAD``/``RELOAD``, which torch's runtime cannot run.
+    """
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
+
+    kinds = {"F": C.FORWARD, "B": C.FULL_BACKWARD, "I": C.BACKWARD_INPUT, "W": C.BACKWARD_WEIGHT,
+             "SEND_F": C.SEND_F, "RECV_F": C.RECV_F, "SEND_B": C.SEND_B, "RECV_B": C.RECV_B}
+    out = {}
+    for rank, acts in actions.items():
+        bad = [str(a) for a in acts if a.kind not in kinds]
+        if bad:
+            raise ValueError(f"torch's pipelining runtime has no action for {bad[0]} (rank {rank}); "
+                             f"run offload schedules with posttrain's PipelineRunner")
+        out[rank] = [_Action(a.stage, kinds[a.kind], a.microbatch) for a in acts]
+    return out
+
+
+class PipelineRunner:
+    """Runs one rank's share of a schedule (see the module docstring).
+
+    Args:
+        stages: ``{stage index: module}`` for the stages the layout puts on this rank.
+        schedule: from :func:`~posttrain.pipeline.build_schedule`.
+        loss_fn: ``loss_fn(logits, target) -> scalar`` on the last stage.
+        offload: which saved activations go to host memory (default: none; accounting still runs).
+        group: process group of the pipeline ranks (default: the world).
+        device: compute device.
+    """
+
+    def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, *, loss_fn: Callable,
+                 offload: OffloadPolicy | None = None, group=None, device: torch.device | str = "cpu") -> None:
+        self.layout = schedule.layout
+        self.schedule = schedule
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        if self.world != self.layout.num_ranks:
+            raise ValueError(f"schedule {schedule.name!r} is laid out for {self.layout.num_ranks} pipeline ranks, "
+                             f"but the process group has {self.world}")
+        mine = sorted(s for s in range(self.layout.num_stages) if self.layout.rank_of(s) == self.rank)
+        if sorted(stages) != mine:
+            raise ValueError(f"rank {self.rank} must be given stages {mine}, got {sorted(stages)}")
+        self.stages = stages
+        self.loss_fn = loss_fn
+        self.device = torch.device(device)
+        self.policy = offload or OffloadPolicy(0)
+        self.m = schedule.num_microbatches
+        lowered = add_offload(schedule.actions, self.layout, self.m, self.policy)
+        self.lowered = add_send_recv(lowered, self.layout)
+        self.order = execution_order(self.lowered[self.rank])
+        self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
+        self._last = self.layout.num_stages - 1
+
+    # -- communication ----------------------------------------------------------------------
+
+    def _tag(self, kind: str, stage: int, mb: int, part: int) -> int:
+        return ((stage * self.m + mb) * 2 + (kind == "B")) * 2 + part
+
+    def _peer(self, stage: int) -> int:
+        r = self.layout.rank_of(stage)
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+    def _send(self, t: torch.Tensor, stage_to: int, kind: str, stage: int, mb: int) -> None:
+        t = t.detach().contiguous()
+        if t.ndim > _HEADER - 2 or t.dtype not in _DTYPES:
+            raise ValueError(f"cannot send a {t.ndim}-d {t.dtype} tensor between stages")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = t.ndim
+        header[1:1 + t.ndim] = torch.tensor(t.shape)
+        header[-1] = _DTYPES.index(t.dtype)
+        dst = self._peer(stage_to)
+        for part, x in enumerate((header.to(t.device), t)):
+            self._pending.append((dist.isend(x, dst, group=self.group, tag=self._tag(kind, stage, mb, part)), x))
+
+    def _recv(self, stage_from: int, kind: str, stage: int, mb: int) -> torch.Tensor:
+        src = self._peer(stage_from)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, src, group=self.group, tag=self._tag(kind, stage, mb, 0))
+        h = header.tolist()
+        buf = torch.empty(h[1:1 + h[0]], dtype=_DTYPES[h[-1]], device=self.device)
+        dist.recv(buf, src, group=self.group, tag=self._tag(kind, stage, mb, 1))
+        return buf
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self, inputs: Sequence[torch.Tensor] | None = None,
+             targets: Sequence[torch.Tensor] | None = None) -> StepResult:
+        """One pass over all microbatches; gradients accumulate into the stages' ``.grad``.
+
+        Args:
+            inputs: the ``num_microbatches`` token tensors (used by the rank holding stage 0).
+            targets: the matching targets (used by the rank holding the last stage).
+        """
+        if 0 in self.stages and (inputs is None or len(inputs) != self.m):
+            raise ValueError(f"the rank holding stage 0 needs {self.m} microbatch inputs, got "
+                             f"{None if inputs is None else len(inputs)}")
+        if self._last in self.stages and (targets is None or len(targets) != self.m):
+            raise ValueError(f"the rank holding the last stage needs {self.m} targets, got "
+                             f"{None if targets is None else len(targets)}")
+        self.store = ActivationStore([p for ps in self._params.values() for p in ps], self.device)
+        self._pending: list = []
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # stage input (leaf)
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # stage output, or the loss on the last stage
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}  # gradient w.r.t. a stage's output
+        self._wgroups: dict[tuple[int, int], list] = {}
+        self._dx: dict[tuple[int, int], torch.Tensor] = {}  # input gradient waiting for SEND_B
+        loss = torch.zeros((), device=self.device) if self._last in self.stages else None
+        t_start = time.perf_counter()
+        record: list[tuple[str, float, float]] = []
+        for a in self.order:
+            t0 = time.perf_counter()
+            try:
+                out = self._run(a, inputs, targets)
+            except PipelineActionError:
+                raise
+            except Exception as e:
+                raise PipelineActionError(f"rank {self.rank}, stage {a.stage}, action {a} ({a.kind}), "
+                                          f"microbatch {a.microbatch}: {type(e).__name__}: {e}") from e
+            if out is not None:
+                loss += out.detach()
+            record.append((str(a), t0 - t_start, time.perf_counter() - t_start))
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        if self.store.held():
+            raise PipelineActionError(f"rank {self.rank}: saved activations still held after the step: "
+                                      f"{self.store.held()} (schedule missing a backward)")
+        step_time = time.perf_counter() - t_start
+        return self._result(loss, step_time, record, t_start)
+
+    def _run(self, a: Action, inputs, targets) -> torch.Tensor | None:
+        s, j, key = a.stage, a.microbatch, (a.stage, a.microbatch)
+        if a.kind == "F":
+            if s == 0:
+                x = inputs[j].to(self.device)
+            elif key in self._inputs:
+                x = self._inputs[key]
+            else:
+                raise RuntimeError("input not received (RECV_F missing before this forward)")
+            self._inputs[key] = x
+            with self.store.hooks(s, j):
+                y = self.stages[s](x)
+                if s == self._last:
+                    y = self.loss_fn(y, targets[j].to(self.device)) / self.m
+            self._outputs[key] = y
+            if s < self._last and self.layout.rank_of(s + 1) == self.rank:
+                self._inputs[(s + 1, j)] = y.detach().requires_grad_()
+            return y if s == self._last else None
+        if a.kind == "SEND_F":
+            self._send(self._outputs[key], s + 1, "F", s, j)
+        elif a.kind == "RECV_F":
+            self._inputs[key] = self._recv(s - 1, "F", s - 1, j).requires_grad_()
+        elif a.kind == "SEND_B":
+            self._send(self._dx.pop(key), s - 1, "B", s, j)
+        elif a.kind == "RECV_B":
+            self._grads[key] = self._recv(s + 1, "B", s + 1, j)
+        elif a.kind in ("B", "I"):
+            y = self._outputs.pop(key)
+            grad = None if s == self._last else self._grads.pop(key, None)
+            if s != self._last and grad is None:
+                raise RuntimeError("output gradient not received (RECV_B missing before this backward)")
+            x = self._inputs[key]
+            if a.kind == "B" or not x.requires_grad:
+                # stage 0 (token ids in) has no input gradient: its I is the full backward, W only frees
+                torch.autograd.backward(y, grad_tensors=grad)
+                dx = x.grad if x.requires_grad else None
+                if a.kind == "B":
+                    self.store.release(s, j)
+            else:
+                (dx,), groups = stage_backward_input([y], None if grad is None else [grad], [x],
+                                                     iter(self._params[s]))
+                self._wgroups[key] = groups
+            self._inputs.pop(key)
+            if s > 0 and self.layout.rank_of(s - 1) == self.rank:
+                self._grads[(s - 1, j)] = dx
+            elif s > 0:
+                self._dx[key] = dx
+        elif a.kind == "W":
+            groups = self._wgroups.pop(key, None)
+            if groups is not None:
+                stage_backward_weight(iter(self._params[s]), groups)
+            self.store.release(s, j)
+        elif a.kind == "OFFLOAD":
+            self.store.offload(s, j)
+        elif a.kind == "RELOAD":
+            self.store.reload(s, j)
+        else:  # pragma: no cover - KINDS is closed
+            raise AssertionError(a.kind)
+        return None
+
+    def _result(self, loss, step_time: float, record, t_start: float) -> StepResult:
+        store = self.store
+        chunk = {}
+        for (s, _), n in store.packed.items():
+            chunk[s] = max(chunk.get(s, 0), n)
+        level: dict[int, int] = {}
+        curve = [(0.0, 0.0)]
+        for _, t, s, b in store.history:
+            level[s] = b
+            units = sum(v / chunk[k] for k, v in level.items() if chunk.get(k))
+            curve.append((t - t_start, units))
+        return StepResult(
+            loss=None if loss is None else float(loss), step_time_s=step_time, actions=record,
+            chunk_bytes=chunk, peak_bytes={s: store.peak(s) for s in self.stages}, curve=curve,
+            peak_units=max(u for _, u in curve), offloaded_bytes=store.offloaded_bytes,
+            late_reloads=store.late_reloads)
