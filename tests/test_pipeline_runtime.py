@@ -1,0 +1,199 @@
+"""The pipeline runtime: gradient parity with one process, measured memory = the schedule's, offload store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from posttrain._launch import RanksFailedError, run_ranks
+from posttrain.pipeline import OffloadPolicy, build_schedule
+from posttrain.pipeline.offload import ActivationStore
+from posttrain.pipeline.runtime import PipelineRunner, execution_order, to_torch_actions
+from posttrain.pipeline.train import PipelineConfig, predicted_peaks, reference_gradients, run_pipeline
+from posttrain.pipeline._ir import parse_schedule
+
+# every schedule x offload policy (none / half / full where half differs from none) at 2 and 4 ranks
+_CASES = []
+for _ranks in (2, 4):
+    for _name, _chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("group_interleaved", 2),
+                           ("zb_h1", 1), ("zbv", 2)):
+        for _off in sorted({"none", str(_chunks // 2), "full"} - ({"0"} if _chunks // 2 == 0 else set())):
+            _CASES.append((_ranks, _name, _chunks, _off))
+
+
+@pytest.mark.parametrize("ranks,schedule,chunks,offload", _CASES,
+                         ids=[f"{r}r-{s}-{o}" for r, s, _, o in _CASES])
+def test_gradients_match_one_process_and_memory_matches_schedule(ranks, schedule, chunks, offload):
+    cfg = PipelineConfig(schedule=schedule, stages=ranks, chunks=1 if schedule == "zbv" else chunks,
+                         microbatches=2 * ranks, group_size=1 if schedule == "group_interleaved" else None,
+                         offload=offload, layers=ranks * chunks, dim=32, seq_len=32, steps=1)
+    outs = run_pipeline(cfg, return_grads=True, timeout_s=120)
+    ref_loss, ref_grads = reference_gradients(cfg)
+    grads = {}
+    for o in outs:
+        assert not set(grads) & set(o["grads"]), "a parameter lives on two ranks"
+        grads.update(o["grads"])
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    [loss] = [o["losses"][0] for o in outs if o["losses"][0] is not None]
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    measured = [o["result"]["peak_units"] for o in outs]
+    assert measured == predicted_peaks(cfg), "measured saved-activation peak differs from the schedule's"
+    assert all(o["result"]["late_reloads"] == 0 for o in outs)
+    if offload != "none":
+        assert sum(o["result"]["offloaded_bytes"] for o in outs) > 0
+
+
+def test_llama_stages_match_one_process():
+    cfg = PipelineConfig(schedule="interleaved_1f1b", stages=2, chunks=2, microbatches=4, offload="1",
+                         model="llama", layers=4, dim=32, seq_len=16, steps=1)
+    outs = run_pipeline(cfg, return_grads=True, timeout_s=120)
+    _, ref = reference_gradients(cfg)
+    got = {k: v for o in outs for k, v in o["grads"].items()}
+    assert set(got) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert [o["result"]["peak_units"] for o in outs] == predicted_peaks(cfg)
+
+
+def test_training_loss_falls():
+    outs = run_pipeline(PipelineConfig(schedule="1f1b", stages=2, microbatches=4, offload="full", steps=12,
+                                       lr=1e-2, dim=32, seq_len=32), timeout_s=120)
+    losses = [x for o in outs for x in o["losses"] if x is not None]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_interleaved_offload_of_half_the_chunks_cuts_the_peak_about_in_half():
+    base = PipelineConfig(schedule="interleaved_1f1b", stages=4, chunks=2, microbatches=8, layers=8)
+    none = max(predicted_peaks(base))
+    half = max(predicted_peaks(PipelineConfig(**{**base.__dict__, "offload": "1"})))
+    assert 0.4 <= half / none <= 0.6, (none, half)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def test_runner_rejects_a_schedule_for_another_number_of_ranks():
+    sched = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ValueError, match="laid out for 2 pipeline ranks, but the process group has 1"):
+        PipelineRunner({0: nn.Linear(2, 2)}, sched, loss_fn=lambda y, t: y.sum())
+
+
+def test_bad_pipeline_configs_are_clear():
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'; valid: gpipe, 1f1b"):
+        PipelineConfig(schedule="pipedream")
+    with pytest.raises(ValueError, match="cannot be cut into 8 stages"):
+        PipelineConfig(schedule="interleaved_1f1b", stages=4, chunks=2, layers=4)
+    with pytest.raises(ValueError, match="needs at least 4 microbatches"):
+        PipelineConfig(schedule="interleaved_1f1b", stages=4, chunks=2, layers=8, microbatches=2).build()
+    with pytest.raises(ValueError, match="between 0 and the 2 chunks"):
+        PipelineConfig(schedule="interleaved_1f1b", chunks=2, offload="3")
+
+
+def _long_worker(rank, world, cfg):
+    from posttrain.pipeline.stages import split_model
+    from posttrain.pipeline.train import _loss, _model
+
+    stages = split_model(_model(cfg), cfg.num_stages)
+    runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=_loss)
+    x = [torch.zeros(1, 40, dtype=torch.long)] * 2  # 40 tokens; positions stop at seq_len=32
+    runner.step(x, x)
+
+
+def test_failure_names_rank_stage_action_and_microbatch():
+    cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=2, seq_len=32, steps=1)
+    with pytest.raises(RanksFailedError) as e:
+        run_ranks(_long_worker, 2, cfg, timeout_s=60)
+    assert "rank 0, stage 0, action 0F0 (F), microbatch 0: ValueError: sequence length 40" in e.value.errors[0]
+
+
+# -- execution order and torch action lists ---------------------------------------------------
+
+def test_reload_runs_before_the_compute_action_in_front_of_it_but_after_earlier_copies():
+    acts = parse_schedule({0: "0F0 0OFFLOAD0 0F1 0OFFLOAD1 0RELOAD0 0F2 0B0"})[0]
+    assert " ".join(map(str, execution_order(acts))) == "0F0 0OFFLOAD0 0F1 0OFFLOAD1 0RELOAD0 0F2 0B0"
+    acts = parse_schedule({0: "0F0 0OFFLOAD0 0F1 0RELOAD0 0F2 0B0"})[0]
+    assert " ".join(map(str, execution_order(acts))) == "0F0 0OFFLOAD0 0RELOAD0 0F1 0F2 0B0"
+
+
+def test_torch_action_lists():
+    sched = build_schedule("zb_h1", num_ranks=2, num_microbatches=2)
+    out = to_torch_actions(sched.actions)
+    assert [str(a) for a in out[0]][:3] == ["0F0", "0F1", "0I0"]
+    with pytest.raises(ValueError, match="no action for 0OFFLOAD0"):
+        to_torch_actions(parse_schedule({0: "0F0 0OFFLOAD0 0RELOAD0 0B0"}))
+
+
+# -- the activation store ---------------------------------------------------------------------
+
+def _forward(store, lin, x, key=(0, 0)):
+    with store.hooks(*key):
+        h = lin(x)
+        q, k = h.split(h.shape[-1] // 2, dim=-1)  # two views of one storage
+        return (q.sin() * k.cos()).sum()
+
+
+def test_store_aliases_views_passes_params_and_small_tensors_and_round_trips():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 128)
+    x = torch.randn(32, 64)
+    ref_loss = _forward(ActivationStore([]), lin, x)  # graph for the reference
+    ref_loss.backward()
+    ref = lin.weight.grad.clone()
+    lin.weight.grad = None
+
+    store = ActivationStore(lin.parameters())
+    loss = _forward(store, lin, x)
+    # saved: x for the weight gradient, q and k (two views of h: one storage, stored once) for
+    # sin/cos, and the sin and cos outputs for the product: x + h + 2 half-size results
+    assert store.packed[(0, 0)] == store.resident[0] == 4 * (32 * 64 + 32 * 128 + 2 * 32 * 64)
+    store.offload(0, 0)
+    assert store.resident[0] == 0
+    store.reload(0, 0)
+    assert store.resident[0] == store.packed[(0, 0)]
+    loss.backward()
+    store.release(0, 0)
+    assert store.resident[0] == 0 and store.held() == []
+    torch.testing.assert_close(lin.weight.grad, ref, rtol=0, atol=0)
+    assert store.late_reloads == 0
+
+
+def test_store_reloads_late_when_no_reload_was_scheduled_and_counts_it():
+    lin = nn.Linear(64, 64)
+    store = ActivationStore(lin.parameters())
+    loss = _forward(store, lin, torch.randn(40, 64))
+    store.offload(0, 0)
+    loss.backward()
+    assert store.late_reloads == 1
+
+
+def test_store_rejects_wrong_transitions():
+    lin = nn.Linear(64, 64)
+    store = ActivationStore(lin.parameters())
+    _forward(store, lin, torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="reload in state device"):
+        store.reload(0, 0)
+    store.offload(0, 0)
+    with pytest.raises(RuntimeError, match="offload in state host"):
+        store.offload(0, 0)
+    with pytest.raises(RuntimeError, match="stage 0 microbatch 1: offload without saved activations"):
+        store.offload(0, 1)
+    store.release(0, 0)
+    with pytest.raises(RuntimeError, match="release without saved activations"):
+        store.release(0, 0)
+
+
+def test_small_tensors_and_parameters_are_not_stored():
+    lin = nn.Linear(8, 8)
+    store = ActivationStore(lin.parameters())
+    with store.hooks(0, 0):
+        lin(torch.randn(4, 8)).sum()  # input 32 elements, weight is a parameter
+    assert store.packed[(0, 0)] == 0
+
+
+def test_offload_policy_parse():
+    assert OffloadPolicy.parse("full", 4).chunks == 4
+    assert OffloadPolicy.parse("2", 4).chunks == 2
+    with pytest.raises(ValueError, match="not none, full or a number"):
+        OffloadPolicy.parse("half", 2)
