@@ -5,6 +5,7 @@
     posttrain train --dp odc --model llama --precision bf16 --checkpoint-dir out/ckpt
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
     posttrain bench odc --profile long_tail --repeats 3
+    posttrain pipeline --schedule group_interleaved --stages 2 --chunks 2 --microbatches 8 --offload 1
     python -m posttrain demo                # the same without the console script
 """
 
@@ -54,6 +55,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline(args: argparse.Namespace) -> int:
+    from posttrain.pipeline.chart import format_report, plot_pipeline
+    from posttrain.pipeline.train import PipelineConfig, predicted_peaks, run_pipeline
+
+    cfg = PipelineConfig(schedule=args.schedule, stages=args.stages, chunks=args.chunks,
+                         microbatches=args.microbatches, group_size=args.group_size, offload=args.offload,
+                         model=args.model, dim=args.dim, layers=args.layers, seq_len=args.seq_len,
+                         batch=args.batch, steps=args.steps, lr=args.lr, seed=args.seed)
+    print(f"{cfg.schedule}: {cfg.stages} ranks x {cfg.num_chunks} chunks, {cfg.microbatches} microbatches, "
+          f"offload {cfg.offload}; {cfg.steps} steps on {cfg.stages} CPU processes", flush=True)
+    results = run_pipeline(cfg)
+    print(format_report(results, predicted_peaks(cfg)))
+    if args.chart:
+        path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.stages} ranks x {cfg.num_chunks} "
+                             f"chunks, {cfg.microbatches} microbatches, offload {cfg.offload} (last step)")
+        print(f"wrote {path}")
+    return 0
+
+
 def _bench_odc(args: argparse.Namespace) -> int:
     from posttrain.bench import bench_odc
 
@@ -83,6 +103,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, steps: int, sequences: int, max
 
 def build_parser() -> argparse.ArgumentParser:
     from posttrain.balance import METHODS
+    from posttrain.models import MODELS
+    from posttrain.pipeline import SCHEDULES
     from posttrain.train import DP_MODES
 
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
@@ -108,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics", default=None, help="per-rank, per-step metrics: .csv or JSON lines")
     train.add_argument("--timeline", default=None, help="write a per-rank timeline PNG of the last step")
     train.set_defaults(func=_train)
+
+    pipe = sub.add_parser("pipeline", help="pipeline-parallel training with activation offload, CPU processes")
+    pipe.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="(default 1f1b)")
+    pipe.add_argument("--stages", type=int, default=2, help="pipeline ranks = CPU processes (default 2)")
+    pipe.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedules; default 1)")
+    pipe.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    pipe.add_argument("--group-size", type=int, default=None, help="group_interleaved group size (default: stages)")
+    pipe.add_argument("--offload", default="none", help="none, full, or chunks per rank to offload (default none)")
+    pipe.add_argument("--model", choices=MODELS, default="gpt", help="(default gpt)")
+    pipe.add_argument("--dim", type=int, default=128, help="hidden size (default 128)")
+    pipe.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
+    pipe.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    pipe.add_argument("--batch", type=int, default=2, help="sequences per microbatch (default 2)")
+    pipe.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    pipe.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    pipe.add_argument("--seed", type=int, default=0, help="data and init seed (default 0)")
+    pipe.add_argument("--chart", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
+    pipe.set_defaults(func=_pipeline)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
