@@ -65,11 +65,14 @@ def test_training_loss_falls():
     assert losses[-1] < 0.8 * losses[0]
 
 
-def test_interleaved_offload_of_half_the_chunks_cuts_the_peak_about_in_half():
-    base = PipelineConfig(schedule="interleaved_1f1b", stages=4, chunks=2, microbatches=8, layers=8)
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_interleaved_offload_of_half_the_chunks_cuts_the_peak_about_in_half(chunks):
+    """At 8 ranks. At 2-4 ranks the ratio is 0.56-0.64: the forward in progress and the reloads in
+    flight (up to 3 chunk-microbatches) stay resident whatever the policy, and weigh more there."""
+    base = PipelineConfig(schedule="interleaved_1f1b", stages=8, chunks=chunks, microbatches=16, layers=8 * chunks)
     none = max(predicted_peaks(base))
-    half = max(predicted_peaks(PipelineConfig(**{**base.__dict__, "offload": "1"})))
-    assert 0.4 <= half / none <= 0.6, (none, half)
+    half = max(predicted_peaks(PipelineConfig(**{**base.__dict__, "offload": str(chunks // 2)})))
+    assert 0.45 <= half / none <= 0.55, (none, half)
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -106,6 +109,24 @@ def test_failure_names_rank_stage_action_and_microbatch():
     with pytest.raises(RanksFailedError) as e:
         run_ranks(_long_worker, 2, cfg, timeout_s=60)
     assert "rank 0, stage 0, action 0F0 (F), microbatch 0: ValueError: sequence length 40" in e.value.errors[0]
+
+
+def _ragged_worker(rank, world, cfg, static):
+    from posttrain.pipeline.stages import split_model
+    from posttrain.pipeline.train import _loss, _model
+
+    stages = split_model(_model(cfg), cfg.num_stages)
+    runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=_loss, static_shapes=static)
+    x = [torch.zeros(1, n, dtype=torch.long) for n in (16, 24)]  # two microbatches, two lengths
+    return runner.step(x, x).loss
+
+
+def test_microbatches_of_different_shapes_need_static_shapes_off():
+    cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=2, seq_len=32, steps=1)
+    assert run_ranks(_ragged_worker, 2, cfg, False, timeout_s=60)[1] > 0
+    with pytest.raises(RanksFailedError) as e:
+        run_ranks(_ragged_worker, 2, cfg, True, timeout_s=60)
+    assert "need PipelineRunner(static_shapes=False)" in e.value.errors[0]
 
 
 # -- execution order and torch action lists ---------------------------------------------------

@@ -28,8 +28,8 @@ GOLDEN = {
     ("1f1b", 2, 3, 1): {0: "0F0 0F1 0B0 0F2 0B1 0B2", 1: "1F0 1B0 1F1 1B1 1F2 1B2"},
     ("zb_h1", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2"},
     ("interleaved_1f1b", 2, 4, 2): {
-        0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 0B0 0B1 2F2 2F3 2B2 2B3 0B2 0B3",
-        1: "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1F2 1F3 3F2 3B2 3F3 3B3 1B2 1B3",
+        0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        1: "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
     },
     ("zbv", 2, 2, 2): {0: "0F0 0F1 3F0 3I0 3F1 3I1 0I0 3W0 0I1 3W1 0W0 0W1",
                        1: "1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1"},
@@ -166,3 +166,20 @@ def test_offload_skips_short_lifespans_and_checks_policy():
     with pytest.raises(ValueError, match="--offload='half' is not none, full or a number of chunks"):
         OffloadPolicy.parse("half", 2)
     assert OffloadPolicy.parse("full", 4).chunks == 4 and OffloadPolicy.parse("none", 4).chunks == 0
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 8, 2), (4, 8, 2), (4, 16, 3), (3, 9, 2)])
+def test_interleaved_1f1b_is_torchs_action_order(p, m, v):
+    """Same order as torch's ScheduleInterleaved1F1B, built here on stand-in stages (no processes)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    ours = build_schedule("interleaved_1f1b", num_ranks=p, num_microbatches=m, num_chunks=v).text()
+    for r in range(p):
+        stages = [SimpleNamespace(stage_index=r + c * p, num_stages=p * v, group_size=p, group_rank=r,
+                                  is_first=r + c * p == 0, is_last=r + c * p == p * v - 1,
+                                  submod=torch.nn.Linear(1, 1), scale_grads=True) for c in range(v)]
+        theirs = ScheduleInterleaved1F1B(stages, m).pipeline_order[r]
+        assert ours[r] == " ".join(str(a) for a in theirs if a is not None)

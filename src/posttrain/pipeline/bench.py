@@ -1,0 +1,138 @@
+"""``posttrain bench pipeline``: activation memory per schedule and offload policy, and our runner vs torch's.
+
+Part 1 runs :func:`~posttrain.pipeline.train.run_pipeline` for 2 and 4 stages across 1F1B,
+interleaved 1F1B and group-interleaved (2 chunks per rank, group size 1) with offload none, half
+(1 of 2 chunks) and full, and prints each run's largest per-rank peak of saved activations
+(measured by the saved-tensor hooks, MiB and chunk-microbatches) and its ratio to the same
+schedule without offload.
+
+Part 2 builds, in the same processes and on the same stage modules, our
+:class:`~posttrain.pipeline.PipelineRunner` (no offload) and torch's ``Schedule1F1B`` /
+``ScheduleInterleaved1F1B`` over ``torch.distributed.pipelining.PipelineStage``; checks that both
+produce the same gradients; then times them alternately, a barrier before every step, and prints
+the median step-time ratio torch / ours (>= 1 means ours is at least as fast).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .._launch import run_ranks
+from .runtime import PipelineRunner
+from .stages import split_model
+from .train import PipelineConfig, _batch, _loss, _model, predicted_peaks, run_pipeline
+
+__all__ = ["bench_pipeline"]
+
+MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_interleaved", 2, 1))
+
+
+def _memory_rows(base: PipelineConfig, stage_counts, out) -> list[dict]:
+    rows = []
+    for p in stage_counts:
+        for name, chunks, g in MEMORY_SCHEDULES:
+            offloads = ("none", "full") if chunks == 1 else ("none", "1", "full")
+            base_peak = None
+            for off in offloads:
+                cfg = replace(base, schedule=name, stages=p, chunks=chunks, group_size=g, offload=off, steps=1,
+                              microbatches=2 * p, layers=max(base.layers, p * chunks))
+                res = run_pipeline(cfg)
+                peak_mib = max(sum(r["result"]["peak_bytes"].values()) for r in res) / 2**20
+                units = max(r["result"]["peak_units"] for r in res)
+                base_peak = base_peak or peak_mib
+                row = {"stages": p, "schedule": name, "chunks": chunks, "group_size": g, "offload": off,
+                       "peak_mib": peak_mib, "peak_units": units, "predicted_units": max(predicted_peaks(cfg)),
+                       "vs_none": peak_mib / base_peak}
+                rows.append(row)
+                out(f"{p:>6} {name:>18} {off:>7} {peak_mib:>9.2f} {units:>6.1f} {row['predicted_units']:>9} "
+                    f"{row['vs_none']:>7.2f}")
+    return rows
+
+
+def _timing_worker(rank: int, world: int, cfg: PipelineConfig, repeats: int) -> dict:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
+
+    sched = cfg.build()
+    model = _model(cfg)
+    stages = split_model(model, cfg.num_stages)
+    mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
+    ours = PipelineRunner(mine, sched, loss_fn=_loss)
+    tstages = [PipelineStage(mine[s], s, cfg.num_stages, torch.device("cpu")) for s in sorted(mine)]
+    theirs = (Schedule1F1B(tstages[0], cfg.microbatches, loss_fn=_loss) if cfg.num_chunks == 1
+              else ScheduleInterleaved1F1B(tstages, cfg.microbatches, loss_fn=_loss))
+    inputs, targets = _batch(cfg, 0)
+    x, y = torch.cat(inputs), torch.cat(targets)
+    params = [p for m in mine.values() for p in m.parameters()]
+
+    def run_ours():
+        ours.step(inputs, targets)
+
+    def run_torch():
+        if 0 in mine:
+            theirs.step(x)
+        elif cfg.num_stages - 1 in mine:
+            theirs.step(target=y, losses=[])
+        else:
+            theirs.step()
+
+    grads = {}
+    for name, fn in (("ours", run_ours), ("torch", run_torch)):  # warm-up, and the parity check
+        for p in params:
+            p.grad = None
+        fn()
+        grads[name] = [p.grad.clone() for p in params]
+    max_diff = max((a - b).abs().max().item() for a, b in zip(grads["ours"], grads["torch"]))
+    times: dict[str, list[float]] = {"ours": [], "torch": []}
+    for i in range(repeats):
+        order = (("ours", run_ours), ("torch", run_torch)) if i % 2 == 0 else (("torch", run_torch), ("ours", run_ours))
+        for name, fn in order:
+            for p in params:
+                p.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    return {"times": times, "max_grad_diff": max_diff}
+
+
+def bench_pipeline(base: PipelineConfig, *, stage_counts=(2, 4), repeats: int = 7,
+                   json_path: str | None = "out/bench_pipeline.json", out=print) -> dict:
+    """Run both parts (see the module docstring); returns and optionally writes the results."""
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be at least 1")
+    out("Saved-activation peak per rank (largest rank), measured by the hooks; vs_none: MiB ratio to no offload")
+    out(f"{'stages':>6} {'schedule':>18} {'offload':>7} {'peak MiB':>9} {'units':>6} {'predicted':>9} {'vs_none':>7}")
+    memory = _memory_rows(base, stage_counts, out)
+    out("")
+    out("Step time, our runner (no offload) vs torch.distributed.pipelining on the same stages "
+        f"(median of {repeats} alternating steps)")
+    out(f"{'stages':>6} {'schedule':>18} {'torch s':>8} {'ours s':>8} {'torch/ours':>10} {'max |grad diff|':>15}")
+    timing = []
+    for p in stage_counts:
+        for name, chunks in (("1f1b", 1), ("interleaved_1f1b", 2)):
+            cfg = replace(base, schedule=name, stages=p, chunks=chunks, offload="none",
+                          microbatches=2 * p, layers=max(base.layers, p * chunks))
+            res = run_ranks(_timing_worker, p, cfg, repeats, timeout_s=600)
+            # the step of a pipeline ends when its slowest rank ends: max over ranks per step
+            per_step = {k: [max(r["times"][k][i] for r in res) for i in range(repeats)] for k in ("ours", "torch")}
+            med = {k: statistics.median(v) for k, v in per_step.items()}
+            diff = max(r["max_grad_diff"] for r in res)
+            row = {"stages": p, "schedule": name, "torch_s": med["torch"], "ours_s": med["ours"],
+                   "ratio": med["torch"] / med["ours"], "max_grad_diff": diff}
+            timing.append(row)
+            out(f"{p:>6} {name:>18} {med['torch']:>8.3f} {med['ours']:>8.3f} {row['ratio']:>10.3f} {diff:>15.2e}")
+    result = {"config": base.__dict__, "memory": memory, "timing": timing}
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        out(f"wrote {json_path}")
+    return result
