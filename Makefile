@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
 
-.PHONY: setup test demo bench-odc bench-train clean
+.PHONY: setup test demo bench-odc bench-train bench-pipeline clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,9 @@ bench-odc: setup
 
 bench-train: setup
 	$(PY) -m posttrain bench odc
+
+bench-pipeline: setup
+	$(PY) -m posttrain bench pipeline
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -129,3 +129,19 @@ def test_pipeline_bad_input_is_a_clear_error():
     assert proc.returncode == 2 and "gpipe" in proc.stderr and "zbv" in proc.stderr
     proc = _run("pipeline", "--stages", "2", "--layers", "1")
     assert proc.returncode == 2 and "cannot be cut into 2 stages" in proc.stderr
+
+
+def test_bench_pipeline_tiny(tmp_path):
+    out = tmp_path / "b.json"
+    proc = _run("bench", "pipeline", "--stages", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
+                "--repeats", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    res = json.loads(out.read_text())
+    assert {r["schedule"] for r in res["memory"]} == {"1f1b", "interleaved_1f1b", "group_interleaved"}
+    assert all(r["peak_units"] == r["predicted_units"] for r in res["memory"])
+    assert [r["schedule"] for r in res["timing"]] == ["1f1b", "interleaved_1f1b"]
+    assert all(r["max_grad_diff"] == 0.0 and r["ratio"] > 0 for r in res["timing"])
+    proc = _run("bench", "pipeline", "--stages", "two")
+    assert proc.returncode == 2 and "comma-separated" in proc.stderr

@@ -5,6 +5,7 @@
     posttrain train --dp odc --model llama --precision bf16 --checkpoint-dir out/ckpt
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
     posttrain bench odc --profile long_tail --repeats 3
+    posttrain bench pipeline --stages 2,4
     posttrain pipeline --schedule group_interleaved --stages 2 --chunks 2 --microbatches 8 --offload 1
     python -m posttrain demo                # the same without the console script
 """
@@ -71,6 +72,22 @@ def _pipeline(args: argparse.Namespace) -> int:
         path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.stages} ranks x {cfg.num_chunks} "
                              f"chunks, {cfg.microbatches} microbatches, offload {cfg.offload} (last step)")
         print(f"wrote {path}")
+    return 0
+
+
+def _bench_pipeline(args: argparse.Namespace) -> int:
+    from posttrain.pipeline.bench import bench_pipeline
+    from posttrain.pipeline.train import PipelineConfig
+
+    base = PipelineConfig(model=args.model, dim=args.dim, layers=args.layers, seq_len=args.seq_len, batch=args.batch,
+                          seed=args.seed)
+    try:
+        stage_counts = tuple(int(x) for x in args.stages.split(","))
+    except ValueError:
+        raise ValueError(f"--stages={args.stages!r} is not a comma-separated list of pipeline sizes, e.g. 2,4") from None
+    if any(p < 2 for p in stage_counts):
+        raise ValueError(f"--stages={args.stages}: a pipeline needs at least 2 stages")
+    bench_pipeline(base, stage_counts=stage_counts, repeats=args.repeats, json_path=args.json)
     return 0
 
 
@@ -156,6 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     odc.add_argument("--repeats", type=int, default=3, help="interleaved rounds; ratios are medians (default 3)")
     odc.add_argument("--json", default="out/bench_odc.json", help="results file (default out/bench_odc.json)")
     odc.set_defaults(func=_bench_odc)
+    bp = bench_sub.add_parser("pipeline", help="saved-activation peaks per schedule and offload; our runner vs torch's")
+    bp.add_argument("--stages", default="2,4", help="comma-separated pipeline sizes (default 2,4)")
+    bp.add_argument("--model", choices=MODELS, default="gpt", help="(default gpt)")
+    bp.add_argument("--dim", type=int, default=128, help="hidden size (default 128)")
+    bp.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
+    bp.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    bp.add_argument("--batch", type=int, default=2, help="sequences per microbatch (default 2)")
+    bp.add_argument("--repeats", type=int, default=7, help="timed steps per runtime, alternating (default 7)")
+    bp.add_argument("--seed", type=int, default=0, help="(default 0)")
+    bp.add_argument("--json", default="out/bench_pipeline.json", help="results file (default out/bench_pipeline.json)")
+    bp.set_defaults(func=_bench_pipeline)
     return parser
 
 
