@@ -1,19 +1,25 @@
-"""Pipeline parallelism with activation offload: schedules as data (this package's first part).
+"""Pipeline parallelism with activation offload.
 
 ``build_schedule(name, num_ranks=, num_microbatches=, ...)`` returns a :class:`Schedule`
 (``{rank: [Action]}`` plus its predicted memory), :func:`simulate` validates and times any
-schedule, and :mod:`posttrain.pipeline.passes` lowers one (send/recv, offload/reload). See
-[Note: pipeline vocabulary] in ``_ir.py``.
+schedule, :mod:`posttrain.pipeline.passes` lowers one (send/recv, offload/reload),
+:func:`split_model` cuts a model into stages and :class:`PipelineRunner` runs a rank's share with
+saved activations offloaded per :class:`OffloadPolicy` (:class:`ActivationStore`). See
+[Note: pipeline vocabulary] in ``_ir.py`` and [Note: saved-tensor lifecycle] in ``offload.py``.
 """
 
 from ._ir import COMPUTE_KINDS, KINDS, Action, format_schedule, parse_schedule
 from .layout import StageLayout
+from .offload import ActivationStore
 from .passes import OffloadPolicy, add_offload, add_send_recv
+from .runtime import PipelineActionError, PipelineRunner, StepResult, execution_order, to_torch_actions
 from .schedules import SCHEDULES, Schedule, build_schedule
 from .simulate import Durations, ScheduleError, SimResult, simulate
+from .stages import split_model
 
 __all__ = [
-    "COMPUTE_KINDS", "KINDS", "SCHEDULES", "Action", "Durations", "OffloadPolicy", "Schedule", "ScheduleError",
-    "SimResult", "StageLayout", "add_offload", "add_send_recv", "build_schedule", "format_schedule",
-    "parse_schedule", "simulate",
+    "COMPUTE_KINDS", "KINDS", "SCHEDULES", "Action", "ActivationStore", "Durations", "OffloadPolicy",
+    "PipelineActionError", "PipelineRunner", "Schedule", "ScheduleError", "SimResult", "StageLayout", "StepResult",
+    "add_offload", "add_send_recv", "build_schedule", "execution_order", "format_schedule", "parse_schedule",
+    "simulate", "split_model", "to_torch_actions",
 ]
