@@ -218,3 +218,26 @@ def test_offload_policy_parse():
     assert OffloadPolicy.parse("2", 4).chunks == 2
     with pytest.raises(ValueError, match="not none, full or a number"):
         OffloadPolicy.parse("half", 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_store_offloads_on_a_side_stream_and_round_trips():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 512).cuda()
+    x = torch.randn(512, 256, device="cuda")
+    _forward(ActivationStore([], "cuda"), lin, x).backward()
+    ref = lin.weight.grad.clone()
+    lin.weight.grad = None
+    store = ActivationStore(lin.parameters(), "cuda")
+    loss = _forward(store, lin, x)
+    held = store.resident[0]
+    store.offload(0, 0)
+    torch.cuda.synchronize()
+    store.poll()
+    assert store.resident[0] == 0
+    store.reload(0, 0)
+    assert store.resident[0] == held
+    loss.backward()
+    store.release(0, 0)
+    torch.testing.assert_close(lin.weight.grad, ref, rtol=0, atol=0)
+    assert store.late_reloads == 0

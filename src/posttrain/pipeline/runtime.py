@@ -66,6 +66,8 @@ class StepResult:
         offloaded_bytes: bytes copied to host memory.
         late_reloads: backwards that found their activations still on the host (0 when every
             reload was scheduled ahead).
+        cuda_max_allocated: on CUDA, ``torch.cuda.max_memory_allocated`` during the step (all
+            device memory, not only saved activations); ``None`` on CPU.
     """
 
     loss: float | None
@@ -77,6 +79,7 @@ class StepResult:
     peak_units: float = 0.0
     offloaded_bytes: int = 0
     late_reloads: int = 0
+    cuda_max_allocated: int | None = None
 
 
 def execution_order(actions: Sequence[Action]) -> list[Action]:
@@ -255,6 +258,8 @@ class PipelineRunner:
         self._wgroups: dict[tuple[int, int], list] = {}
         self._dx: dict[tuple[int, int], torch.Tensor] = {}  # input gradient waiting for SEND_B
         loss = torch.zeros((), device=self.device) if self._last in self.stages else None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         t_start = time.perf_counter()
         record: list[tuple[str, float, float]] = []
         self._posted: dict = {}
@@ -359,4 +364,5 @@ class PipelineRunner:
             loss=None if loss is None else float(loss), step_time_s=step_time, actions=record,
             chunk_bytes=chunk, peak_bytes={s: store.peak(s) for s in self.stages}, curve=curve,
             peak_units=max(u for _, u in curve), offloaded_bytes=store.offloaded_bytes,
-            late_reloads=store.late_reloads)
+            late_reloads=store.late_reloads,
+            cuda_max_allocated=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)
