@@ -75,6 +75,21 @@ def test_interleaved_offload_of_half_the_chunks_cuts_the_peak_about_in_half(chun
     assert 0.45 <= half / none <= 0.55, (none, half)
 
 
+def test_at_8_ranks_group_interleaved_offload_of_half_cuts_more_than_half_interleaved_about_half():
+    """Measured by the runtime on 8 processes (tiny model), in chunk-microbatches: group size 4
+    goes 16 -> 7 (more than half), interleaved 1F1B 23 -> 11 (about half)."""
+    def peaks(g, off):
+        cfg = PipelineConfig(schedule="group_interleaved", stages=8, chunks=2, group_size=g, microbatches=16,
+                             layers=16, dim=16, heads=2, seq_len=16, steps=1, offload=off)
+        res = run_pipeline(cfg, timeout_s=120)
+        measured = max(r["result"]["peak_units"] for r in res)
+        assert measured == max(predicted_peaks(cfg))
+        return measured
+
+    assert peaks(4, "1") / peaks(4, "none") < 0.5
+    assert 0.45 <= peaks(8, "1") / peaks(8, "none") <= 0.55
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 def test_runner_rejects_a_schedule_for_another_number_of_ranks():
