@@ -98,6 +98,17 @@ def _bench_odc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_pipeline_model_args(p: argparse.ArgumentParser) -> None:
+    from posttrain.models import MODELS
+
+    p.add_argument("--model", choices=MODELS, default="gpt", help="(default gpt)")
+    p.add_argument("--dim", type=int, default=128, help="hidden size (default 128)")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per microbatch (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="data and init seed (default 0)")
+
+
 def _add_run_args(p: argparse.ArgumentParser, *, steps: int, sequences: int, max_len: int, dim: int) -> None:
     from posttrain.data import PROFILES
     from posttrain.models import MODELS
@@ -120,7 +131,6 @@ def _add_run_args(p: argparse.ArgumentParser, *, steps: int, sequences: int, max
 
 def build_parser() -> argparse.ArgumentParser:
     from posttrain.balance import METHODS
-    from posttrain.models import MODELS
     from posttrain.pipeline import SCHEDULES
     from posttrain.train import DP_MODES
 
@@ -155,14 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     pipe.add_argument("--group-size", type=int, default=None, help="group_interleaved group size (default: stages)")
     pipe.add_argument("--offload", default="none", help="none, full, or chunks per rank to offload (default none)")
-    pipe.add_argument("--model", choices=MODELS, default="gpt", help="(default gpt)")
-    pipe.add_argument("--dim", type=int, default=128, help="hidden size (default 128)")
-    pipe.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
-    pipe.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    pipe.add_argument("--batch", type=int, default=2, help="sequences per microbatch (default 2)")
+    _add_pipeline_model_args(pipe)
     pipe.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     pipe.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    pipe.add_argument("--seed", type=int, default=0, help="data and init seed (default 0)")
     pipe.add_argument("--chart", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
     pipe.set_defaults(func=_pipeline)
 
@@ -175,13 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     odc.set_defaults(func=_bench_odc)
     bp = bench_sub.add_parser("pipeline", help="saved-activation peaks per schedule and offload; our runner vs torch's")
     bp.add_argument("--stages", default="2,4", help="comma-separated pipeline sizes (default 2,4)")
-    bp.add_argument("--model", choices=MODELS, default="gpt", help="(default gpt)")
-    bp.add_argument("--dim", type=int, default=128, help="hidden size (default 128)")
-    bp.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
-    bp.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    bp.add_argument("--batch", type=int, default=2, help="sequences per microbatch (default 2)")
+    _add_pipeline_model_args(bp)
     bp.add_argument("--repeats", type=int, default=7, help="timed steps per runtime, alternating (default 7)")
-    bp.add_argument("--seed", type=int, default=0, help="(default 0)")
     bp.add_argument("--json", default="out/bench_pipeline.json", help="results file (default out/bench_pipeline.json)")
     bp.set_defaults(func=_bench_pipeline)
     return parser

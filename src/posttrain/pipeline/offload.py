@@ -86,6 +86,17 @@ class ActivationStore:
 
     # -- accounting -------------------------------------------------------------------------
 
+    def reset_stats(self) -> None:
+        """Start a new measurement window (a step): history, packed sizes and counters; the
+        entries held and their resident bytes stay."""
+        if self._entries:
+            raise RuntimeError(f"saved activations still held: {self.held()}")
+        self.packed.clear()
+        self.history.clear()
+        self.late_reloads = 0
+        self.offloaded_bytes = 0
+
+
     def _account(self, stage: int, delta: int) -> None:
         self.resident[stage] += delta
         self._seq += 1

@@ -175,6 +175,8 @@ class PipelineRunner:
                 self._post_at.setdefault(before[-2] if len(before) >= 2 else 0, []).append(a)
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in stages.items()}
         self._last = self.layout.num_stages - 1
+        # one store for the runner's life: its pinned host buffers (CUDA) are reused across steps
+        self.store = ActivationStore([p for ps in self._params.values() for p in ps], self.device)
 
     # -- communication ----------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ class PipelineRunner:
         if self._last in self.stages and (targets is None or len(targets) != self.m):
             raise ValueError(f"the rank holding the last stage needs {self.m} targets, got "
                              f"{None if targets is None else len(targets)}")
-        self.store = ActivationStore([p for ps in self._params.values() for p in ps], self.device)
+        self.store.reset_stats()
         self._pending: list = []
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # stage input (leaf)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # stage output, or the loss on the last stage
