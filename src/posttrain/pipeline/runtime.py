@@ -8,8 +8,9 @@ runs the lowered action list exactly: every action kind of :mod:`posttrain.pipel
 rank-local ``{stage: module}`` dict, and gloo (CPU) or NCCL (GPU) ``isend``/``recv`` between ranks.
 It uses torch's split-backward functions (``stage_backward_input`` / ``stage_backward_weight``
 from ``torch.distributed.pipelining``) for ``I`` and ``W``, so split backward costs what it
-costs in torch. :func:`to_torch_actions` converts our compute schedules to torch's action lists,
-which :mod:`benchmarks.pipeline` runs through torch's runtime for comparison.
+costs in torch. :func:`to_torch_actions` converts our compute schedules to torch's action lists
+(``_Action``). ``posttrain bench pipeline`` (:mod:`posttrain.pipeline.bench`) times this runner
+against torch's own ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` on the same stages.
 
 Execution order (the simulator's semantics, ``simulate.py``): a copy (``OFFLOAD``/``RELOAD``) is
 issued when the compute action in front of it in the list starts, so a ``RELOAD`` runs just
