@@ -1,0 +1,277 @@
+"""Data-parallel simulation: FSDP (per-layer collectives) vs ODC (one-sided, one barrier).
+
+[Note: what the DP simulation models]
+
+Every rank runs its microbatches of one minibatch. Per microbatch and layer ``l`` (``L`` layers):
+forward ``F(l)`` needs the layer's parameters gathered (``AG``); backward ``B(l)`` needs them
+gathered again and then hands its gradient to a reduce (``RS``). Communication runs on its own
+channel, in issue order, overlapping compute (FSDP2's implicit prefetch): the gather for layer
+``l+1`` is issued when ``F(l)`` starts, the backward gather for layer ``l-1`` when ``B(l)``
+starts, and ``RS(l)`` when ``B(l)`` ends.
+
+- **FSDP**: each gather and reduce is a collective: it starts when every rank of the shard
+  group has issued it and has its channel free (a rendezvous), and takes the ring time of
+  :meth:`Cluster.collective_time`. Ranks must run the same number of microbatches: a rank with
+  fewer runs dummy microbatches (one token) and still joins every collective, as FSDP2 does.
+- **ODC**: a gather reads the ``group - 1`` peer shards straight from the owners and starts as
+  soon as it is issued (:meth:`Cluster.one_sided_time`, on the rank's ingress link); a reduce
+  is a push of ``group - 1`` slices on the rank's egress link, each added by its owner. The
+  owners' adds are where ranks contend: every push puts one slice on every owner, so all
+  owners of a group see the same queue, simulated once (a FIFO at ``accumulate_bandwidth``).
+  Gathers need no owner-side model: with equal links, all ranks reading at once load each
+  owner's egress exactly as much as each reader's ingress, so the reader's link is the
+  bottleneck. Ranks meet once, at the minibatch-end barrier after their last push has landed.
+- **HSDP** (``hsdp=True``): shard groups are nodes; collectives or one-sided transfers stay
+  inside a node, and the gradient shards are all-reduced across nodes once per minibatch
+  (a rendezvous of all ranks). Without HSDP a group spanning nodes is limited by the NIC.
+
+Per rank, compute time is the sum of its ``F``/``B``; utilization is compute over the
+minibatch's makespan; the bubble fraction is one minus the mean utilization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from posttrain.balance import Plan
+
+from ._engine import Engine, Link, Rendezvous
+from .cluster import Cluster
+from .costs import SimModel
+
+__all__ = ["DPResult", "STRATEGIES", "Span", "plan_lengths", "simulate_dp", "simulate_minibatch"]
+
+STRATEGIES = ("fsdp", "odc")
+Strategy = Literal["fsdp", "odc"]
+_DUMMY = (1,)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval on a rank's timeline (``lane``: ``compute``, ``comm``, ``wait``)."""
+
+    rank: int
+    lane: str
+    name: str
+    start: float
+    end: float
+
+
+@dataclass
+class DPResult:
+    """Simulated time of one or more minibatches.
+
+    Attributes:
+        strategy: ``fsdp`` or ``odc`` (``+hsdp`` when sharded per node).
+        time: seconds, all minibatches.
+        tokens: real tokens trained (dummy microbatches excluded).
+        compute: per rank, seconds of forward/backward.
+        spans: the timeline (only when simulated with ``trace=True``).
+    """
+
+    strategy: str
+    world_size: int
+    time: float = 0.0
+    tokens: int = 0
+    compute: list[float] = field(default_factory=list)
+    minibatch_times: list[float] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second over all ranks."""
+        return self.tokens / self.time if self.time > 0 else 0.0
+
+    @property
+    def utilization(self) -> list[float]:
+        return [c / self.time if self.time > 0 else 0.0 for c in self.compute]
+
+    @property
+    def bubble_fraction(self) -> float:
+        u = self.utilization
+        return 1.0 - sum(u) / len(u) if u else 0.0
+
+    def merge(self, other: DPResult) -> None:
+        """Append ``other`` (the next minibatch) to this result."""
+        offset = self.time
+        self.time += other.time
+        self.tokens += other.tokens
+        self.compute = [a + b for a, b in zip(self.compute, other.compute)] if self.compute else list(other.compute)
+        self.minibatch_times.extend(other.minibatch_times)
+        self.spans.extend(Span(s.rank, s.lane, s.name, s.start + offset, s.end + offset) for s in other.spans)
+
+
+def plan_lengths(plan: Plan) -> list[list[list[int]]]:
+    """rank -> microbatches -> sequence lengths of a balancing plan."""
+    return [[[plan.lengths[i] for i in mb.sequence_ids] for mb in mbs] for mbs in plan.ranks]
+
+
+def _ops(num_layers: int) -> list[tuple[str, int]]:
+    """Per microbatch, the communication in issue order (see the module note)."""
+    ops = [("AG", l) for l in range(num_layers)] + [("AGb", num_layers - 1)]
+    for l in range(num_layers - 1, -1, -1):
+        if l > 0:
+            ops.append(("AGb", l - 1))
+        ops.append(("RS", l))
+    return ops
+
+
+def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strategy: Strategy, model: SimModel,
+                       cluster: Cluster, hsdp: bool = False, slowdown: Sequence[float] | None = None,
+                       trace: bool = False) -> DPResult:
+    """Simulate one minibatch.
+
+    Args:
+        microbatches: rank -> microbatches -> sequence lengths (e.g. :func:`plan_lengths`).
+        strategy: ``fsdp`` or ``odc``.
+        model: layers, their cost and bytes.
+        cluster: ranks and links; ``cluster.num_gpus`` must equal the number of ranks given.
+        hsdp: shard within a node and all-reduce across nodes once per minibatch.
+        slowdown: per rank, a factor on compute time (a straggler: 2.0 runs at half speed).
+        trace: keep every interval (for the Chrome trace and PNG).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    n = len(microbatches)
+    if n != cluster.num_gpus:
+        raise ValueError(f"the plan has {n} ranks but the cluster has num_gpus={cluster.num_gpus}")
+    slowdown = list(slowdown) if slowdown is not None else [1.0] * n
+    if len(slowdown) != n or any(not s > 0 for s in slowdown):
+        raise ValueError(f"slowdown needs {n} positive factors, got {slowdown}")
+    mbs = [list(m) for m in microbatches]
+    tokens = sum(sum(sum(mb) for mb in rank) for rank in mbs)
+    if strategy == "fsdp":  # collectives need equal microbatch counts: pad with dummies
+        rounds = max(len(m) for m in mbs)
+        mbs = [m + [_DUMMY] * (rounds - len(m)) for m in mbs]
+
+    group = cluster.node_size if hsdp else n
+    spans_nodes = not hsdp and cluster.num_nodes > 1
+    L = model.num_layers
+    ops = _ops(L)
+    op_bytes = {"AG": model.layer_param_bytes, "AGb": model.layer_param_bytes, "RS": model.layer_grad_bytes}
+    if strategy == "fsdp":
+        op_time = {k: cluster.collective_time(b, group, across_nodes=spans_nodes) for k, b in op_bytes.items()}
+    else:
+        op_time = {k: cluster.one_sided_time(b, group, across_nodes=spans_nodes) for k, b in op_bytes.items()}
+    add_time = model.layer_grad_bytes / group / cluster.accumulate_bandwidth if group > 1 else 0.0
+
+    eng = Engine()
+    spans: list[Span] = []
+    compute = [0.0] * n
+    done_at = [0.0] * n
+    rendezvous: dict[tuple[int, int], Rendezvous] = {}
+    owners = [Link(eng) for _ in range(n // group)]  # one representative owner queue per group
+    end_barrier = Rendezvous(eng, n)
+
+    def rank_proc(r: int):
+        g = r // group
+        issued = [eng.event() for _ in range(len(ops) * len(mbs[r]))]
+        done = [eng.event() for _ in range(len(ops) * len(mbs[r]))]
+        index = {op: i for i, op in enumerate(ops)}
+        channels = {"in": Link(eng), "out": Link(eng)}  # ODC: ingress (gathers), egress (pushes)
+
+        def comm(kinds: tuple[str, ...], channel: str):
+            for k in range(len(issued)):
+                kind, layer = ops[k % len(ops)]
+                if kind not in kinds:
+                    continue
+                yield issued[k]
+                if strategy == "fsdp":
+                    rz = rendezvous.get((g, k))
+                    if rz is None:
+                        rz = rendezvous[(g, k)] = Rendezvous(eng, group)
+                    yield rz.arrive()
+                    t0 = eng.now
+                    yield channels["in"].use(op_time[kind])
+                else:
+                    t0 = eng.now
+                    ev = channels[channel].use(op_time[kind])
+                    if kind == "RS" and add_time:
+                        yield owners[g].use(add_time)
+                    yield ev
+                if trace:
+                    spans.append(Span(r, "comm", f"{kind}{layer}", max(t0, eng.now - op_time[kind]), eng.now))
+                done[k].fire()
+
+        if strategy == "fsdp":
+            eng.process(comm(("AG", "AGb", "RS"), "in"))
+        else:
+            eng.process(comm(("AG", "AGb"), "in"))
+            eng.process(comm(("RS",), "out"))
+
+        def wait(ev, what):
+            t0 = eng.now
+            yield ev
+            if trace and eng.now > t0:
+                spans.append(Span(r, "wait", what, t0, eng.now))
+
+        def run(name: str, seconds: float):
+            t0 = eng.now
+            yield seconds
+            compute[r] += seconds
+            if trace:
+                spans.append(Span(r, "compute", name, t0, eng.now))
+
+        def proc():
+            for j, lengths in enumerate(mbs[r]):
+                base = j * len(ops)
+                tf = model.layer_cost.forward(lengths) * slowdown[r]
+                tb = model.layer_cost.backward(lengths) * slowdown[r]
+                issued[base + index[("AG", 0)]].fire()
+                for l in range(L):
+                    if l + 1 < L:
+                        issued[base + index[("AG", l + 1)]].fire()
+                    yield from wait(done[base + index[("AG", l)]], f"AG{l}")
+                    yield from run(f"F{l} mb{j}", tf)
+                issued[base + index[("AGb", L - 1)]].fire()
+                for l in range(L - 1, -1, -1):
+                    if l > 0:
+                        issued[base + index[("AGb", l - 1)]].fire()
+                    yield from wait(done[base + index[("AGb", l)]], f"AGb{l}")
+                    yield from run(f"B{l} mb{j}", tb)
+                    issued[base + index[("RS", l)]].fire()
+            for k in range(len(done)):  # every reduce / push has landed
+                if ops[k % len(ops)][0] == "RS":
+                    yield from wait(done[k], "reduce")
+            if strategy == "odc" or hsdp:
+                yield from wait(end_barrier.arrive(), "barrier")
+                if strategy == "odc":
+                    yield cluster.inter_latency if cluster.num_nodes > 1 else cluster.intra_latency
+            if hsdp and cluster.num_nodes > 1:
+                t0 = eng.now
+                yield cluster.allreduce_time(model.num_layers * model.layer_grad_bytes / group, cluster.num_nodes)
+                if trace:
+                    spans.append(Span(r, "comm", "all-reduce", t0, eng.now))
+            yield model.optimizer_s
+            done_at[r] = eng.now
+
+        eng.process(proc())
+
+    for r in range(n):
+        rank_proc(r)
+    eng.run()
+    if any(not rz.done.fired for rz in rendezvous.values()):
+        raise AssertionError("a collective never completed: ranks issued different collectives")
+    t = max(done_at)
+    res = DPResult(strategy=strategy + ("+hsdp" if hsdp else ""), world_size=n, time=t, tokens=tokens,
+                   compute=compute, minibatch_times=[t], spans=spans)
+    return res
+
+
+def simulate_dp(plans: Sequence[Plan], *, strategy: Strategy, model: SimModel, cluster: Cluster,
+                hsdp: bool = False, slowdown: Sequence[float] | None = None, trace: bool = False) -> DPResult:
+    """Simulate consecutive minibatches, one balancing plan each (minibatches meet at the
+    optimizer step, so they are simulated one after another). See :func:`simulate_minibatch`."""
+    if not plans:
+        raise ValueError("no minibatches to simulate")
+    total: DPResult | None = None
+    for plan in plans:
+        one = simulate_minibatch(plan_lengths(plan), strategy=strategy, model=model, cluster=cluster,
+                                 hsdp=hsdp, slowdown=slowdown, trace=trace)
+        if total is None:
+            total = one
+        else:
+            total.merge(one)
+    return total
