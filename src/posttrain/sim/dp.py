@@ -31,7 +31,7 @@ minibatch's makespan; the bubble fraction is one minus the mean utilization.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -108,9 +108,12 @@ def plan_lengths(plan: Plan) -> list[list[list[int]]]:
     return [[[plan.lengths[i] for i in mb.sequence_ids] for mb in mbs] for mbs in plan.ranks]
 
 
-def _ops(num_layers: int) -> list[tuple[str, int]]:
+def _ops(num_layers: int, overlap: bool) -> list[tuple[str, int]]:
     """Per microbatch, the communication in issue order (see the module note)."""
-    ops = [("AG", l) for l in range(num_layers)] + [("AGb", num_layers - 1)]
+    ops = [("AG", l) for l in range(num_layers)]
+    if not overlap:
+        return ops + [op for l in range(num_layers - 1, -1, -1) for op in (("AGb", l), ("RS", l))]
+    ops.append(("AGb", num_layers - 1))
     for l in range(num_layers - 1, -1, -1):
         if l > 0:
             ops.append(("AGb", l - 1))
@@ -120,7 +123,8 @@ def _ops(num_layers: int) -> list[tuple[str, int]]:
 
 def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strategy: Strategy, model: SimModel,
                        cluster: Cluster, hsdp: bool = False, slowdown: Sequence[float] | None = None,
-                       trace: bool = False) -> DPResult:
+                       trace: bool = False, op_times: Mapping[str, float] | None = None,
+                       overlap: bool = True) -> DPResult:
     """Simulate one minibatch.
 
     Args:
@@ -131,6 +135,12 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
         hsdp: shard within a node and all-reduce across nodes once per minibatch.
         slowdown: per rank, a factor on compute time (a straggler: 2.0 runs at half speed).
         trace: keep every interval (for the Chrome trace and PNG).
+        op_times: measured seconds per layer that replace the link model: ``gather`` (one
+            all-gather or one-sided gather), ``reduce`` (one reduce-scatter or push) and, for
+            ODC, ``add`` (one owner adding one pusher's slice). Used by calibration.
+        overlap: communication overlaps compute (prefetched gathers, reduces in the background),
+            as on GPUs. ``False``: each gather is issued when its layer needs it and compute waits
+            for every reduce, as FSDP2 on CPU/gloo and ODC's CPU transport do.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -149,13 +159,22 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
     group = cluster.node_size if hsdp else n
     spans_nodes = not hsdp and cluster.num_nodes > 1
     L = model.num_layers
-    ops = _ops(L)
+    ops = _ops(L, overlap)
     op_bytes = {"AG": model.layer_param_bytes, "AGb": model.layer_param_bytes, "RS": model.layer_grad_bytes}
     if strategy == "fsdp":
         op_time = {k: cluster.collective_time(b, group, across_nodes=spans_nodes) for k, b in op_bytes.items()}
     else:
         op_time = {k: cluster.one_sided_time(b, group, across_nodes=spans_nodes) for k, b in op_bytes.items()}
     add_time = model.layer_grad_bytes / group / cluster.accumulate_bandwidth if group > 1 else 0.0
+    if op_times is not None:
+        unknown = set(op_times) - {"gather", "reduce", "add"}
+        if unknown:
+            raise ValueError(f"unknown op_times keys {sorted(unknown)}; valid: gather, reduce, add")
+        if any(not v >= 0 for v in op_times.values()):
+            raise ValueError(f"op_times must be non-negative seconds, got {dict(op_times)}")
+        op_time = {"AG": op_times.get("gather", op_time["AG"]), "AGb": op_times.get("gather", op_time["AGb"]),
+                   "RS": op_times.get("reduce", op_time["RS"])}
+        add_time = op_times.get("add", add_time)
 
     eng = Engine()
     spans: list[Span] = []
@@ -221,17 +240,23 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
                 tb = model.layer_cost.backward(lengths) * slowdown[r]
                 issued[base + index[("AG", 0)]].fire()
                 for l in range(L):
-                    if l + 1 < L:
+                    if l + 1 < L and overlap:
                         issued[base + index[("AG", l + 1)]].fire()
+                    if not overlap and l > 0:
+                        issued[base + index[("AG", l)]].fire()
                     yield from wait(done[base + index[("AG", l)]], f"AG{l}")
                     yield from run(f"F{l} mb{j}", tf)
                 issued[base + index[("AGb", L - 1)]].fire()
                 for l in range(L - 1, -1, -1):
-                    if l > 0:
+                    if l > 0 and overlap:
                         issued[base + index[("AGb", l - 1)]].fire()
+                    if not overlap and l < L - 1:
+                        issued[base + index[("AGb", l)]].fire()
                     yield from wait(done[base + index[("AGb", l)]], f"AGb{l}")
                     yield from run(f"B{l} mb{j}", tb)
                     issued[base + index[("RS", l)]].fire()
+                    if not overlap:
+                        yield from wait(done[base + index[("RS", l)]], f"RS{l}")
             for k in range(len(done)):  # every reduce / push has landed
                 if ops[k % len(ops)][0] == "RS":
                     yield from wait(done[k], "reduce")
@@ -261,7 +286,8 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
 
 
 def simulate_dp(plans: Sequence[Plan], *, strategy: Strategy, model: SimModel, cluster: Cluster,
-                hsdp: bool = False, slowdown: Sequence[float] | None = None, trace: bool = False) -> DPResult:
+                hsdp: bool = False, slowdown: Sequence[float] | None = None, trace: bool = False,
+                op_times: Mapping[str, float] | None = None, overlap: bool = True) -> DPResult:
     """Simulate consecutive minibatches, one balancing plan each (minibatches meet at the
     optimizer step, so they are simulated one after another). See :func:`simulate_minibatch`."""
     if not plans:
@@ -269,7 +295,8 @@ def simulate_dp(plans: Sequence[Plan], *, strategy: Strategy, model: SimModel, c
     total: DPResult | None = None
     for plan in plans:
         one = simulate_minibatch(plan_lengths(plan), strategy=strategy, model=model, cluster=cluster,
-                                 hsdp=hsdp, slowdown=slowdown, trace=trace)
+                                 hsdp=hsdp, slowdown=slowdown, trace=trace, op_times=op_times,
+                                 overlap=overlap)
         if total is None:
             total = one
         else:

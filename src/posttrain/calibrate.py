@@ -1,0 +1,195 @@
+"""``posttrain simulate calibrate``: the simulator against this machine.
+
+1. **Measure** on ``world_size`` CPU processes at once (each under the same core contention as
+   training): forward+backward seconds of every microbatch shape the benchmark's plans contain
+   (unsharded model, no communication), fitted per layer to :class:`posttrain.sim.LayerCost`;
+   and each engine's cost per layer and microbatch (communication, copies, hooks): FSDP2 and
+   ODC train on *equal-length* sequences, where no rank waits for another, and their step time
+   minus the compute alone is spread over layers and microbatches. (A gloo all-gather timed on
+   its own misses FSDP2's copies and hooks and predicted 1.14 against a measured 1.38.)
+2. **Predict** the benchmark's imbalanced steps (the same minibatches and plans as
+   ``posttrain bench odc``) with :func:`posttrain.sim.simulate_dp`, the measured per-layer times
+   in place of the link model and no overlap (on CPU both engines communicate synchronously).
+   What is tested is the simulator's synchronization model: FSDP's per-layer rendezvous against
+   ODC's one barrier per minibatch, with costs it never saw on imbalanced data.
+3. **Run** the real FSDP2+same_micro and ODC+diff_micro trainings (or read a ``bench odc`` JSON)
+   and print predicted and measured speedups side by side.
+
+Pipeline: the real :class:`posttrain.pipeline.PipelineRunner` measures its per-rank peak of
+saved activations from the hooks; the simulator predicts it in chunk-microbatches. Both printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from posttrain._launch import run_ranks
+from posttrain.balance import FlopsCost
+from posttrain.models import build_model
+from posttrain.data import synthetic_sequences
+from posttrain.sim import Cluster, LayerCost, SimModel, simulate_dp
+from posttrain.train import (TrainConfig, TrainData, _microbatch_loss, _plan, ideal_compute_worker, summarize,
+                             train_worker)
+
+__all__ = ["calibrate_odc", "calibrate_pipeline", "measure_machine"]
+
+
+def _plans(cfg: TrainConfig, world_size: int, method: str):
+    data = TrainData(cfg, world_size)
+    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
+    c = replace(cfg, balance=method)
+    return [_plan(c, data.minibatch(k), world_size, cost) for k in range(1, cfg.steps)]  # step 0 is warm-up
+
+
+def _slowest_median(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _compute_worker(rank: int, world_size: int, cfg: TrainConfig, shapes: list[list[int]], iters: int) -> list[float]:
+    data = TrainData(cfg, world_size)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.model_config(data.vocab_size))
+    seconds = []
+    for shape in shapes:
+        seqs = synthetic_sequences([n + 1 for n in shape], vocab_size=data.vocab_size, seed=len(shape))
+        ids = list(range(len(seqs)))
+        seconds.append(_slowest_median(lambda: _microbatch_loss(model, seqs, ids, 1.0).backward(), iters))
+    return seconds
+
+
+def _engine_cost(cfg: TrainConfig, dp: str, world_size: int, log) -> float:
+    """Seconds per layer and microbatch that ``dp`` adds to pure compute (its communication,
+    copies and hooks), from a run on equal-length sequences where no rank waits for another."""
+    length = max(8, cfg.max_tokens // 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "equal.jsonl")
+        with open(path, "w") as f:
+            for i in range(max(cfg.sequences, 4 * world_size)):
+                f.write(json.dumps({"input_ids": [(i + k) % 97 for k in range(length + 1)]}) + "\n")
+        c = replace(cfg, data=path, dp=dp, balance="same_micro", sequences=max(cfg.sequences, 4 * world_size),
+                    max_len=length + 1, max_tokens=max(cfg.max_tokens, length))
+        run = summarize(run_ranks(train_worker, world_size, c, timeout_s=3600))
+        per_rank = run_ranks(ideal_compute_worker, world_size, c, timeout_s=3600)
+        ideal = statistics.mean(sum(step) / len(step) for step in list(zip(*per_rank))[1:]) / world_size
+        data = TrainData(c, world_size)
+        cost = FlopsCost.from_config(c.model_config(data.vocab_size))
+        mbs = max(_plan(c, data.minibatch(1), world_size, cost).num_microbatches)
+    extra = max(0.0, run["step_time_s"] - ideal) / (mbs * cfg.num_layers)
+    log(f"  {dp} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
+        f"{mbs} microbatches x {cfg.num_layers} layers -> {extra * 1e3:.3f} ms per layer and microbatch", flush=True)
+    return extra
+
+
+def measure_machine(cfg: TrainConfig, *, world_size: int = 2, iters: int = 3, log=print) -> dict:
+    """Per-layer cost fit and per-layer engine cost of FSDP2 and ODC on this machine."""
+    shapes = sorted({tuple(sorted(m_lens)) for method in ("same_micro", "diff_micro")
+                     for plan in _plans(cfg, world_size, method)
+                     for m_lens in ([plan.lengths[i] for i in mb.sequence_ids] for mbs in plan.ranks for mb in mbs)
+                     if m_lens})
+    seconds = run_ranks(_compute_worker, world_size, cfg, [list(s) for s in shapes], iters, timeout_s=1800)[0]
+    per_layer = [t / cfg.num_layers for t in seconds]
+    cost = LayerCost.fit([list(s) for s in shapes], per_layer)
+    pred = [(1 + cost.backward_ratio) * cost.forward(list(s)) for s in shapes]
+    err = statistics.median(abs(p - m) / m for p, m in zip(pred, per_layer))
+    comm = {}
+    for dp in ("fsdp", "odc"):
+        extra = _engine_cost(cfg, dp, world_size, log)
+        # FSDP: three rendezvous per layer and microbatch (gather, gather, reduce) share it evenly
+        comm[dp] = {"gather": extra / 3, "reduce": extra / 3, **({"add": 0.0} if dp == "odc" else {})}
+    return {"layer_cost": cost, "fit_median_error": err, "shapes": len(shapes), "comm": comm}
+
+
+def predict_odc(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -> dict:
+    """Simulated tokens/s of FSDP+same_micro and ODC+diff_micro (and the round-robin variants)."""
+    model = SimModel(num_layers=cfg.num_layers, layer_cost=machine["layer_cost"], layer_param_bytes=0.0,
+                     layer_grad_bytes=0.0)
+    cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
+    out = {}
+    for strat, method in (("fsdp", "same_micro"), ("fsdp", "round_robin"), ("odc", "round_robin"), ("odc", "diff_micro")):
+        res = simulate_dp(_plans(cfg, world_size, method), strategy=strat, model=model, cluster=cluster,
+                          op_times=machine["comm"][strat], overlap=False)
+        # tokens as the trainer counts them: targets, one per token after the first of a sequence
+        out[f"{strat}+{method}"] = {"time_s": res.time, "utilization": 1 - res.bubble_fraction}
+    return out
+
+
+def _measure_real(cfg: TrainConfig, world_size: int, repeats: int, log) -> dict:
+    rounds = []
+    for k in range(repeats):
+        got = {}
+        for dp, method in (("fsdp", "same_micro"), ("odc", "diff_micro")):
+            got[f"{dp}+{method}"] = summarize(run_ranks(train_worker, world_size, replace(cfg, dp=dp, balance=method),
+                                                        timeout_s=3600))
+            log(f"  round {k + 1}/{repeats}  {dp}+{method}: {got[f'{dp}+{method}']['tokens_per_s']:.0f} tokens/s",
+                flush=True)
+        rounds.append(got["odc+diff_micro"]["tokens_per_s"] / got["fsdp+same_micro"]["tokens_per_s"])
+    return {"speedup": statistics.median(rounds), "rounds": rounds}
+
+
+def calibrate_odc(cfg: TrainConfig, *, world_size: int = 2, repeats: int = 3, measured_json: str | None = None,
+                  iters: int = 3, log=print) -> dict:
+    """Measure, predict, run; print the predicted and the measured ODC+diff_micro / FSDP+same_micro.
+
+    Args:
+        measured_json: a ``posttrain bench odc`` results file to take the measured speedup from
+            instead of running the two trainings (its config must match ``cfg``).
+    """
+    cfg = replace(cfg, progress=False, checkpoint_dir=None)
+    if cfg.steps < 2:
+        raise ValueError(f"--steps={cfg.steps} must be at least 2 (the first step is warm-up)")
+    log(f"measuring per-layer compute and communication on {world_size} processes ...", flush=True)
+    machine = measure_machine(cfg, world_size=world_size, iters=iters, log=log)
+    c = machine["layer_cost"]
+    log(f"  layer cost fit over {machine['shapes']} microbatch shapes: forward {c.linear * 1e6:.3f} us/token + "
+        f"{c.quadratic * 1e9:.4f} ns/token^2 + {c.overhead * 1e3:.3f} ms; median error {machine['fit_median_error']:.1%}")
+    pred = predict_odc(cfg, machine, world_size=world_size)
+    predicted = pred["fsdp+same_micro"]["time_s"] / pred["odc+diff_micro"]["time_s"]
+    if measured_json:
+        with open(measured_json) as f:
+            bench = json.load(f)
+        keys = ("profile", "sequences", "max_len", "max_tokens", "dim", "num_layers", "steps", "seed", "model", "precision")
+        diff = {k: (bench["config"].get(k), getattr(cfg, k)) for k in keys if bench["config"].get(k) != getattr(cfg, k)}
+        if diff:
+            raise ValueError(f"{measured_json} was run with a different config: {diff}")
+        measured = {"speedup": bench["median"]["odc+diff_micro"]["vs_fsdp_same_micro"], "rounds": None,
+                    "source": measured_json}
+    else:
+        log(f"running the real trainings ({repeats} rounds) ...", flush=True)
+        measured = _measure_real(cfg, world_size, repeats, log)
+    error = predicted / measured["speedup"] - 1
+    log("")
+    log(f"{'variant':20} {'predicted step s':>16} {'predicted util':>15}")
+    for name, r in pred.items():
+        log(f"{name:20} {r['time_s'] / (cfg.steps - 1):16.4f} {r['utilization']:15.2f}")
+    log(f"ODC+diff_micro / FSDP+same_micro: predicted {predicted:.3f}, measured {measured['speedup']:.3f} "
+        f"({error:+.1%}; target within 10%: {'met' if abs(error) <= 0.10 else 'NOT met'})")
+    return {"predicted": predicted, "measured": measured, "error": error, "variants": pred,
+            "layer_cost": c.__dict__, "comm": machine["comm"], "fit_median_error": machine["fit_median_error"]}
+
+
+def calibrate_pipeline(cfg, *, log=print) -> dict:
+    """Run the real pipeline runner and print its measured per-rank peaks next to the simulator's."""
+    from posttrain.pipeline.train import predicted_peaks, run_pipeline
+
+    predicted = predicted_peaks(cfg)
+    measured = [r["result"]["peak_units"] for r in run_pipeline(cfg)]
+    log(f"pipeline {cfg.schedule} ({cfg.stages} stages, {cfg.chunks} chunks, {cfg.microbatches} microbatches, "
+        f"offload {cfg.offload}): peak chunk-microbatches per rank predicted {predicted}, measured {measured} "
+        f"({'equal' if list(predicted) == list(measured) else 'DIFFERENT'})")
+    return {"predicted": list(predicted), "measured": list(measured)}
