@@ -7,6 +7,12 @@
     posttrain bench odc --profile long_tail --repeats 3
     posttrain bench pipeline --stages 2,4
     posttrain pipeline --schedule group_interleaved --stages 2 --chunks 2 --microbatches 8 --offload 1
+    posttrain simulate odc --gpus 32 --lengths longalign --model 7b     # FSDP vs ODC at cluster scale
+    posttrain simulate pipeline --schedule group_interleaved --stages 8 --chunks 2 --offload-chunks 1
+    posttrain simulate table                # ODC/FSDP speedup, 8-256 GPUs x LongAlign/SWE-smith x 1.5B/7B
+    posttrain simulate calibrate            # simulator vs the real 2-rank benchmark and pipeline runner
+    posttrain plan odc --gpus 64 --lengths swe_smith
+    posttrain plan pipeline --stages 8 --memory-gib 8
     python -m posttrain demo                # the same without the console script
 """
 
@@ -184,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--repeats", type=int, default=7, help="timed steps per runtime, alternating (default 7)")
     bp.add_argument("--json", default="out/bench_pipeline.json", help="results file (default out/bench_pipeline.json)")
     bp.set_defaults(func=_bench_pipeline)
+
+    from posttrain._sim_cli import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

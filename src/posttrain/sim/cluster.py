@@ -44,7 +44,8 @@ class Cluster:
         for name in ("intra_bandwidth", "inter_bandwidth", "accumulate_bandwidth"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name}={v} must be a positive number of bytes/s (--{name.replace('_', '-')})")
+                flag = {"intra_bandwidth": "--intra-gbps", "inter_bandwidth": "--inter-gbps"}.get(name, name)
+                raise ValueError(f"{name}={v} must be a positive number of bytes/s ({flag})")
         for name in ("intra_latency", "inter_latency"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):

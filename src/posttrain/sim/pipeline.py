@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from posttrain.pipeline import Durations, OffloadPolicy, SimResult, add_offload, build_schedule, simulate
 
-__all__ = ["PipelineSimResult", "PipelineWorkload", "pipeoffload_table", "simulate_pipeline"]
+__all__ = ["PipelineSimResult", "PipelineWorkload", "format_pipeoffload_table", "pipeoffload_table", "simulate_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PipelineWorkload:
                 raise ValueError(f"{name}={v} must be a non-negative number")
         if not self.host_bandwidth > 0:
             raise ValueError(f"host_bandwidth={self.host_bandwidth} must be a positive number of bytes/s "
-                             "(--host-bandwidth)")
+                             "(--host-gbps)")
 
     @property
     def copy_s(self) -> float:
@@ -157,3 +157,12 @@ def pipeoffload_table(*, num_ranks: int = 8, num_microbatches: int = 32) -> list
         rows.append({"chunks": v, "group_size": g, "peaks": ours, "paper_peaks": paper,
                      "makespan": makespan, "paper_makespan": PAPER_MAKESPANS.get((v, g))})
     return rows
+
+
+def format_pipeoffload_table(rows: list[dict]) -> str:
+    lines = ["p=8, m=32, F=I=W=1, free copies: peak chunk-microbatches for 0..v chunks offloaded; makespan",
+             f"{'v':>2} {'g':>2}  {'ours':22} {'paper':22} {'makespan ours/paper':>20}"]
+    for r in rows:
+        lines.append(f"{r['chunks']:>2} {r['group_size']:>2}  {str(r['peaks']):22} {str(r['paper_peaks']):22} "
+                     f"{r['makespan']:>9g} / {r['paper_makespan'] or '-'}")
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""``posttrain plan``: recommendations from the simulator.
+
+- :func:`plan_odc`: for a dataset and cluster, every balancing method x ``max_tokens`` candidate
+  under FSDP and ODC, ranked by simulated throughput.
+- :func:`plan_pipeline`: every schedule, group size and offload count that fits a memory budget,
+  ranked by simulated step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from posttrain.balance import METHODS, plan_minibatch
+from posttrain.pipeline import SCHEDULES
+
+from .cluster import Cluster
+from .costs import SimModel
+from .dp import simulate_dp
+from .pipeline import PipelineSimResult, PipelineWorkload, simulate_pipeline
+
+__all__ = ["pipeline_candidates", "plan_odc", "plan_pipeline"]
+
+_FSDP_METHODS = ("round_robin", "local_sort", "same_micro")  # diff_micro needs ODC
+
+
+def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Cluster,
+             max_tokens_options: Sequence[int], hsdp: bool = False,
+             progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Rows ``{"strategy", "method", "max_tokens", "throughput", "bubble", "vs_fsdp"}`` sorted by
+    throughput, best first; ``vs_fsdp`` is over FSDP+same_micro at the same ``max_tokens``."""
+    longest = max(max(b) for b in batches)
+    options = sorted(set(max_tokens_options))
+    if not options or options[-1] < longest:
+        raise ValueError(f"no max_tokens option holds the longest sequence ({longest} tokens); "
+                         f"raise --max-tokens (got {list(options)})")
+    rows = []
+    for mt in (o for o in options if o >= longest):
+        ref = None
+        for strategy, methods in (("fsdp", _FSDP_METHODS), ("odc", METHODS)):
+            for method in methods:
+                plans = [plan_minibatch(b, world_size=cluster.num_gpus, max_tokens=mt, method=method,
+                                        cost=model.sequence_cost) for b in batches]
+                res = simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, hsdp=hsdp)
+                row = {"strategy": strategy, "method": method, "max_tokens": mt, "throughput": res.throughput,
+                       "bubble": res.bubble_fraction}
+                if strategy == "fsdp" and method == "same_micro":
+                    ref = res.throughput
+                rows.append(row)
+                if progress:
+                    progress(f"max_tokens={mt} {strategy}+{method}: {res.throughput:,.0f} tokens/s")
+        for row in rows:
+            if row["max_tokens"] == mt:
+                row["vs_fsdp"] = row["throughput"] / ref
+    return sorted(rows, key=lambda r: -r["throughput"])
+
+
+def pipeline_candidates(num_ranks: int, chunk_options: Sequence[int] = (2, 4)) -> list[dict]:
+    """Schedules worth trying at ``num_ranks``: one-chunk schedules, ZB-V, interleaved 1F1B and
+    group-interleaved with every group size dividing ``num_ranks``, each with 0..v chunks offloaded."""
+    out = []
+    for name in SCHEDULES:
+        if name in ("gpipe",):
+            continue
+        if name in ("1f1b", "zb_h1"):
+            out += [{"schedule": name, "num_chunks": 1, "group_size": None, "offload_chunks": k} for k in (0, 1)]
+        elif name == "zbv":
+            out += [{"schedule": name, "num_chunks": 2, "group_size": None, "offload_chunks": k} for k in (0, 1, 2)]
+        else:
+            for v in chunk_options:
+                groups = [None] if name == "interleaved_1f1b" else [g for g in range(1, num_ranks) if num_ranks % g == 0]
+                out += [{"schedule": name, "num_chunks": v, "group_size": g, "offload_chunks": k}
+                        for g in groups for k in range(v + 1)]
+    return out
+
+
+def plan_pipeline(*, num_ranks: int, num_microbatches: int, workload: PipelineWorkload, memory_budget: float,
+                  chunk_options: Sequence[int] = (2, 4)) -> tuple[list[PipelineSimResult], int]:
+    """Simulate every candidate; return those whose peak activation bytes fit ``memory_budget``
+    (bytes, per device), fastest first, and how many candidates were tried.
+
+    ``workload`` is per chunk-microbatch at one chunk per rank; with ``v`` chunks each chunk holds
+    ``1/v`` of a rank's layers, so its times and activation bytes are divided by ``v``."""
+    if not memory_budget > 0:
+        raise ValueError(f"memory_budget={memory_budget} must be positive (--memory-gib)")
+    fits, tried = [], 0
+    for c in pipeline_candidates(num_ranks, chunk_options):
+        v = c["num_chunks"]
+        w = PipelineWorkload(forward_s=workload.forward_s / v, input_grad_s=workload.input_grad_s / v,
+                             weight_grad_s=workload.weight_grad_s / v, activation_bytes=workload.activation_bytes / v,
+                             host_bandwidth=workload.host_bandwidth)
+        try:
+            res = simulate_pipeline(c["schedule"], num_ranks=num_ranks, num_microbatches=num_microbatches,
+                                    num_chunks=v, group_size=c["group_size"], offload_chunks=c["offload_chunks"],
+                                    workload=w)
+        except ValueError:  # e.g. too few microbatches for this schedule
+            continue
+        tried += 1
+        if res.peak_bytes <= memory_budget:
+            fits.append(res)
+    fits.sort(key=lambda r: (r.makespan, r.peak_bytes))
+    return fits, tried

@@ -1,0 +1,262 @@
+"""posttrain.sim: analytical cases the simulator must get exactly, its inputs and its outputs.
+
+A failure pinpoints the engine (FIFO links, rendezvous), the FSDP/ODC synchronization model,
+the pipeline wrapper, a cost/length model, or an input check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from posttrain.balance import plan_minibatch
+from posttrain.sim import Cluster, LayerCost, SimModel, draw_lengths, load_lengths, simulate_dp, simulate_minibatch
+from posttrain.sim._engine import Engine, Link, Rendezvous
+from posttrain.sim.pipeline import PipelineWorkload, pipeoffload_table, simulate_pipeline
+from posttrain.sim.trace import chrome_trace, plot_dp_timelines, write_chrome_trace
+
+FREE = Cluster(num_gpus=4, gpus_per_node=4, intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0,
+               inter_latency=0.0, accumulate_bandwidth=1e30)
+
+
+def _model(layers: int = 3, *, param_bytes: float = 0.0) -> SimModel:
+    # forward of a microbatch = its token count (seconds), backward twice that
+    return SimModel(num_layers=layers, layer_cost=LayerCost(linear=1.0), layer_param_bytes=param_bytes,
+                    layer_grad_bytes=param_bytes)
+
+
+def test_engine_link_is_fifo_and_rendezvous_waits_for_the_last():
+    eng = Engine()
+    link = Link(eng)
+    ends = []
+
+    def user(delay, dur):
+        yield delay
+        yield link.use(dur)
+        ends.append(eng.now)
+
+    eng.process(user(0.0, 2.0))
+    eng.process(user(1.0, 2.0))  # queued behind the first: ends at 4, not 3
+    rz = Rendezvous(eng, 2)
+    met = []
+
+    def party(delay):
+        yield delay
+        yield rz.arrive()
+        met.append(eng.now)
+
+    eng.process(party(1.0))
+    eng.process(party(5.0))
+    eng.run()
+    assert ends == [2.0, 4.0] and met == [5.0, 5.0]
+
+
+def test_free_communication_fsdp_is_sum_of_per_round_maxima_odc_is_max_of_sums():
+    """With free links FSDP's per-layer rendezvous makes every microbatch round as slow as its
+    slowest rank (a rank with fewer microbatches runs one-token dummies); ODC only meets at the end."""
+    mbs = [[[4], [1]], [[1], [4]], [[2]], [[3], [1], [1]]]
+    L = 3
+    fsdp = simulate_minibatch(mbs, strategy="fsdp", model=_model(L), cluster=FREE)
+    odc = simulate_minibatch(mbs, strategy="odc", model=_model(L), cluster=FREE)
+    per_round = [4, 4, 1]  # round 3: dummies of one token on ranks 0-2, rank 3's [1]
+    assert fsdp.time == pytest.approx(3 * L * sum(per_round))
+    assert odc.time == pytest.approx(3 * L * max(5, 5, 2, 5))
+    assert odc.tokens == fsdp.tokens == 17  # dummies are not trained tokens
+    assert odc.utilization[2] == pytest.approx(2 / 5)
+
+
+def test_equal_lengths_give_equal_throughput_up_to_communication():
+    mbs = [[[16000], [16000]]] * 8
+    model = SimModel.preset("7b")
+    cl = Cluster(num_gpus=8)
+    fsdp = simulate_minibatch(mbs, strategy="fsdp", model=model, cluster=cl)
+    odc = simulate_minibatch(mbs, strategy="odc", model=model, cluster=cl)
+    assert odc.throughput / fsdp.throughput == pytest.approx(1.0, abs=0.02)
+    free = [simulate_minibatch(mbs, strategy=s, model=model, cluster=Cluster(
+        num_gpus=8, intra_bandwidth=1e30, intra_latency=0.0, accumulate_bandwidth=1e30)).time for s in ("fsdp", "odc")]
+    assert free[0] == pytest.approx(free[1], rel=1e-12)
+
+
+def test_one_slow_rank_stalls_fsdp_at_every_layer_odc_only_at_the_end():
+    mbs = [[[10], [10]]] * 4
+    L = 4
+    kw = dict(model=_model(L), cluster=FREE, slowdown=[2.0, 1.0, 1.0, 1.0], trace=True)
+    fsdp = simulate_minibatch(mbs, strategy="fsdp", **kw)
+    odc = simulate_minibatch(mbs, strategy="odc", **kw)
+    assert fsdp.time == pytest.approx(odc.time) == pytest.approx(2 * 2 * 3 * 10 * L)
+    fast_waits = {name: [s for s in res.spans if s.rank == 1 and s.lane == "wait"] for name, res in
+                  (("fsdp", fsdp), ("odc", odc))}
+    assert len(fast_waits["fsdp"]) >= 2 * L  # waits at a gather of (nearly) every layer
+    assert [s.name for s in fast_waits["odc"]] == ["barrier"]  # one wait, at the minibatch end
+    last_compute = max(s.end for s in odc.spans if s.rank == 1 and s.lane == "compute")
+    assert last_compute == pytest.approx(2 * 3 * 10 * L)  # it ran its work unhindered
+
+
+def test_communication_bound_fsdp_is_three_collectives_per_layer():
+    cl = Cluster(num_gpus=4, gpus_per_node=4, intra_bandwidth=1e9, intra_latency=0.0)
+    model = SimModel(num_layers=5, layer_cost=LayerCost(linear=0.0), layer_param_bytes=4e6, layer_grad_bytes=4e6)
+    res = simulate_minibatch([[[8]]] * 4, strategy="fsdp", model=model, cluster=cl)
+    assert res.time == pytest.approx(3 * 5 * 0.75 * 4e6 / 1e9)
+    assert cl.collective_time(4e6, 4, across_nodes=False) == pytest.approx(0.75 * 4e6 / 1e9)
+
+
+def test_odc_owner_queue_makes_simultaneous_pushes_wait():
+    """Every push adds one slice at every owner: n simultaneous pushes queue n slices there."""
+    cl = Cluster(num_gpus=4, gpus_per_node=4, intra_bandwidth=1e30, intra_latency=0.0, accumulate_bandwidth=1e6)
+    model = SimModel(num_layers=1, layer_cost=LayerCost(linear=0.0), layer_param_bytes=0.0, layer_grad_bytes=4e6)
+    res = simulate_minibatch([[[8]]] * 4, strategy="odc", model=model, cluster=cl)
+    assert res.time == pytest.approx(4 * (4e6 / 4) / 1e6)
+
+
+def test_hsdp_adds_one_cross_node_allreduce_per_minibatch():
+    cl = Cluster(num_gpus=16, gpus_per_node=8)
+    model = SimModel(num_layers=2, layer_cost=LayerCost(linear=0.0), layer_param_bytes=8e6, layer_grad_bytes=8e6)
+    one_node = Cluster(num_gpus=8, gpus_per_node=8)
+    for strategy in ("fsdp", "odc"):
+        two = simulate_minibatch([[[8], [8]]] * 16, strategy=strategy, model=model, cluster=cl, hsdp=True)
+        one = simulate_minibatch([[[8], [8]]] * 8, strategy=strategy, model=model, cluster=one_node, hsdp=True)
+        allreduce = cl.allreduce_time(2 * 8e6 / 8, 2)  # gradient shards of a node, across 2 nodes
+        barrier = cl.inter_latency - cl.intra_latency if strategy == "odc" else 0.0
+        assert allreduce > 0 and two.time - one.time == pytest.approx(allreduce + barrier, rel=1e-9)
+
+
+def test_no_overlap_exposes_every_transfer():
+    cl = Cluster(num_gpus=2, gpus_per_node=2)
+    model = _model(2)
+    mbs = [[[3]], [[3]]]
+    t = {"gather": 0.5, "reduce": 0.25}
+    res = simulate_minibatch(mbs, strategy="fsdp", model=model, cluster=cl, op_times=t, overlap=False)
+    assert res.time == pytest.approx(2 * (3 + 6) + 2 * (2 * 0.5 + 0.25))
+    with pytest.raises(ValueError, match="unknown op_times"):
+        simulate_minibatch(mbs, strategy="fsdp", model=model, cluster=cl, op_times={"bogus": 1.0})
+
+
+def test_simulate_dp_runs_balancing_plans_and_diff_micro_beats_same_micro_under_odc():
+    model = SimModel.preset("1.5b")
+    cl = Cluster(num_gpus=8)
+    lens = [draw_lengths("longalign", 64, seed=s) for s in range(2)]
+    tp = {}
+    for strat, meth in (("fsdp", "same_micro"), ("odc", "diff_micro")):
+        plans = [plan_minibatch(b, world_size=8, max_tokens=65536, method=meth, cost=model.sequence_cost) for b in lens]
+        res = simulate_dp(plans, strategy=strat, model=model, cluster=cl)
+        assert len(res.minibatch_times) == 2 and res.tokens == sum(map(sum, lens))
+        tp[strat] = res.throughput
+    assert tp["odc"] > 1.05 * tp["fsdp"]
+
+
+def test_pipeline_1f1b_bubble_and_memory_curve_are_the_textbook_ones():
+    p, m = 4, 8
+    res = simulate_pipeline("1f1b", num_ranks=p, num_microbatches=m, workload=PipelineWorkload(activation_bytes=3.0))
+    assert res.makespan == (m + p - 1) * 3
+    assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert res.peaks == [p - r for r in range(p)]
+    assert max(b for _, b in res.memory_curve_bytes(0)) == 3.0 * p
+
+
+def test_pipeline_offload_hides_when_k_is_small_and_not_when_large():
+    w = PipelineWorkload(forward_s=1, input_grad_s=1, weight_grad_s=1, activation_bytes=1.0, host_bandwidth=1.0)
+    assert w.k == pytest.approx(2 / 3)
+    kw = dict(num_ranks=4, num_microbatches=8, num_chunks=2, offload_chunks=2)
+    hidden = simulate_pipeline("interleaved_1f1b", workload=w, **kw)
+    assert hidden.hidden and max(hidden.peaks) < max(simulate_pipeline("interleaved_1f1b", num_ranks=4,
+                                                                       num_microbatches=8, num_chunks=2).peaks)
+    assert 0 < hidden.copy_utilization(0) <= 1
+    slow = PipelineWorkload(forward_s=1, input_grad_s=1, weight_grad_s=1, activation_bytes=10.0, host_bandwidth=1.0)
+    assert slow.k > 1 and not simulate_pipeline("interleaved_1f1b", workload=slow, min_lifespan=0.0, **kw).hidden
+
+
+def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
+    rows = {(r["chunks"], r["group_size"]): r for r in pipeoffload_table()}
+    assert rows[(2, 8)]["paper_peaks"] == [16, 8, 2] and rows[(2, 8)]["paper_makespan"] == 206
+    assert rows[(2, 8)]["peaks"] == [23, 11, 3] and rows[(2, 8)]["makespan"] == 213  # Megatron's order, B = I + W
+    for r in rows.values():
+        assert r["peaks"] == sorted(r["peaks"], reverse=True)
+
+
+def test_layer_cost_fit_recovers_known_coefficients():
+    truth = LayerCost(linear=2e-6, quadratic=3e-9, overhead=1e-4)
+    shapes = [[100], [200, 50], [400], [800, 100, 100], [1000], [30, 30, 30]]
+    secs = [3 * truth.forward(s) for s in shapes]
+    fit = LayerCost.fit(shapes, secs)
+    for name in ("linear", "quadratic", "overhead"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+
+
+def test_length_profiles_have_the_papers_means():
+    assert sum(draw_lengths("longalign", 20000)) / 20000 == pytest.approx(16500, rel=0.05)
+    assert sum(draw_lengths("swe_smith", 20000)) / 20000 == pytest.approx(34700, rel=0.05)
+    assert max(draw_lengths("longalign", 20000)) <= 65536
+
+
+def test_presets_agree_with_the_reference_fit_shape():
+    c = SimModel.preset("7b").layer_cost
+    ratio = c.quadratic * 32000**2 / (c.linear * 32000)
+    assert ratio == pytest.approx(4.348 / 8.768, rel=0.15)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_gpus=0), "at least 1 GPU"),
+    (dict(inter_bandwidth=-1.0), "inter_bandwidth"),
+    (dict(intra_latency=-1.0), "intra_latency"),
+    (dict(num_gpus=12, gpus_per_node=8), "multiple"),
+])
+def test_bad_cluster_is_a_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Cluster(**kwargs)
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown length profile 'nope'.*longalign"):
+        draw_lengths("nope", 4)
+    with pytest.raises(ValueError, match="unknown model"):
+        SimModel.preset("70b")
+    with pytest.raises(ValueError, match="host_bandwidth"):
+        PipelineWorkload(host_bandwidth=-1.0)
+    with pytest.raises(ValueError, match="2 ranks but the cluster has num_gpus=4"):
+        simulate_minibatch([[[1]], [[1]]], strategy="odc", model=_model(), cluster=FREE)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        simulate_minibatch([[[1]]] * 4, strategy="ddp", model=_model(), cluster=FREE)
+    with pytest.raises(ValueError, match="valid: .*1f1b"):
+        simulate_pipeline("nope", num_ranks=2, num_microbatches=4)
+    bad = tmp_path / "l.txt"
+    bad.write_text("12 x 5")
+    with pytest.raises(ValueError, match="'x' is not an integer"):
+        load_lengths(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_lengths(tmp_path / "missing.txt")
+
+
+def test_lengths_file_formats(tmp_path):
+    for name, text in (("a.json", "[3, 4, 5]"), ("b.txt", "3\n4, 5"),
+                       ("c.jsonl", '{"input_ids": [1, 2, 3]}\n{"length": 4}\n{"length": 5}\n')):
+        f = tmp_path / name
+        f.write_text(text)
+        assert load_lengths(f) == [3, 4, 5]
+
+
+def test_chrome_trace_and_png(tmp_path):
+    mbs = [[[4], [1]], [[1], [4]]]
+    cl = Cluster(num_gpus=2, gpus_per_node=2)
+    runs = [simulate_minibatch(mbs, strategy=s, model=_model(2, param_bytes=1e9), cluster=cl, trace=True)
+            for s in ("fsdp", "odc")]
+    trace = chrome_trace(runs)
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in xs} >= {"compute", "comm", "wait"} and all(e["dur"] >= 0 for e in xs)
+    assert len([e for e in xs if e["cat"] == "compute" and e["pid"] == 1]) == 2 * 2 * 2 * 2
+    path = tmp_path / "t.json"
+    write_chrome_trace(runs, str(path))
+    assert json.loads(path.read_text())["traceEvents"]
+    png = tmp_path / "t.png"
+    plot_dp_timelines(runs, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="trace=True"):
+        write_chrome_trace([simulate_minibatch(mbs, strategy="odc", model=_model(2), cluster=cl)], str(path))
+
+
+def test_cluster_one_sided_time_splits_local_and_remote_peers():
+    cl = Cluster(num_gpus=16, gpus_per_node=8, intra_bandwidth=100.0, inter_bandwidth=10.0, intra_latency=0.0,
+                 inter_latency=0.0)
+    assert cl.one_sided_time(160.0, 16, across_nodes=True) == pytest.approx(max(7 * 10 / 100, 8 * 10 / 10))
+    assert math.isclose(cl.one_sided_time(160.0, 8, across_nodes=False), 7 * 20 / 100)
