@@ -173,8 +173,8 @@ def _simulate_calibrate(args) -> int:
 def _plan_odc(args) -> int:
     from posttrain.sim.planner import plan_odc
 
-    cluster, model, batches, longest = _dp_inputs(args)
-    longest = max(max(b) for b in batches)
+    cluster, model, batches, _ = _dp_inputs(args)
+    longest = max(max(b) for b in batches)  # what was drawn, not the profile's bound
     if args.max_tokens:
         options = [int(x) for x in args.max_tokens.split(",")]
     else:

@@ -124,7 +124,6 @@ def predict_odc(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -> dict
     for strat, method in (("fsdp", "same_micro"), ("fsdp", "round_robin"), ("odc", "round_robin"), ("odc", "diff_micro")):
         res = simulate_dp(_plans(cfg, world_size, method), strategy=strat, model=model, cluster=cluster,
                           op_times=machine["comm"][strat], overlap=False)
-        # tokens as the trainer counts them: targets, one per token after the first of a sequence
         out[f"{strat}+{method}"] = {"time_s": res.time, "utilization": 1 - res.bubble_fraction}
     return out
 

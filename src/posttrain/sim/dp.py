@@ -280,9 +280,8 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
     if any(not rz.done.fired for rz in rendezvous.values()):
         raise AssertionError("a collective never completed: ranks issued different collectives")
     t = max(done_at)
-    res = DPResult(strategy=strategy + ("+hsdp" if hsdp else ""), world_size=n, time=t, tokens=tokens,
-                   compute=compute, minibatch_times=[t], spans=spans)
-    return res
+    return DPResult(strategy=strategy + ("+hsdp" if hsdp else ""), world_size=n, time=t, tokens=tokens,
+                    compute=compute, minibatch_times=[t], spans=spans)
 
 
 def simulate_dp(plans: Sequence[Plan], *, strategy: Strategy, model: SimModel, cluster: Cluster,
