@@ -17,7 +17,7 @@ from posttrain.pipeline._ir import parse_schedule
 _CASES = []
 for _ranks in (2, 4):
     for _name, _chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("group_interleaved", 2),
-                           ("zb_h1", 1), ("zbv", 2)):
+                           ("interleaved_zb", 2), ("zb_h1", 1), ("zbv", 2)):
         for _off in sorted({"none", str(_chunks // 2), "full"} - ({"0"} if _chunks // 2 == 0 else set())):
             _CASES.append((_ranks, _name, _chunks, _off))
 
@@ -26,7 +26,7 @@ for _ranks in (2, 4):
                          ids=[f"{r}r-{s}-{o}" for r, s, _, o in _CASES])
 def test_gradients_match_one_process_and_memory_matches_schedule(ranks, schedule, chunks, offload):
     cfg = PipelineConfig(schedule=schedule, stages=ranks, chunks=1 if schedule == "zbv" else chunks,
-                         microbatches=2 * ranks, group_size=1 if schedule == "group_interleaved" else None,
+                         microbatches=2 * ranks, group_size=1 if schedule in ("group_interleaved", "interleaved_zb") else None,
                          offload=offload, layers=ranks * chunks, dim=32, seq_len=32, steps=1)
     outs = run_pipeline(cfg, return_grads=True, timeout_s=120)
     ref_loss, ref_grads = reference_gradients(cfg)

@@ -31,6 +31,10 @@ GOLDEN = {
         0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
         1: "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
     },
+    ("interleaved_zb", 2, 4, 2): {
+        0: "0F0 2F0 0F1 2I0 2F1 0I0 2W0 2I1 0W0 0I1 0F2 2W1 2F2 0W1 0F3 2I2 2F3 0I2 2W2 2I3 0W2 0I3 2W3 0W3",
+        1: "1F0 3F0 3I0 1F1 1I0 3F1 3I1 3W0 1I1 1W0 3W1 1F2 1W1 3F2 3I2 1F3 1I2 3F3 3I3 3W2 1I3 1W2 3W3 1W3",
+    },
     ("zbv", 2, 2, 2): {0: "0F0 0F1 3F0 3I0 3F1 3I1 0I0 3W0 0I1 3W1 0W0 0W1",
                        1: "1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1"},
 }
@@ -58,15 +62,39 @@ def test_stated_peaks_and_the_1f1b_bubble():
     assert inter.predicted_peaks == tuple(2 * (p - r - 1) + p + 1 for r in range(p))
 
 
+@pytest.mark.parametrize("p,v,g", [(8, 2, 8), (8, 2, 1), (4, 2, 2), (3, 3, 1), (8, 4, 2), (2, 1, 1)])
+def test_interleaved_zb_repeats_one_block_with_no_bubble_between_blocks(p, v, g):
+    def makespan(blocks):
+        return build_schedule("interleaved_zb", num_ranks=p, num_microbatches=blocks * g, num_chunks=v,
+                              group_size=g).simulate().makespan
+
+    period = 3 * v * g  # a rank's whole share of one block: v chunks x (F, I, W), unit each
+    # once the pipeline is full (a block spans up to three periods here), each block adds one period
+    assert makespan(5) - makespan(4) == makespan(6) - makespan(5) == period
+
+
+def test_interleaved_zb_at_group_size_one_spreads_memory_at_interleaved_speed():
+    kw = dict(num_ranks=8, num_microbatches=32, num_chunks=2)
+    inter = build_schedule("interleaved_1f1b", **kw)
+    zb = build_schedule("interleaved_zb", group_size=1, **kw)
+    assert max(zb.predicted_peaks) == 10 and max(inter.predicted_peaks) == 23
+    assert zb.simulate().makespan == 219 and inter.simulate().makespan == 213
+    # the first chunk lives longest: it holds more of rank 0's peak than the second
+    sim = zb.simulate()
+    t_peak = max(sim.memory_curve(0), key=lambda x: x[1])[0]
+    live = [s for t0, t1, s in sim.resident[0] if t0 <= t_peak < t1]
+    assert sum(s == 0 for s in live) > sum(s == 8 for s in live)
+
+
 @settings(max_examples=40, deadline=None)
 @given(p=st.integers(1, 5), k=st.integers(1, 4), v=st.integers(1, 3), data=st.data())
 def test_every_generator_gives_a_valid_schedule(p, k, v, data):
     m = p * k
     for name in SCHEDULES:
         kw = {}
-        if name in ("interleaved_1f1b", "group_interleaved"):
+        if name in ("interleaved_1f1b", "group_interleaved", "interleaved_zb"):
             kw["num_chunks"] = v
-        if name == "group_interleaved":
+        if name in ("group_interleaved", "interleaved_zb"):
             kw["group_size"] = data.draw(st.sampled_from([g for g in range(1, p + 1) if m % g == 0]))
         s = build_schedule(name, num_ranks=p, num_microbatches=m, **kw)
         sim = s.simulate()  # raises on any invalid schedule
@@ -109,6 +137,10 @@ def test_bad_schedule_requests_are_clear_errors():
         build_schedule("group_interleaved", num_ranks=4, num_microbatches=2, num_chunks=2)
     with pytest.raises(ValueError, match="num_microbatches=6 must be a multiple of group_size=4"):
         build_schedule("group_interleaved", num_ranks=4, num_microbatches=6, num_chunks=2)
+    with pytest.raises(ValueError, match=r"interleaved_zb: group_size=5 must be in \[1, num_ranks=4\]"):
+        build_schedule("interleaved_zb", num_ranks=4, num_microbatches=10, num_chunks=2, group_size=5)
+    with pytest.raises(ValueError, match="interleaved_zb: num_microbatches=6 must be a multiple of group_size=4"):
+        build_schedule("interleaved_zb", num_ranks=4, num_microbatches=6, num_chunks=2)
     with pytest.raises(ValueError, match="1f1b runs one chunk per rank, got num_chunks=2"):
         build_schedule("1f1b", num_ranks=2, num_microbatches=4, num_chunks=2)
     with pytest.raises(ValueError, match="num_ranks=0 must be at least 1"):

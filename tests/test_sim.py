@@ -168,9 +168,14 @@ def test_pipeline_offload_hides_when_k_is_small_and_not_when_large():
 
 
 def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
-    rows = {(r["chunks"], r["group_size"]): r for r in pipeoffload_table()}
-    assert rows[(2, 8)]["paper_peaks"] == [16, 8, 2] and rows[(2, 8)]["paper_makespan"] == 206
-    assert rows[(2, 8)]["peaks"] == [23, 11, 3] and rows[(2, 8)]["makespan"] == 213  # Megatron's order, B = I + W
+    rows = {(r["schedule"], r["chunks"], r["group_size"]): r for r in pipeoffload_table()}
+    assert len(rows) == 8
+    assert rows[("group_interleaved", 2, 8)]["paper_peaks"] == [16, 8, 2]
+    assert rows[("group_interleaved", 2, 8)]["paper_makespan"] == 206
+    # Megatron's order with B = I + W; the modulo construction meets the reference's 16 and 206
+    assert rows[("group_interleaved", 2, 8)]["peaks"] == [23, 11, 3] and rows[("group_interleaved", 2, 8)]["makespan"] == 213
+    assert rows[("interleaved_zb", 2, 8)]["peaks"][0] == 16 and rows[("interleaved_zb", 2, 8)]["makespan"] == 206
+    assert rows[("interleaved_zb", 2, 1)]["peaks"] == [10, 5, 3] and rows[("interleaved_zb", 2, 1)]["makespan"] == 219
     for r in rows.values():
         assert r["peaks"] == sorted(r["peaks"], reverse=True)
 

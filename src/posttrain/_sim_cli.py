@@ -229,7 +229,7 @@ def add_parsers(sub) -> None:
     pipe = ss.add_parser("pipeline", help="a pipeline schedule with activation offload: makespan, memory, copies")
     pipe.add_argument("--schedule", choices=SCHEDULES, default="group_interleaved", help="(default group_interleaved)")
     pipe.add_argument("--chunks", type=int, default=2, help="chunks per rank (default 2)")
-    pipe.add_argument("--group-size", type=int, default=None, help="group_interleaved group size (default: stages)")
+    pipe.add_argument("--group-size", type=int, default=None, help="group size of group_interleaved and interleaved_zb (default: stages)")
     pipe.add_argument("--offload-chunks", type=int, default=0, help="offload each rank's first this many chunks")
     _add_pipeline_workload_args(pipe)
     pipe.add_argument("--chart", default="out/sim_pipeline.png", help="chart PNG ('' for none)")

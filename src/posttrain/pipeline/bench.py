@@ -31,7 +31,7 @@ from .train import PipelineConfig, _batch, _loss, _model, predicted_peaks, run_p
 
 __all__ = ["bench_pipeline"]
 
-MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_interleaved", 2, 1))
+MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_interleaved", 2, 1), ("interleaved_zb", 2, 1))
 
 
 def _memory_rows(base: PipelineConfig, stage_counts, out) -> list[dict]:

@@ -26,6 +26,19 @@ and otherwise waits. The queues and caps define the schedule family:
   ``g`` shrinks (p=8, m=32, v=2: makespan 253 units at g=4, 637 at g=1, where the paper's schedule
   stays within 240). Megatron's strict alternation with a ``g``-sized warm-up deadlocks for
   ``g < p``; the paper's warm-up order is still to be built.
+- ``interleaved_zb``: the same family built another way, as a modulo schedule (the "building
+  block" of Qi et al., "Pipeline Parallelism with Controllable Memory"): one block of ``g``
+  microbatches is laid out once on a unit clock and repeated every ``3vg`` units (each rank's
+  whole share of the block: ``v`` chunks times F, I, W), so after the first block there is no
+  bubble. Backward is split; each microbatch's F chain down the stages and I chain back up is
+  placed at the first start where every one of its ``2pv`` actions lands on a unit that its rank
+  has free in every period (no wait at any hop: lifespans are the shortest possible), else action
+  by action in the first free unit; each W takes the first free unit after its I. The result, on
+  the paper's clock (p=8, m=32, v=2): ``g = 8`` gives the reference scheduler's makespan 206 and
+  peak 16 exactly; ``g = 1`` gives makespan 219 and peak 10, against 240 and 13 for the paper's
+  group-interleaved schedule and 213 and 23 for ``interleaved_1f1b``. Its cost: a W waits for a
+  free unit (up to ``3vg - 1`` units after its I), and a reloaded chunk-microbatch stays resident
+  until its W, so offload saves less than linear here (``g = 1``: 10 -> 5 with half offloaded).
 - ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order and memory
   with the backward split into ``I`` and ``W``; ``W`` fills the bubbles.
 - ``zbv``: V-shape placement (rank 0 holds the first and the last stage), split backward,
@@ -46,7 +59,7 @@ from .simulate import SimResult, simulate
 
 __all__ = ["SCHEDULES", "Schedule", "build_schedule"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "interleaved_zb", "zb_h1", "zbv")
 
 
 @dataclass(frozen=True)
@@ -236,6 +249,64 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, num_chunks: int) 
                              name="interleaved_1f1b")
 
 
+def _modulo_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
+    """Unit-clock start of every action of microbatches ``0 .. group_size-1`` such that repeating
+    the block every ``period = 3 * num_chunks * group_size`` units never puts two actions of a
+    rank on one unit (each rank has exactly ``period`` actions per block, so every placement
+    below finds a free unit within one period)."""
+    p, n = layout.num_ranks, layout.num_stages
+    period = 3 * layout.num_chunks * group_size
+    taken: list[set[int]] = [set() for _ in range(p)]
+    start: dict[Action, int] = {}
+
+    def take(a: Action, t: int) -> None:
+        taken[layout.rank_of(a.stage)].add(t % period)
+        start[a] = t
+
+    def first_free(stage: int, t: int) -> int:
+        while t % period in taken[layout.rank_of(stage)]:
+            t += 1
+        return t
+
+    earliest = 0
+    for j in range(group_size):
+        chain = [Action(s, "F", j) for s in range(n)] + [Action(s, "I", j) for s in reversed(range(n))]
+        for t0 in range(earliest, earliest + period):  # the whole chain without a wait, if it fits
+            units = [(layout.rank_of(a.stage), (t0 + k) % period) for k, a in enumerate(chain)]
+            if len(set(units)) == len(units) and all(u not in taken[r] for r, u in units):
+                for k, a in enumerate(chain):
+                    take(a, t0 + k)
+                break
+        else:  # action by action, each in the first free unit after its input
+            t = earliest
+            for a in chain:
+                t = first_free(a.stage, t)
+                take(a, t)
+                t += 1
+        earliest = start[Action(0, "F", j)] + 1
+    for i in sorted((a for a in start if a.kind == "I"), key=start.__getitem__):
+        take(Action(i.stage, "W", i.microbatch), first_free(i.stage, start[i] + 1))
+    return start
+
+
+def interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
+    """Group-interleaved as a modulo schedule with split backward (see the module docstring)."""
+    name = "interleaved_zb"
+    if not 1 <= group_size <= num_ranks:
+        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
+    _check_counts(name, num_ranks, num_microbatches, group_size)
+    if num_microbatches % group_size:
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
+    layout = StageLayout(num_ranks, num_chunks)
+    period = 3 * num_chunks * group_size
+    timed: dict[int, list[tuple[int, Action]]] = {r: [] for r in range(num_ranks)}
+    for a, t in _modulo_block(layout, group_size).items():
+        for b in range(num_microbatches // group_size):
+            timed[layout.rank_of(a.stage)].append((t + b * period, Action(a.stage, a.kind, b * group_size + a.microbatch)))
+    actions = {r: [a for _, a in sorted(ts)] for r, ts in timed.items()}
+    return _finish(name, layout, num_microbatches, actions, group_size)
+
+
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B's memory, backward split into I and W, W filling the bubbles."""
     return _one_chunk_1f1b("zb_h1", num_ranks, num_microbatches, split=True)
@@ -264,7 +335,8 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
         num_ranks: pipeline ranks.
         num_microbatches: microbatches per step.
         num_chunks: chunks per rank (interleaved families; ``zbv`` always uses 2).
-        group_size: microbatch group size for ``group_interleaved`` (default ``num_ranks``).
+        group_size: microbatch group size for ``group_interleaved`` and ``interleaved_zb``
+            (default ``num_ranks``).
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
@@ -275,5 +347,8 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
         return single[name](num_ranks, num_microbatches)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, num_chunks=num_chunks)
+    if name == "interleaved_zb":
+        return interleaved_zb(num_ranks, num_microbatches, num_chunks=num_chunks,
+                              group_size=num_ranks if group_size is None else group_size)
     return group_interleaved(num_ranks, num_microbatches, num_chunks=num_chunks,
                              group_size=num_ranks if group_size is None else group_size)
