@@ -90,6 +90,19 @@ def test_at_8_ranks_group_interleaved_offload_of_half_cuts_more_than_half_interl
     assert 0.45 <= peaks(8, "1") / peaks(8, "none") <= 0.55
 
 
+def test_at_8_ranks_interleaved_zb_memory_is_measured_as_predicted():
+    """The modulo construction at group size 1 on 8 processes: 10 chunk-microbatches at most
+    (interleaved 1F1B: 23), 5 with the first chunk offloaded."""
+    got = {}
+    for off in ("none", "1"):
+        cfg = PipelineConfig(schedule="interleaved_zb", stages=8, chunks=2, group_size=1, microbatches=16,
+                             layers=16, dim=16, heads=2, seq_len=16, steps=1, offload=off)
+        measured = [r["result"]["peak_units"] for r in run_pipeline(cfg, timeout_s=120)]
+        assert measured == predicted_peaks(cfg)
+        got[off] = max(measured)
+    assert got == {"none": 10, "1": 5}
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 def test_runner_rejects_a_schedule_for_another_number_of_ranks():
