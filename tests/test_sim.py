@@ -176,6 +176,9 @@ def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
     assert rows[("group_interleaved", 2, 8)]["peaks"] == [23, 11, 3] and rows[("group_interleaved", 2, 8)]["makespan"] == 213
     assert rows[("interleaved_zb", 2, 8)]["peaks"][0] == 16 and rows[("interleaved_zb", 2, 8)]["makespan"] == 206
     assert rows[("interleaved_zb", 2, 1)]["peaks"] == [10, 5, 3] and rows[("interleaved_zb", 2, 1)]["makespan"] == 219
+    # why its offload columns stay high: chunk-microbatches past their I, held for their W
+    assert rows[("interleaved_zb", 2, 8)]["held_for_w"] == [4, 11, 11]
+    assert rows[("group_interleaved", 2, 8)]["held_for_w"] == [0, 0, 0]  # full backward: nothing waits
     for r in rows.values():
         assert r["peaks"] == sorted(r["peaks"], reverse=True)
 
