@@ -169,6 +169,14 @@ def _check_counts(name: str, num_ranks: int, num_microbatches: int, minimum: int
                          f"got num_microbatches={num_microbatches}")
 
 
+def _check_groups(name: str, num_ranks: int, num_microbatches: int, group_size: int) -> None:
+    if not 1 <= group_size <= num_ranks:
+        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
+    _check_counts(name, num_ranks, num_microbatches, group_size)
+    if num_microbatches % group_size:
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
+
+
 def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None) -> Schedule:
     sim = simulate(actions, layout, m)
     return Schedule(name, layout, m, actions, tuple(sim.peaks()), group_size)
@@ -225,11 +233,7 @@ def _megatron_interleaved(layout: StageLayout, m: int) -> dict[int, list[Action]
 def group_interleaved(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int,
                       name: str = "group_interleaved") -> Schedule:
     """Interleaved schedule with microbatch groups of ``group_size`` (see the module docstring)."""
-    if not 1 <= group_size <= num_ranks:
-        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
-    _check_counts(name, num_ranks, num_microbatches, group_size)
-    if num_microbatches % group_size:
-        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
+    _check_groups(name, num_ranks, num_microbatches, group_size)
     layout = StageLayout(num_ranks, num_chunks)
     if group_size == num_ranks:
         return _finish(name, layout, num_microbatches, _megatron_interleaved(layout, num_microbatches), group_size)
@@ -292,11 +296,7 @@ def _modulo_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
 def interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
     """Group-interleaved as a modulo schedule with split backward (see the module docstring)."""
     name = "interleaved_zb"
-    if not 1 <= group_size <= num_ranks:
-        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
-    _check_counts(name, num_ranks, num_microbatches, group_size)
-    if num_microbatches % group_size:
-        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
+    _check_groups(name, num_ranks, num_microbatches, group_size)
     layout = StageLayout(num_ranks, num_chunks)
     period = 3 * num_chunks * group_size
     timed: dict[int, list[tuple[int, Action]]] = {r: [] for r in range(num_ranks)}
