@@ -25,7 +25,7 @@ and otherwise waits. The queues and caps define the schedule family:
   group order strictly, so a rank waits for a group to come round the loop and bubbles grow as
   ``g`` shrinks (p=8, m=32, v=2: makespan 253 units at g=4, 637 at g=1, where the paper's schedule
   stays within 240). Megatron's strict alternation with a ``g``-sized warm-up deadlocks for
-  ``g < p``; the paper's warm-up order is still to be built.
+  ``g < p``. ``interleaved_zb`` below drops the strict order and has few bubbles instead.
 - ``interleaved_zb``: the same family built another way, as a modulo schedule (the "building
   block" of Qi et al., "Pipeline Parallelism with Controllable Memory"): one block of ``g``
   microbatches is laid out once on a unit clock and repeated every ``3vg`` units (each rank's
