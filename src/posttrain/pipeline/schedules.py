@@ -347,8 +347,6 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
         return single[name](num_ranks, num_microbatches)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, num_chunks=num_chunks)
-    if name == "interleaved_zb":
-        return interleaved_zb(num_ranks, num_microbatches, num_chunks=num_chunks,
-                              group_size=num_ranks if group_size is None else group_size)
-    return group_interleaved(num_ranks, num_microbatches, num_chunks=num_chunks,
-                             group_size=num_ranks if group_size is None else group_size)
+    grouped = interleaved_zb if name == "interleaved_zb" else group_interleaved
+    return grouped(num_ranks, num_microbatches, num_chunks=num_chunks,
+                   group_size=num_ranks if group_size is None else group_size)
