@@ -203,8 +203,12 @@ def _build(cfg: TrainConfig, vocab_size: int):
     for block in model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.SGD
-    return model, opt_cls(model.parameters(), lr=cfg.lr)
+    # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
+    # step on the benchmark's model takes 6.7 ms that way, 1.2 ms fused (DTensor has no sharding
+    # rule for fused SGD, so SGD takes the foreach path).
+    if cfg.optimizer == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, foreach=True)
 
 
 # ---------------------------------------------------------------------------- checkpoints
