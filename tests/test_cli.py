@@ -82,13 +82,20 @@ def test_bench_odc_runs_every_variant_and_the_ideal(tmp_path):
 
     out = tmp_path / "b.json"
     proc = _run("bench", "odc", "--steps", "2", "--sequences", "4", "--max-len", "64", "--dim", "32",
-                "--layers", "1", "--repeats", "1", "--json", str(out))
+                "--layers", "1", "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    median = json.loads(out.read_text())["median"]
+    got = json.loads(out.read_text())
+    median, spread = got["median"], got["spread"]
     assert set(median) == {"fsdp+round_robin", "fsdp+same_micro", "odc-collective+same_micro",
                            "odc+round_robin", "odc+diff_micro", "ideal"}
     assert median["fsdp+same_micro"]["vs_fsdp_same_micro"] == 1.0
     assert median["ideal"]["vs_ideal"] == 1.0 and median["odc+diff_micro"]["tokens_per_s"] > 0
+    refs = {"vs_fsdp_same_micro": "fsdp+same_micro", "vs_ideal": "ideal"}
+    for name in median:  # each round's ratio is reported; the median lies within their range
+        for key, ref in refs.items():
+            per_round = [r[name]["tokens_per_s"] / r[ref]["tokens_per_s"] for r in got["rounds"]]
+            assert spread[name][key] == [min(per_round), max(per_round)]
+            assert min(per_round) <= median[name][key] <= max(per_round)
     assert "odc+diff_micro / fsdp+same_micro" in proc.stdout
 
 

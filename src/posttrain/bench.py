@@ -40,13 +40,14 @@ def _ideal(cfg: TrainConfig, world_size: int) -> dict:
             "compute_s": sum(times) / len(times)}
 
 
-def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 3, json_path: str | None = None,
+def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_path: str | None = None,
               log=print) -> dict:
     """Run every variant and the ideal ``repeats`` times, interleaved; print and return ratios.
 
     Returns:
         ``{"config", "world_size", "repeats", "rounds": [{variant: summary}], "median": {variant:
-        {"tokens_per_s", "utilization", "vs_fsdp_same_micro", "vs_ideal", "compute_vs_ideal"}}}``.
+        {"tokens_per_s", "utilization", "vs_fsdp_same_micro", "vs_ideal", "compute_vs_ideal"}},
+        "spread": {variant: {ratio: [lowest, highest] over the rounds}}}``.
     """
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be at least 1")
@@ -65,31 +66,40 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 3, json_
         got["ideal"] = _ideal(base, world_size)
         log(f"  round {k + 1}/{repeats}  {'ideal':28} {got['ideal']['tokens_per_s']:9.0f} tokens/s", flush=True)
         rounds.append(got)
-    median = {}
+    median, spread = {}, {}
     for name in rounds[0]:
+        ratios = {
+            "vs_fsdp_same_micro": [r[name]["tokens_per_s"] / r[_REF]["tokens_per_s"] for r in rounds],
+            "vs_ideal": [r[name]["tokens_per_s"] / r["ideal"]["tokens_per_s"] for r in rounds],
+            # the same microbatches' compute (communication excluded) relative to the ideal's
+            "compute_vs_ideal": [r[name]["compute_s"] / r["ideal"]["compute_s"] for r in rounds],
+        }
         median[name] = {
             "tokens_per_s": statistics.median(r[name]["tokens_per_s"] for r in rounds),
             "utilization": statistics.median(r[name]["utilization"] for r in rounds),
-            "vs_fsdp_same_micro": statistics.median(r[name]["tokens_per_s"] / r[_REF]["tokens_per_s"] for r in rounds),
-            "vs_ideal": statistics.median(r[name]["tokens_per_s"] / r["ideal"]["tokens_per_s"] for r in rounds),
-            # the same microbatches' compute (communication excluded) relative to the ideal's
-            "compute_vs_ideal": statistics.median(r[name]["compute_s"] / r["ideal"]["compute_s"] for r in rounds),
+            **{k: statistics.median(v) for k, v in ratios.items()},
         }
+        spread[name] = {k: [min(v), max(v)] for k, v in ratios.items()}
     source = base.data or f"profile {base.profile}"
     log(f"\nFSDP2 vs ODC, {world_size} ranks, {source}, {base.model} {base.num_layers}x{base.dim} {base.precision}, "
         f"{base.sequences} sequences/step up to {base.max_len} tokens, {base.steps} steps (first excluded), "
         f"median of {repeats} rounds")
-    log(f"{'variant':28} {'tokens/s':>9} {'util':>6} {'vs fsdp+same_micro':>19} {'vs ideal':>9} {'compute/ideal':>14}")
+    log(f"{'variant':28} {'tokens/s':>9} {'util':>6} {'vs fsdp+same_micro':>19} {'(rounds)':>11} "
+        f"{'vs ideal':>9} {'(rounds)':>11} {'compute/ideal':>14}")
     for name, m in median.items():
+        lo, hi = spread[name]["vs_fsdp_same_micro"]
+        ilo, ihi = spread[name]["vs_ideal"]
         log(f"{name:28} {m['tokens_per_s']:9.0f} {m['utilization']:6.2f} {m['vs_fsdp_same_micro']:18.2f}x "
-            f"{m['vs_ideal']:9.2f} {m['compute_vs_ideal']:14.2f}")
+            f"{lo:5.2f}-{hi:<5.2f} {m['vs_ideal']:9.2f} {ilo:5.2f}-{ihi:<5.2f} {m['compute_vs_ideal']:14.2f}")
     log("(util: compute share of step time; compute/ideal: the same microbatches' compute time, communication "
-        "excluded, over the ideal's: FSDP2's per-module unshard/reshard work shows here)")
+        "excluded, over the ideal's: FSDP2's per-module unshard/reshard work shows here; (rounds): lowest and "
+        "highest ratio of a single round)")
     odc = median["odc+diff_micro"]
     log(f"\nodc+diff_micro / fsdp+same_micro = {odc['vs_fsdp_same_micro']:.2f}x; "
         f"odc+diff_micro / ideal = {odc['vs_ideal']:.2f}; "
         f"odc-collective / fsdp+same_micro = {median['odc-collective+same_micro']['vs_fsdp_same_micro']:.2f}x")
-    out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median}
+    out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median,
+           "spread": spread}
     if json_path:
         os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
         with open(json_path, "w") as f:

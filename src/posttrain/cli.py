@@ -4,7 +4,7 @@
     posttrain train --dp fsdp --balance same_micro --steps 20 --metrics out/fsdp.csv
     posttrain train --dp odc --model llama --precision bf16 --checkpoint-dir out/ckpt
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
-    posttrain bench odc --profile long_tail --repeats 3
+    posttrain bench odc --profile long_tail --repeats 5
     posttrain bench pipeline --stages 2,4
     posttrain pipeline --schedule group_interleaved --stages 2 --chunks 2 --microbatches 8 --offload 1
     posttrain simulate odc --gpus 32 --lengths longalign --model 7b     # FSDP vs ODC at cluster scale
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     odc = bench_sub.add_parser("odc", help="FSDP2 vs ODC vs the ideal bound, side by side, 2 ranks")
     _add_run_args(odc, steps=8, sequences=16, max_len=1024, dim=128)
-    odc.add_argument("--repeats", type=int, default=3, help="interleaved rounds; ratios are medians (default 3)")
+    odc.add_argument("--repeats", type=int, default=5, help="interleaved rounds; ratios are medians, with the range over rounds (default 5)")
     odc.add_argument("--json", default="out/bench_odc.json", help="results file (default out/bench_odc.json)")
     odc.set_defaults(func=_bench_odc)
     bp = bench_sub.add_parser("pipeline", help="saved-activation peaks per schedule and offload; our runner vs torch's")
