@@ -204,8 +204,8 @@ def _build(cfg: TrainConfig, vocab_size: int):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
-    # step on the benchmark's model takes 6.7 ms that way, 1.2 ms fused (DTensor has no sharding
-    # rule for fused SGD, so SGD takes the foreach path).
+    # step on the benchmark's model takes 4-8x as long that way as fused
+    # (benchmarks/odc_overhead.py). DTensor has no sharding rule for fused SGD: SGD takes foreach.
     if cfg.optimizer == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, foreach=True)

@@ -1,0 +1,126 @@
+"""Where ODC's step loses to the ideal on this machine: FSDP2's per-microbatch work, and the optimizer.
+
+    python benchmarks/odc_overhead.py                  # the bench's model (GPT 4x128, fp32), 2 ranks
+    python benchmarks/odc_overhead.py --world-size 1   # FSDP2 alone on one rank: no ODC, no peer
+    python benchmarks/odc_overhead.py --dim 256
+
+Part 1 runs one microbatch (the first sequence of 300-700 tokens of the long-tail profile) forward
+and backward on a plain unsharded model and, alternating with it, on the same model under FSDP2:
+inside an ODC minibatch on 2 ranks, or with FSDP2's own collectives (local copies) on 1 rank;
+medians of 10 runs, best of 3 alternating rounds; then, untimed, the Python function calls
+(cProfile) and minor page faults per microbatch of each. Part 2
+times AdamW's step on the sharded (DTensor) parameters with the default per-parameter loop, with
+``foreach`` and with ``fused``. Both print ratios; the absolute times only give scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import posttrain.odc as odc_mod
+from posttrain._launch import run_ranks
+from posttrain.models import build_model
+from posttrain.train import TrainConfig, TrainData, _microbatch_loss
+
+
+def _worker(rank: int, world_size: int, dim: int) -> dict:
+    cfg = TrainConfig(dp="odc", balance="diff_micro", progress=False, dim=dim, max_len=1024, max_tokens=1024)
+    data = TrainData(cfg, 2)  # the same data whatever the world size
+    seqs = [s for s in data.minibatch(0) if 300 < len(s) < 700][:1]
+    torch.manual_seed(0)
+    plain = build_model(cfg.model, cfg.model_config(data.vocab_size))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.model_config(data.vocab_size))
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    odc = odc_mod.enable(model) if world_size > 1 else None
+
+    def plain_step():
+        t0 = time.perf_counter()
+        loss = _microbatch_loss(plain, seqs, [0], 1.0)
+        t1 = time.perf_counter()
+        loss.backward()
+        return t1 - t0, time.perf_counter() - t1
+
+    def fsdp_step():
+        with odc.minibatch() if odc is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            loss = _microbatch_loss(model, seqs, [0], 1.0)
+            t1 = time.perf_counter()
+            loss.backward()
+            return t1 - t0, time.perf_counter() - t1
+
+    best = {}
+    for _ in range(3):
+        for name, fn in (("plain", plain_step), ("fsdp", fsdp_step)):
+            runs = []
+            for _ in range(10):
+                dist.barrier()
+                runs.append(fn())
+            fwd, bwd = (statistics.median(x) for x in zip(*runs))
+            if name not in best or fwd + bwd < sum(best[name]):
+                best[name] = (fwd, bwd)
+    calls, faults = {}, {}
+    for name, fn in (("plain", plain_step), ("fsdp", fsdp_step)):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            fn()
+        prof.disable()
+        calls[name] = pstats.Stats(prof).total_calls / 5
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(5):
+            fn()
+        faults[name] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+    if odc is not None:
+        odc.close()
+
+    opt_ms = {}
+    for name, kw in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kw)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        times = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        opt_ms[name] = statistics.median(times) * 1e3
+    return {"tokens": len(seqs[0]) - 1, "microbatch_ms": {k: [x * 1e3 for x in v] for k, v in best.items()},
+            "optimizer_ms": opt_ms,
+            "python_calls": calls, "page_faults": faults, "parameters": len(list(model.parameters()))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=128, help="model hidden size (default 128, the bench's)")
+    ap.add_argument("--world-size", type=int, choices=(1, 2), default=2,
+                    help="2: FSDP2 with ODC (default); 1: FSDP2 alone, no communication at all")
+    args = ap.parse_args()
+    what = "FSDP2+ODC" if args.world_size > 1 else "FSDP2 (1 rank)"
+    for rank, r in enumerate(run_ranks(_worker, args.world_size, args.dim, timeout_s=600)):
+        (pf, pb), (of, ob) = r["microbatch_ms"]["plain"], r["microbatch_ms"]["fsdp"]
+        o = r["optimizer_ms"]
+        print(f"rank {rank}: one {r['tokens']}-token microbatch, {what} / plain: forward {of / pf:.2f}x, "
+              f"backward {ob / pb:.2f}x, both {(of + ob) / (pf + pb):.2f}x "
+              f"(plain {pf + pb:.1f} ms, {what} {of + ob:.1f} ms)")
+        c, f = r["python_calls"], r["page_faults"]
+        print(f"rank {rank}: per microbatch, Python calls plain {c['plain']:.0f}, {what} {c['fsdp']:.0f} "
+              f"({r['parameters']} parameters); minor page faults plain {f['plain']:.0f}, {what} {f['fsdp']:.0f}")
+        print(f"rank {rank}: AdamW step on the shards, default loop / fused {o['default'] / o['fused']:.1f}x, "
+              f"foreach / fused {o['foreach'] / o['fused']:.1f}x (fused {o['fused']:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()
