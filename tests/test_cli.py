@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -97,6 +99,20 @@ def test_bench_odc_runs_every_variant_and_the_ideal(tmp_path):
             assert spread[name][key] == [min(per_round), max(per_round)]
             assert min(per_round) <= median[name][key] <= max(per_round)
     assert "odc+diff_micro / fsdp+same_micro" in proc.stdout
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_odc_overhead_benchmark_reports_every_rank(world_size):
+    import pathlib
+
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "odc_overhead.py"
+    proc = subprocess.run([sys.executable, str(script), "--dim", "32", "--world-size", world_size],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(int(world_size)):
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank {rank}:")]
+        assert len(lines) == 3, proc.stdout
+        assert "/ plain:" in lines[0] and "Python calls" in lines[1] and "AdamW step" in lines[2]
 
 
 def test_bad_data_inputs_are_clear_errors(tmp_path):
