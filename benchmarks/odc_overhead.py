@@ -25,25 +25,20 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 import posttrain.odc as odc_mod
 from posttrain._launch import run_ranks
 from posttrain.models import build_model
-from posttrain.train import TrainConfig, TrainData, _microbatch_loss
+from posttrain.train import TrainConfig, TrainData, _build, _microbatch_loss
 
 
 def _worker(rank: int, world_size: int, dim: int) -> dict:
     cfg = TrainConfig(dp="odc", balance="diff_micro", progress=False, dim=dim, max_len=1024, max_tokens=1024)
     data = TrainData(cfg, 2)  # the same data whatever the world size
     seqs = [s for s in data.minibatch(0) if 300 < len(s) < 700][:1]
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.seed)
     plain = build_model(cfg.model, cfg.model_config(data.vocab_size))
-    torch.manual_seed(0)
-    model = build_model(cfg.model, cfg.model_config(data.vocab_size))
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    model, _ = _build(cfg, data.vocab_size)  # sharded exactly as the training loop shards it
     odc = odc_mod.enable(model) if world_size > 1 else None
 
     def plain_step():
