@@ -26,12 +26,13 @@ def test_every_engine_and_method_follows_the_same_loss_curve():
     ODC-collective, under different plans, all take the same optimizer steps."""
     want, _ = _losses(replace(BASE, dp="fsdp", balance="same_micro"))
     for dp, balance in [("fsdp", "round_robin"), ("odc-collective", "same_micro"),
-                        ("odc", "round_robin"), ("odc", "diff_micro")]:
+                        ("odc", "round_robin"), ("odc", "diff_micro"),
+                        ("odc-flat-collective", "same_micro"), ("odc-flat", "diff_micro")]:
         got, _ = _losses(replace(BASE, dp=dp, balance=balance))
         assert got == pytest.approx(want, rel=1e-4), (dp, balance)
 
 
-@pytest.mark.parametrize("dp", ["fsdp", "odc"])
+@pytest.mark.parametrize("dp", ["fsdp", "odc", "odc-flat"])
 def test_time_accounting_adds_up(dp):
     """compute + optimizer + wait is the step time on every rank; FSDP2's time goes into its
     collectives, ODC's into one sync per step; every rank sees the same global figures."""
@@ -111,7 +112,9 @@ def test_jsonl_data_epochs_and_positions(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"dp": "ddp"}, "--dp='ddp' is not one of fsdp, odc, odc-collective"),
+        ({"dp": "ddp"}, "--dp='ddp' is not one of fsdp, odc, odc-collective, odc-flat, odc-flat-collective"),
+        ({"dp": "odc-flat", "precision": "bf16"}, "--dp odc-flat trains in fp32 only"),
+        ({"dp": "odc-flat", "checkpoint_dir": "x"}, "--dp odc-flat does not checkpoint yet"),
         ({"balance": "best"}, "--balance='best' is not one of round_robin"),
         ({"profile": "zipf"}, "--profile='zipf'"),
         ({"model": "bert"}, "--model='bert' is not one of gpt, llama"),

@@ -1,7 +1,8 @@
 """``posttrain bench odc``: FSDP2 vs ODC training throughput, side by side in one run, 2 ranks.
 
 Same model, data and steps for every variant: FSDP2 (gloo) with round_robin and with
-same_micro; ODC in collective mode (same_micro); ODC with round_robin and with diff_micro; and
+same_micro; ODC in collective mode (same_micro); ODC with round_robin and with diff_micro; flat
+ODC (no FSDP2, :func:`posttrain.odc.flat_shard`) in collective mode and with diff_micro; and
 the ideal bound: the compute time of all microbatches of a step divided evenly over the ranks,
 no communication. The ideal's compute time is measured on ``world_size`` processes at once (each
 runs every microbatch of the step on an unsharded model), so it sees the same core and memory
@@ -27,6 +28,8 @@ ODC_VARIANTS = (
     ("odc-collective", "same_micro"),
     ("odc", "round_robin"),
     ("odc", "diff_micro"),
+    ("odc-flat-collective", "same_micro"),
+    ("odc-flat", "diff_micro"),
 )
 _REF = "fsdp+same_micro"
 
@@ -94,10 +97,13 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     log("(util: compute share of step time; compute/ideal: the same microbatches' compute time, communication "
         "excluded, over the ideal's: FSDP2's per-module unshard/reshard work shows here; (rounds): lowest and "
         "highest ratio of a single round)")
-    odc = median["odc+diff_micro"]
-    log(f"\nodc+diff_micro / fsdp+same_micro = {odc['vs_fsdp_same_micro']:.2f}x; "
-        f"odc+diff_micro / ideal = {odc['vs_ideal']:.2f}; "
-        f"odc-collective / fsdp+same_micro = {median['odc-collective+same_micro']['vs_fsdp_same_micro']:.2f}x")
+    log("")
+    for engine in ("odc", "odc-flat"):
+        odc, coll = median[f"{engine}+diff_micro"], median[f"{engine}-collective+same_micro"]
+        log(f"{engine}+diff_micro / fsdp+same_micro = {odc['vs_fsdp_same_micro']:.2f}x; "
+            f"{engine}+diff_micro / ideal = {odc['vs_ideal']:.2f}; "
+            f"{engine}-collective / fsdp+same_micro = {coll['vs_fsdp_same_micro']:.2f}x; "
+            f"{engine}+diff_micro / {engine}-collective = {odc['tokens_per_s'] / coll['tokens_per_s']:.2f}x")
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median,
            "spread": spread}
     if json_path:

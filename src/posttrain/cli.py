@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="train with FSDP2 or ODC on CPU processes (or under torchrun)")
-    train.add_argument("--dp", choices=DP_MODES, default="odc", help="data-parallel engine (default odc)")
+    train.add_argument("--dp", choices=DP_MODES, default="odc",
+                       help="data-parallel engine: fsdp, odc, odc-collective on FSDP2; odc-flat, "
+                       "odc-flat-collective: ODC on flat per-block buffers, no FSDP2 (default odc)")
     train.add_argument("--balance", choices=METHODS, default="diff_micro", help="balancing method (default diff_micro)")
     _add_run_args(train, steps=20, sequences=16, max_len=512, dim=128)
     train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="(default adamw)")

@@ -10,6 +10,8 @@ and the data-parallel engine runs it:
 - ``dp="odc"``: ODC; each rank runs exactly its own microbatches.
 - ``dp="odc-collective"``: ODC's transport with a barrier at every gather and reduce; padded
   with dummies like FSDP.
+- ``dp="odc-flat"`` / ``"odc-flat-collective"``: the same two, on :func:`posttrain.odc.flat_shard`
+  (flat per-block buffers and module hooks, no FSDP2); fp32 only, no checkpoints.
 
 Losses are summed token losses divided by the minibatch's global token count, so every variant
 computes the same gradient (FSDP2 averages over ranks, so its loss is scaled by the world size).
@@ -55,7 +57,7 @@ __all__ = [
     "train_worker", "write_metrics",
 ]
 
-DP_MODES = ("fsdp", "odc", "odc-collective")
+DP_MODES = ("fsdp", "odc", "odc-collective", "odc-flat", "odc-flat-collective")
 PRECISIONS = ("fp32", "bf16")
 SYNTHETIC_VOCAB = 64
 
@@ -65,7 +67,8 @@ class TrainConfig:
     """One training run.
 
     Attributes:
-        dp: data-parallel engine: ``fsdp``, ``odc`` or ``odc-collective``.
+        dp: data-parallel engine: ``fsdp``, ``odc``, ``odc-collective`` (both on FSDP2), or
+            ``odc-flat``, ``odc-flat-collective`` (ODC without FSDP2: :func:`posttrain.odc.flat_shard`).
         balance: balancing method (``round_robin``, ``local_sort``, ``same_micro``, ``diff_micro``).
         profile: embedded length profile (``long_tail``, ``bimodal``, ``uniform``); unused with ``data``.
         data: a JSONL file of ``input_ids`` lines to train on instead of synthetic sequences.
@@ -85,7 +88,7 @@ class TrainConfig:
         progress: on rank 0, a progress bar (on a terminal) and a line every tenth of the run.
     """
 
-    dp: Literal["fsdp", "odc", "odc-collective"] = "odc"
+    dp: Literal["fsdp", "odc", "odc-collective", "odc-flat", "odc-flat-collective"] = "odc"
     balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
     profile: Literal["long_tail", "bimodal", "uniform"] = "long_tail"
     data: str | None = None
@@ -115,6 +118,11 @@ class TrainConfig:
                 raise ValueError(f"--{flag}={getattr(self, name)} must be at least 1")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
+        if self.dp.startswith("odc-flat"):
+            if self.precision != "fp32":
+                raise ValueError(f"--dp {self.dp} trains in fp32 only; use --dp odc for --precision {self.precision}")
+            if self.checkpoint_dir:
+                raise ValueError(f"--dp {self.dp} does not checkpoint yet; use --dp odc with --checkpoint-dir")
         if not self.lr > 0:
             raise ValueError(f"--lr={self.lr} must be positive")
         if self.data is None:
@@ -196,6 +204,7 @@ _DUMMY = torch.zeros(1, 1, dtype=torch.long)
 
 
 def _build(cfg: TrainConfig, vocab_size: int):
+    """The FSDP2-sharded model and its optimizer (``dp`` fsdp, odc, odc-collective)."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.model_config(vocab_size))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -203,12 +212,24 @@ def _build(cfg: TrainConfig, vocab_size: int):
     for block in model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    return model, _optimizer(cfg, model.parameters())
+
+
+def _build_flat(cfg: TrainConfig, vocab_size: int):
+    """The model sharded by flat ODC (``dp`` odc-flat, odc-flat-collective), its handle and optimizer."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.model_config(vocab_size))
+    handle = odc_mod.flat_shard(model, mode="collective" if cfg.dp == "odc-flat-collective" else "odc")
+    return model, handle, _optimizer(cfg, handle.parameters())
+
+
+def _optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
     # step on the benchmark's model takes 4-8x as long that way as fused
     # (benchmarks/odc_overhead.py). DTensor has no sharding rule for fused SGD: SGD takes foreach.
     if cfg.optimizer == "adamw":
-        return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    return model, torch.optim.SGD(model.parameters(), lr=cfg.lr, foreach=True)
+        return torch.optim.AdamW(params, lr=cfg.lr, fused=True)
+    return torch.optim.SGD(params, lr=cfg.lr, foreach=True)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -281,15 +302,19 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         Every rank's metrics rows hold its own times and the step's global figures.
     """
     data = TrainData(cfg, world_size)
-    model, opt = _build(cfg, data.vocab_size)
     rec = Recorder()
     odc = None
-    if cfg.dp == "fsdp":
-        time_fsdp_comms([*model.layers, model], rec.add)
+    if cfg.dp.startswith("odc-flat"):
+        model, odc, opt = _build_flat(cfg, data.vocab_size)
     else:
-        odc = odc_mod.enable(model, mode="collective" if cfg.dp == "odc-collective" else "odc")
+        model, opt = _build(cfg, data.vocab_size)
+        if cfg.dp == "fsdp":
+            time_fsdp_comms([*model.layers, model], rec.add)
+        else:
+            odc = odc_mod.enable(model, mode="collective" if cfg.dp == "odc-collective" else "odc")
+    if odc is not None:
         odc.on_comm = rec.add
-    pad = cfg.dp != "odc"  # engines with per-layer rendezvous need equal microbatch counts
+    pad = cfg.dp not in ("odc", "odc-flat")  # engines with per-layer rendezvous need equal microbatch counts
     cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
     start = _resume(cfg, model, opt) if cfg.checkpoint_dir else 0
     bar = None

@@ -17,6 +17,7 @@ microbatches. See ``design/odc.md`` and [Note: ODC minibatch protocol] in ``_sta
 """
 
 from ._api import ODCConfig, enable
+from ._flat import FlatODC, flat_shard
 from ._state import ODC, Minibatch
 from ._transport import BarrierMismatchError, PeerFailedError, ShmTransport
 from .normalize import global_token_count
@@ -24,10 +25,12 @@ from .normalize import global_token_count
 __all__ = [
     "ODC",
     "BarrierMismatchError",
+    "FlatODC",
     "Minibatch",
     "ODCConfig",
     "PeerFailedError",
     "ShmTransport",
     "enable",
+    "flat_shard",
     "global_token_count",
 ]

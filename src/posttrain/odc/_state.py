@@ -212,12 +212,7 @@ class ODC:
             self._minibatch_index += 1
             t = self.transport
             with torch.no_grad():
-                for lay in self.layouts:
-                    exposed, off = self._params_view(self.rank, lay), 0
-                    for p in lay.params:  # copy_ casts to the mixed-precision param dtype
-                        n = p.padded_data.numel()
-                        exposed[off : off + n].copy_(p.padded_data)
-                        off += n
+                self._expose()
                 t.region(self.rank, "grads", torch.uint8).zero_()
             t.set_value(_TOKENS_SLOT, -1 if num_tokens is None else num_tokens)
             self._pushes = 0
@@ -241,8 +236,7 @@ class ODC:
             t.set_value(_PUSHES_SLOT, self._pushes)
             t.barrier(_TAG_EXIT)  # every push of every rank has landed
             self._in_minibatch = False
-            for lay in self.layouts:
-                lay.module.reshard()
+            self._release()
             total_pushes = sum(t.values(_PUSHES_SLOT))
             if self.replicate_group is not None:
                 count = torch.tensor([total_pushes], dtype=torch.int64)
@@ -254,12 +248,30 @@ class ODC:
                     "and optimizer.step() will skip these parameters",
                     stacklevel=4,
                 )
-                for lay in self.layouts:
-                    for info in lay.params:
-                        info.param.grad = None
+                self._clear_grads()
                 return
             with torch.no_grad():
                 self._write_grads()
+
+    # Engine-specific steps of the protocol; FlatODC (``_flat.py``) overrides them.
+    def _expose(self) -> None:
+        """Write this rank's fresh parameter shards into its ``params`` region."""
+        for lay in self.layouts:
+            exposed, off = self._params_view(self.rank, lay), 0
+            for p in lay.params:  # copy_ casts to the mixed-precision param dtype
+                n = p.padded_data.numel()
+                exposed[off : off + n].copy_(p.padded_data)
+                off += n
+
+    def _release(self) -> None:
+        """Free what the minibatch left gathered."""
+        for lay in self.layouts:
+            lay.module.reshard()
+
+    def _clear_grads(self) -> None:
+        for lay in self.layouts:
+            for info in lay.params:
+                info.param.grad = None
 
     def _write_grads(self) -> None:
         acc = self._reduced_accumulator()
@@ -364,6 +376,13 @@ class ODC:
                 f"ODC reduce of {lay.name}: FSDP2 pushes {rows.shape[1]} x {input.dtype}, "
                 f"ODC expects {lay.reduce_numel} x {lay.reduce_dtype}"
             )
+        self._push_rows(lay, rows)
+        output.zero_()  # FSDP2 adds this into .grad; the real gradient is written at the sync
+        self.stats["push_bytes"] += input.numel() * input.element_size()
+        return None
+
+    def _push_rows(self, lay: ModuleLayout, rows: torch.Tensor) -> None:
+        """Add row ``p`` of a local gradient into owner ``p``'s accumulator, for every ``p``."""
         t = self.transport
         a, b = lay.grads_offset, lay.grads_offset + lay.reduce_bytes
         for i in range(self.shard_size):
@@ -374,13 +393,10 @@ class ODC:
                 slot.view(lay.reduce_dtype).add_(rows[owner])
             else:
                 t.accumulate(grads[a:b].view(lay.reduce_dtype), rows[owner], owner=owner, byte_offset=a)
-        output.zero_()  # FSDP2 adds this into .grad; the real gradient is written at the sync
         self._pushes += 1
         self.stats["pushes"] += 1
-        self.stats["push_bytes"] += input.numel() * input.element_size()
         if self.config.mode == "collective":
             t.barrier(_TAG_REDUCE)
-        return None
 
     # --------------------------------------------------------------- failure
     def _check_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
