@@ -1,12 +1,13 @@
-"""Where ODC's step loses to the ideal on this machine: FSDP2's per-microbatch work, and the optimizer.
+"""Where ODC's step loses to the ideal on this machine: the engine's per-microbatch work, and the optimizer.
 
     python benchmarks/odc_overhead.py                  # the bench's model (GPT 4x128, fp32), 2 ranks
-    python benchmarks/odc_overhead.py --world-size 1   # FSDP2 alone on one rank: no ODC, no peer
+    python benchmarks/odc_overhead.py --world-size 1   # one rank: FSDP2 with no peer; flat ODC alone
     python benchmarks/odc_overhead.py --dim 256
 
 Part 1 runs one microbatch (the first sequence of 300-700 tokens of the long-tail profile) forward
-and backward on a plain unsharded model and, alternating with it, on the same model under FSDP2:
-inside an ODC minibatch on 2 ranks, or with FSDP2's own collectives (local copies) on 1 rank;
+and backward on a plain unsharded model and, alternating with it, on the same model under FSDP2
+(inside an ODC minibatch on 2 ranks, or with FSDP2's own collectives, local copies, on 1 rank)
+and under flat ODC (:func:`posttrain.odc.flat_shard`, inside a minibatch);
 medians of 10 runs, best of 3 alternating rounds; then, untimed, the Python function calls
 (cProfile) and minor page faults per microbatch of each. Part 2
 times AdamW's step on the sharded (DTensor) parameters with the default per-parameter loop, with
@@ -22,6 +23,7 @@ import pstats
 import resource
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ import torch.distributed as dist
 import posttrain.odc as odc_mod
 from posttrain._launch import run_ranks
 from posttrain.models import build_model
-from posttrain.train import TrainConfig, TrainData, _build, _microbatch_loss
+from posttrain.train import TrainConfig, TrainData, _build, _build_flat, _microbatch_loss
 
 
 def _worker(rank: int, world_size: int, dim: int) -> dict:
@@ -40,25 +42,24 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
     plain = build_model(cfg.model, cfg.model_config(data.vocab_size))
     model, _ = _build(cfg, data.vocab_size)  # sharded exactly as the training loop shards it
     odc = odc_mod.enable(model) if world_size > 1 else None
+    flat_model, flat, _ = _build_flat(replace(cfg, dp="odc-flat"), data.vocab_size)
 
-    def plain_step():
-        t0 = time.perf_counter()
-        loss = _microbatch_loss(plain, seqs, [0], 1.0)
-        t1 = time.perf_counter()
-        loss.backward()
-        return t1 - t0, time.perf_counter() - t1
-
-    def fsdp_step():
-        with odc.minibatch() if odc is not None else contextlib.nullcontext():
+    def timed(m, ctx):
+        with ctx:
             t0 = time.perf_counter()
-            loss = _microbatch_loss(model, seqs, [0], 1.0)
+            loss = _microbatch_loss(m, seqs, [0], 1.0)
             t1 = time.perf_counter()
             loss.backward()
             return t1 - t0, time.perf_counter() - t1
 
+    steps = {
+        "plain": lambda: timed(plain, contextlib.nullcontext()),
+        "fsdp": lambda: timed(model, odc.minibatch() if odc is not None else contextlib.nullcontext()),
+        "flat": lambda: timed(flat_model, flat.minibatch()),
+    }
     best = {}
     for _ in range(3):
-        for name, fn in (("plain", plain_step), ("fsdp", fsdp_step)):
+        for name, fn in steps.items():
             runs = []
             for _ in range(10):
                 dist.barrier()
@@ -67,7 +68,7 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
             if name not in best or fwd + bwd < sum(best[name]):
                 best[name] = (fwd, bwd)
     calls, faults = {}, {}
-    for name, fn in (("plain", plain_step), ("fsdp", fsdp_step)):
+    for name, fn in steps.items():
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(5):
@@ -80,6 +81,7 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
         faults[name] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
     if odc is not None:
         odc.close()
+    flat.close()
 
     opt_ms = {}
     for name, kw in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
@@ -105,16 +107,19 @@ def main() -> None:
     args = ap.parse_args()
     what = "FSDP2+ODC" if args.world_size > 1 else "FSDP2 (1 rank)"
     for rank, r in enumerate(run_ranks(_worker, args.world_size, args.dim, timeout_s=600)):
-        (pf, pb), (of, ob) = r["microbatch_ms"]["plain"], r["microbatch_ms"]["fsdp"]
-        o = r["optimizer_ms"]
-        print(f"rank {rank}: one {r['tokens']}-token microbatch, {what} / plain: forward {of / pf:.2f}x, "
-              f"backward {ob / pb:.2f}x, both {(of + ob) / (pf + pb):.2f}x "
-              f"(plain {pf + pb:.1f} ms, {what} {of + ob:.1f} ms)")
+        p = sum(r["microbatch_ms"]["plain"])
         c, f = r["python_calls"], r["page_faults"]
-        print(f"rank {rank}: per microbatch, Python calls plain {c['plain']:.0f}, {what} {c['fsdp']:.0f} "
-              f"({r['parameters']} parameters); minor page faults plain {f['plain']:.0f}, {what} {f['fsdp']:.0f}")
-        print(f"rank {rank}: AdamW step on the shards, default loop / fused {o['default'] / o['fused']:.1f}x, "
-              f"foreach / fused {o['foreach'] / o['fused']:.1f}x (fused {o['fused']:.2f} ms)")
+        for key, label in (("fsdp", what), ("flat", "flat ODC (no FSDP2)")):
+            (ef, eb) = r["microbatch_ms"][key]
+            (pf, pb) = r["microbatch_ms"]["plain"]
+            print(f"rank {rank}: one {r['tokens']}-token microbatch, {label} / plain: forward {ef / pf:.2f}x, "
+                  f"backward {eb / pb:.2f}x, both {(ef + eb) / p:.2f}x (plain {p:.1f} ms, {label} {ef + eb:.1f} ms); "
+                  f"Python calls {c[key]:.0f} (plain {c['plain']:.0f}), minor page faults {f[key]:.0f} "
+                  f"(plain {f['plain']:.0f})")
+        o = r["optimizer_ms"]
+        print(f"rank {rank}: {r['parameters']} parameters; AdamW step on the FSDP2 shards, default loop / fused "
+              f"{o['default'] / o['fused']:.1f}x, foreach / fused {o['foreach'] / o['fused']:.1f}x "
+              f"(fused {o['fused']:.2f} ms)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import posttrain.odc as odc_mod
 from posttrain._launch import run_ranks
@@ -92,7 +91,7 @@ def test_flat_frees_block_weights_after_forward_and_evaluates_outside_a_minibatc
 
 def _backward_outside(rank, world_size):
     model = make_gpt()
-    with odc_mod.flat_shard(model) as handle:
+    with odc_mod.flat_shard(model):
         x = step_data(0, [1, 1])[0][rank][0]
         loss = loss_of(model, x)
         try:
