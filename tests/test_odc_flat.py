@@ -130,3 +130,27 @@ def _bad_input(rank, world_size, what):
 def test_flat_bad_input_is_a_clear_error(what, needle):
     for msg in run_ranks(_bad_input, 2, what):
         assert needle in msg
+
+
+def _setup_fails(rank, world_size):
+    import posttrain.odc._flat as flat_mod
+
+    model = make_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def broken(*a, **k):
+        raise OSError("no space left on /dev/shm")
+
+    real, flat_mod.ShmTransport.create = flat_mod.ShmTransport.create, broken
+    try:
+        odc_mod.flat_shard(model)
+    except OSError:
+        pass
+    finally:
+        flat_mod.ShmTransport.create = real
+    after = model.state_dict()
+    return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_flat_setup_failure_gives_the_model_its_parameters_back():
+    assert run_ranks(_setup_fails, 2) == [True, True]

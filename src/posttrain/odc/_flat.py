@@ -65,6 +65,7 @@ class FlatUnit:
     params_offset: int = 0
     grads_offset: int = 0
     shard: nn.Parameter | None = field(default=None, repr=False)  # this rank's slice, stepped by the optimizer
+    originals: list[nn.Parameter] | None = field(default=None, repr=False)  # put back if setup fails
     full: torch.Tensor | None = field(default=None, repr=False)  # this microbatch's leaf
 
     @property
@@ -142,18 +143,19 @@ class FlatODC(ODC):
             grads_bytes += -(-u.reduce_bytes // 64) * 64
         self._grads_bytes = grads_bytes
         self._param_ids = {id(p) for p in self.shards}
-        self.transport = ShmTransport.create(
-            self.shard_group, {"params": params_bytes, "grads": grads_bytes}, timeout_s=config.timeout_s
-        )
         self._hooks = []
         try:
-            for u in self.layouts:
-                self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
-                self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
-            self._step_hook = register_optimizer_step_pre_hook(self._check_step)
+            self.transport = ShmTransport.create(
+                self.shard_group, {"params": params_bytes, "grads": grads_bytes}, timeout_s=config.timeout_s
+            )
         except BaseException:
-            self.transport.close()
+            self._restore()
             raise
+        for u in self.layouts:
+            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
+            u.originals = None
+        self._step_hook = register_optimizer_step_pre_hook(self._check_step)
 
     # ------------------------------------------------------------------ setup
     def _build_units(self, model: nn.Module, units: Sequence[nn.Module] | None) -> list[FlatUnit]:
@@ -229,9 +231,16 @@ class FlatODC(ODC):
             out.append(FlatUnit(
                 name=names[id(unit)], module=unit, entries=entries, sizes=sizes, numel=numel,
                 shard_numel=shard, reshard=unit is not model, param_dtype=torch.float32,
-                reduce_dtype=torch.float32, shard=mine,
+                reduce_dtype=torch.float32, shard=mine, originals=tensors,
             ))
         return out
+
+    def _restore(self) -> None:
+        """Give the model its parameters back (setup failed after taking them)."""
+        for u in self.layouts:
+            for (m, n, _), p in zip(u.entries, u.originals):
+                m._parameters[n] = p
+        self._closed = True
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's flat shards, one per unit: what the optimizer steps."""
