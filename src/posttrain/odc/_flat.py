@@ -41,7 +41,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
-from . import _compat
 from ._api import ODCConfig
 from ._state import _TAG_GATHER, ODC
 from ._transport import ShmTransport
@@ -113,40 +112,21 @@ class FlatODC(ODC):
     """ODC on flat per-unit buffers; create with :func:`flat_shard`. See [Note: flat ODC]."""
 
     def __init__(self, model: nn.Module, units: Sequence[nn.Module] | None, group, config: ODCConfig) -> None:
-        _compat.check_torch_version()
         if config.deterministic:
             raise ValueError("flat ODC does not support deterministic=True; use posttrain.odc.enable on FSDP2")
-        self.config = config
-        self._in_minibatch = False
-        self._broken: str | None = None
-        self._closed = False
-        self._minibatch_index = -1
-        self._pushes = 0
-        self._step_hook = None
-        self.stats = {"gathers": 0, "regrouped_gathers": 0, "pushes": 0, "gather_bytes": 0, "push_bytes": 0}
-        self.on_comm = None
+        self._init_protocol(config)
         self.model = model
         self.shard_group = group or dist.group.WORLD
         self.replicate_group = None
-        self.rank = dist.get_rank(self.shard_group)
-        self.shard_size = dist.get_world_size(self.shard_group)
-        self._shard_ranks = dist.get_process_group_ranks(self.shard_group)
-        self._group_kinds: dict[int, bool] = {}
-
+        self._init_group()
         self.shards: list[nn.Parameter] = []
         self.layouts = self._build_units(model, units)
-        params_bytes = grads_bytes = 0
-        for u in self.layouts:
-            u.params_offset = params_bytes
-            params_bytes += -(-u.gather_bytes // 64) * 64
-            u.grads_offset = grads_bytes
-            grads_bytes += -(-u.reduce_bytes // 64) * 64
-        self._grads_bytes = grads_bytes
+        params_bytes = self._place_layouts()
         self._param_ids = {id(p) for p in self.shards}
         self._hooks = []
         try:
             self.transport = ShmTransport.create(
-                self.shard_group, {"params": params_bytes, "grads": grads_bytes}, timeout_s=config.timeout_s
+                self.shard_group, {"params": params_bytes, "grads": self._grads_bytes}, timeout_s=config.timeout_s
             )
         except BaseException:
             self._restore()

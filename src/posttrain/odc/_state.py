@@ -59,40 +59,18 @@ class ODC:
     """ODC on one model; create with :func:`posttrain.odc.enable`. See [Note: ODC minibatch protocol]."""
 
     def __init__(self, model: nn.Module, config: ODCConfig) -> None:
-        _compat.check_torch_version()
-        self.config = config
-        self._in_minibatch = False
-        self._broken: str | None = None
-        self._closed = False
-        self._minibatch_index = -1
-        self._pushes = 0
-        self._step_hook = None
-        self.stats = {"gathers": 0, "regrouped_gathers": 0, "pushes": 0, "gather_bytes": 0, "push_bytes": 0}
-        #: Called as ``on_comm(kind, start, end)`` (``kind`` "gather" or "reduce", times from
-        #: ``time.perf_counter``) after every gather and scatter-accumulate FSDP2 asks for;
-        #: the training loop uses it for wait-time accounting and timelines.
-        self.on_comm: Callable[[str, float, float], None] | None = None
-
+        self._init_protocol(config)
         self.layouts = self._build_layouts(model)
         first = self.layouts[0].params[0].param
         self.shard_group, self.replicate_group = self._groups(first)
-        self.rank = dist.get_rank(self.shard_group)
-        self.shard_size = dist.get_world_size(self.shard_group)
-        self._shard_ranks = dist.get_process_group_ranks(self.shard_group)
-        self._group_kinds: dict[int, bool] = {}
+        self._init_group()
         self._param_ids = {id(p.param) for lay in self.layouts for p in lay.params}
 
-        params_bytes = grads_bytes = 0
-        for lay in self.layouts:
-            lay.params_offset = params_bytes
-            params_bytes += -(-lay.gather_bytes // 64) * 64
-            lay.grads_offset = grads_bytes
-            grads_bytes += -(-lay.reduce_bytes // 64) * 64
-        self._grads_bytes = grads_bytes
+        params_bytes = self._place_layouts()
         slots = self.shard_size if config.deterministic else 1
         self.transport = ShmTransport.create(
             self.shard_group,
-            {"params": params_bytes, "grads": grads_bytes * slots},
+            {"params": params_bytes, "grads": self._grads_bytes * slots},
             timeout_s=config.timeout_s,
         )
         try:
@@ -114,10 +92,44 @@ class ODC:
             "[rank %d] ODC on %d FSDP modules, shard size %d%s: %.1f MiB params, %.1f MiB grads exposed",
             dist.get_rank(), len(self.layouts), self.shard_size,
             " (HSDP)" if self.replicate_group is not None else "",
-            params_bytes / 2**20, grads_bytes * slots / 2**20,
+            params_bytes / 2**20, self._grads_bytes * slots / 2**20,
         )
 
     # ------------------------------------------------------------------ setup
+    def _init_protocol(self, config: ODCConfig) -> None:
+        """State of the minibatch protocol, shared by both engines."""
+        _compat.check_torch_version()
+        self.config = config
+        self._in_minibatch = False
+        self._broken: str | None = None
+        self._closed = False
+        self._minibatch_index = -1
+        self._pushes = 0
+        self._step_hook = None
+        self.stats = {"gathers": 0, "regrouped_gathers": 0, "pushes": 0, "gather_bytes": 0, "push_bytes": 0}
+        #: Called as ``on_comm(kind, start, end)`` (``kind`` "gather" or "reduce", times from
+        #: ``time.perf_counter``) after every gather and scatter-accumulate FSDP2 asks for;
+        #: the training loop uses it for wait-time accounting and timelines.
+        self.on_comm: Callable[[str, float, float], None] | None = None
+
+
+    def _place_layouts(self) -> int:
+        """Give every layout its 64-byte aligned offsets in the regions; the ``params`` region's size."""
+        params_bytes = grads_bytes = 0
+        for lay in self.layouts:
+            lay.params_offset = params_bytes
+            params_bytes += -(-lay.gather_bytes // 64) * 64
+            lay.grads_offset = grads_bytes
+            grads_bytes += -(-lay.reduce_bytes // 64) * 64
+        self._grads_bytes = grads_bytes
+        return params_bytes
+
+    def _init_group(self) -> None:
+        self.rank = dist.get_rank(self.shard_group)
+        self.shard_size = dist.get_world_size(self.shard_group)
+        self._shard_ranks = dist.get_process_group_ranks(self.shard_group)
+        self._group_kinds: dict[int, bool] = {}
+
     @staticmethod
     def _build_layouts(model: nn.Module) -> list[ModuleLayout]:
         layouts = []
