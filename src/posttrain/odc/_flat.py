@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -103,8 +103,6 @@ def flat_shard(
         The handle: ``with handle.minibatch(): ...`` as for :func:`posttrain.odc.enable`; build
         the optimizer on ``handle.parameters()``.
     """
-    from dataclasses import replace
-
     return FlatODC(model, units, group, replace(config or ODCConfig(), **overrides))
 
 
