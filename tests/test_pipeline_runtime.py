@@ -17,16 +17,20 @@ from posttrain.pipeline._ir import parse_schedule
 _CASES = []
 for _ranks in (2, 4):
     for _name, _chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("group_interleaved", 2),
-                           ("interleaved_zb", 2), ("zb_h1", 1), ("zbv", 2)):
+                           ("group_interleaved_zb", 2), ("interleaved_zb", 2), ("zb_h1", 1), ("zbv", 2)):
         for _off in sorted({"none", str(_chunks // 2), "full"} - ({"0"} if _chunks // 2 == 0 else set())):
             _CASES.append((_ranks, _name, _chunks, _off))
+
+
+# the smallest group each construction runs at (group_interleaved_zb deadlocks below ranks/2)
+_GROUP = {"group_interleaved": lambda r: 1, "interleaved_zb": lambda r: 1, "group_interleaved_zb": lambda r: r // 2}
 
 
 @pytest.mark.parametrize("ranks,schedule,chunks,offload", _CASES,
                          ids=[f"{r}r-{s}-{o}" for r, s, _, o in _CASES])
 def test_gradients_match_one_process_and_memory_matches_schedule(ranks, schedule, chunks, offload):
     cfg = PipelineConfig(schedule=schedule, stages=ranks, chunks=1 if schedule == "zbv" else chunks,
-                         microbatches=2 * ranks, group_size=1 if schedule in ("group_interleaved", "interleaved_zb") else None,
+                         microbatches=2 * ranks, group_size=_GROUP.get(schedule, lambda r: None)(ranks),
                          offload=offload, layers=ranks * chunks, dim=32, seq_len=32, steps=1)
     outs = run_pipeline(cfg, return_grads=True, timeout_s=120)
     ref_loss, ref_grads = reference_gradients(cfg)
@@ -90,17 +94,23 @@ def test_at_8_ranks_group_interleaved_offload_of_half_cuts_more_than_half_interl
     assert 0.45 <= peaks(8, "1") / peaks(8, "none") <= 0.55
 
 
-def test_at_8_ranks_interleaved_zb_memory_is_measured_as_predicted():
-    """The modulo construction at group size 1 on 8 processes: 10 chunk-microbatches at most
-    (interleaved 1F1B: 23), 5 with the first chunk offloaded."""
+@pytest.mark.parametrize("schedule,group,microbatches,expected", [
+    # the modulo construction at group size 1: interleaved 1F1B holds 23
+    ("interleaved_zb", 1, 16, {"none": 10, "1": 5}),
+    # the fixed-order split-backward one at the paper's v=2 g=4 (design/pipeoffload.md): 12 -> 6
+    ("group_interleaved_zb", 4, 32, {"none": 12, "1": 6}),
+])
+def test_at_8_ranks_split_backward_group_interleaved_memory_is_measured_as_predicted(schedule, group, microbatches,
+                                                                                    expected):
+    """On 8 processes, without offload and with the first chunk offloaded, in chunk-microbatches."""
     got = {}
-    for off in ("none", "1"):
-        cfg = PipelineConfig(schedule="interleaved_zb", stages=8, chunks=2, group_size=1, microbatches=16,
+    for off in expected:
+        cfg = PipelineConfig(schedule=schedule, stages=8, chunks=2, group_size=group, microbatches=microbatches,
                              layers=16, dim=16, heads=2, seq_len=16, steps=1, offload=off)
         measured = [r["result"]["peak_units"] for r in run_pipeline(cfg, timeout_s=120)]
         assert measured == predicted_peaks(cfg)
         got[off] = max(measured)
-    assert got == {"none": 10, "1": 5}
+    assert got == expected
 
 
 # -- errors ----------------------------------------------------------------------------------

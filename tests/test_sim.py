@@ -14,7 +14,7 @@ import pytest
 from posttrain.balance import plan_minibatch
 from posttrain.sim import Cluster, LayerCost, SimModel, draw_lengths, load_lengths, simulate_dp, simulate_minibatch
 from posttrain.sim._engine import Engine, Link, Rendezvous
-from posttrain.sim.pipeline import PipelineWorkload, pipeoffload_table, simulate_pipeline
+from posttrain.sim.pipeline import PipelineWorkload, format_pipeoffload_table, pipeoffload_table, simulate_pipeline
 from posttrain.sim.trace import chrome_trace, plot_dp_timelines, write_chrome_trace
 
 FREE = Cluster(num_gpus=4, gpus_per_node=4, intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0,
@@ -169,7 +169,7 @@ def test_pipeline_offload_hides_when_k_is_small_and_not_when_large():
 
 def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
     rows = {(r["schedule"], r["chunks"], r["group_size"]): r for r in pipeoffload_table()}
-    assert len(rows) == 8
+    assert len(rows) == 12
     assert rows[("group_interleaved", 2, 8)]["paper_peaks"] == [16, 8, 2]
     assert rows[("group_interleaved", 2, 8)]["paper_makespan"] == 206
     # Megatron's order with B = I + W; the modulo construction meets the reference's 16 and 206
@@ -179,8 +179,15 @@ def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
     # why its offload columns stay high: chunk-microbatches past their I, held for their W
     assert rows[("interleaved_zb", 2, 8)]["held_for_w"] == [4, 11, 11]
     assert rows[("group_interleaved", 2, 8)]["held_for_w"] == [0, 0, 0]  # full backward: nothing waits
+    # the fixed-order split-backward construction: the paper's rows at g = 8 and g = 4 (but the
+    # full-offload cell at g = 4: 2, not 3); it deadlocks at the table's g = 1 and v=4 g=2
+    assert rows[("group_interleaved_zb", 2, 8)]["peaks"] == [16, 8, 2] and rows[("group_interleaved_zb", 2, 8)]["makespan"] == 206
+    assert rows[("group_interleaved_zb", 2, 4)]["peaks"] == [12, 6, 2] and rows[("group_interleaved_zb", 2, 4)]["makespan"] == 210
+    for key in (("group_interleaved_zb", 2, 1), ("group_interleaved_zb", 4, 2)):
+        assert rows[key]["peaks"] is None and "too small" in rows[key]["error"]
+    assert "deadlocks (g < p/2)" in format_pipeoffload_table(list(rows.values()))
     for r in rows.values():
-        assert r["peaks"] == sorted(r["peaks"], reverse=True)
+        assert r["peaks"] is None or r["peaks"] == sorted(r["peaks"], reverse=True)
 
 
 def test_layer_cost_fit_recovers_known_coefficients():

@@ -202,9 +202,9 @@ def _plan_pipeline(args) -> int:
     if not fits:
         print("none fits: raise --memory-gib, add stages, or shrink microbatches")
         return 1
-    print(f"{'#':>2} {'schedule':18} {'v':>2} {'g':>3} {'offload':>7} {'step ms':>9} {'microbatches/s':>14} {'peak GiB':>9} {'bubble':>7}")
+    print(f"{'#':>2} {'schedule':20} {'v':>2} {'g':>3} {'offload':>7} {'step ms':>9} {'microbatches/s':>14} {'peak GiB':>9} {'bubble':>7}")
     for i, r in enumerate(fits[:args.top], 1):
-        print(f"{i:>2} {r.schedule:18} {r.num_chunks:>2} {str(r.group_size or '-'):>3} {r.offload_chunks:>7} "
+        print(f"{i:>2} {r.schedule:20} {r.num_chunks:>2} {str(r.group_size or '-'):>3} {r.offload_chunks:>7} "
               f"{r.makespan * 1e3:9.2f} {args.microbatches / r.makespan:14.1f} {r.peak_bytes / 2**30:9.2f} "
               f"{r.bubble_fraction:7.1%}")
     return 0
@@ -229,7 +229,7 @@ def add_parsers(sub) -> None:
     pipe = ss.add_parser("pipeline", help="a pipeline schedule with activation offload: makespan, memory, copies")
     pipe.add_argument("--schedule", choices=SCHEDULES, default="group_interleaved", help="(default group_interleaved)")
     pipe.add_argument("--chunks", type=int, default=2, help="chunks per rank (default 2)")
-    pipe.add_argument("--group-size", type=int, default=None, help="group size of group_interleaved and interleaved_zb (default: stages)")
+    pipe.add_argument("--group-size", type=int, default=None, help="group size of group_interleaved, group_interleaved_zb and interleaved_zb (default: stages)")
     pipe.add_argument("--offload-chunks", type=int, default=0, help="offload each rank's first this many chunks")
     _add_pipeline_workload_args(pipe)
     pipe.add_argument("--chart", default="out/sim_pipeline.png", help="chart PNG ('' for none)")

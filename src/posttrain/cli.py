@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--stages", type=int, default=2, help="pipeline ranks = CPU processes (default 2)")
     pipe.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedules; default 1)")
     pipe.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    pipe.add_argument("--group-size", type=int, default=None, help="group size of group_interleaved and interleaved_zb (default: stages)")
+    pipe.add_argument("--group-size", type=int, default=None, help="group size of group_interleaved, group_interleaved_zb and interleaved_zb (default: stages)")
     pipe.add_argument("--offload", default="none", help="none, full, or chunks per rank to offload (default none)")
     _add_pipeline_model_args(pipe)
     pipe.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")

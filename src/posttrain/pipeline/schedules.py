@@ -26,6 +26,16 @@ and otherwise waits. The queues and caps define the schedule family:
   ``g`` shrinks (p=8, m=32, v=2: makespan 253 units at g=4, 637 at g=1, where the paper's schedule
   stays within 240). Megatron's strict alternation with a ``g``-sized warm-up deadlocks for
   ``g < p``. ``interleaved_zb`` below drops the strict order and has few bubbles instead.
+- ``group_interleaved_zb``: the same family with split backward, in a fixed per-rank order like
+  Megatron's: ``(p-r-1) + (v-1)g + 1`` forwards in group order, then ``I``, its ``W`` and the
+  next forward in turn. ``I`` takes one unit, so the first backward reaches rank ``r`` sooner
+  than a full ``B`` would, and the warm-up shrinks to ``p-r-1`` plus the group. On the paper's
+  clock (p=8, m=32, v=2) this is the reference's schedule for the table's two larger groups:
+  ``g = 8`` gives makespan 206 and peaks 16, 8, 2 with 0, 1, 2 chunks offloaded; ``g = 4`` gives
+  210 and 12, 6, 2 (the paper: 12, 6, 3). Its limit: for ``g < p/2`` in general the order
+  deadlocks (a rank's forward of chunk ``c`` needs the last rank's forward of chunk ``c - 1``,
+  which that rank runs only after a backward that waits on the first rank), and the generator
+  raises a ``ValueError`` naming ``interleaved_zb``.
 - ``interleaved_zb``: the same family built another way, as a modulo schedule (the "building
   block" of Qi et al., "Pipeline Parallelism with Controllable Memory"): one block of ``g``
   microbatches is laid out once on a unit clock and repeated every ``3vg`` units (each rank's
@@ -55,11 +65,12 @@ from dataclasses import dataclass
 
 from ._ir import Action, format_schedule
 from .layout import StageLayout
-from .simulate import SimResult, simulate
+from .simulate import ScheduleError, SimResult, simulate
 
 __all__ = ["SCHEDULES", "Schedule", "build_schedule"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "interleaved_zb", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "group_interleaved_zb", "interleaved_zb",
+             "zb_h1", "zbv")
 
 
 @dataclass(frozen=True)
@@ -207,26 +218,35 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     return _one_chunk_1f1b("1f1b", num_ranks, num_microbatches, split=False)
 
 
-def _megatron_interleaved(layout: StageLayout, m: int) -> dict[int, list[Action]]:
-    """Megatron-LM's interleaved 1F1B, written out: per rank, ``2(p-r-1) + (v-1)p + 1`` warm-up
-    forwards in group order (``p`` microbatches through chunk 0, then chunk 1, ...), then one
-    backward and one forward alternately, then the remaining backwards. The same action order as
-    torch's ``ScheduleInterleaved1F1B`` (a test checks it)."""
+def _strict_interleaved(layout: StageLayout, m: int, group_size: int, *, split: bool) -> dict[int, list[Action]]:
+    """Interleaved 1F1B in a fixed per-rank order: forwards and backwards in group order (``g``
+    microbatches through chunk 0, then chunk 1, ...; backwards through the chunks in reverse),
+    ``warm-up`` forwards, then one backward and one forward alternately, then the remaining
+    backwards.
+
+    - ``split=False`` is Megatron-LM's interleaved 1F1B (``g = p``): ``2(p-r-1) + (v-1)p + 1``
+      warm-up forwards, each backward a full ``B``. The same action order as torch's
+      ``ScheduleInterleaved1F1B`` (a test checks it).
+    - ``split=True`` runs each backward as ``I`` then its ``W`` at once, with
+      ``(p-r-1) + (v-1)g + 1`` warm-up forwards: ``I`` takes one unit, so the first backward
+      comes back to rank ``r`` one unit per stage sooner than a full ``B`` does."""
     p, v = layout.num_ranks, layout.num_chunks
     out = {}
     for r in range(p):
         fwd, bwd = [], []
-        for g0 in range(0, m, p):
-            group = range(g0, min(m, g0 + p))
+        for g0 in range(0, m, group_size):
+            group = range(g0, min(m, g0 + group_size))
             for c in range(v):
                 fwd += [Action(layout.stage_of(r, c), "F", j) for j in group]
             for c in reversed(range(v)):
-                bwd += [Action(layout.stage_of(r, c), "B", j) for j in group]
-        warm = min(len(fwd), 2 * (p - r - 1) + (v - 1) * p + 1)
+                bwd += [[Action(layout.stage_of(r, c), kind, j) for kind in (("I", "W") if split else ("B",))]
+                        for j in group]
+        warm = (p - r - 1) + (v - 1) * group_size + 1 if split else 2 * (p - r - 1) + (v - 1) * p + 1
+        warm = min(len(fwd), warm)
         acts = fwd[:warm]
         for k in range(len(fwd) - warm):
-            acts += [bwd[k], fwd[warm + k]]
-        out[r] = acts + bwd[len(fwd) - warm:]
+            acts += [*bwd[k], fwd[warm + k]]
+        out[r] = acts + [a for b in bwd[len(fwd) - warm:] for a in b]
     return out
 
 
@@ -236,7 +256,8 @@ def group_interleaved(num_ranks: int, num_microbatches: int, *, num_chunks: int,
     _check_groups(name, num_ranks, num_microbatches, group_size)
     layout = StageLayout(num_ranks, num_chunks)
     if group_size == num_ranks:
-        return _finish(name, layout, num_microbatches, _megatron_interleaved(layout, num_microbatches), group_size)
+        return _finish(name, layout, num_microbatches,
+                       _strict_interleaved(layout, num_microbatches, num_ranks, split=False), group_size)
     fwd = _stage_queues(layout, num_microbatches, group_size, reverse_chunks=False)
     bwd = _stage_queues(layout, num_microbatches, group_size, reverse_chunks=True)
     if num_chunks == 1:
@@ -251,6 +272,26 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, num_chunks: int) 
     """Interleaved 1F1B (Megatron-LM): :func:`group_interleaved` with ``group_size = num_ranks``."""
     return group_interleaved(num_ranks, num_microbatches, num_chunks=num_chunks, group_size=num_ranks,
                              name="interleaved_1f1b")
+
+
+def group_interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
+    """Group-interleaved with split backward in a fixed order (see the module docstring).
+
+    Raises:
+        ValueError: the order deadlocks at this ``group_size`` (in general below ``num_ranks / 2``).
+    """
+    name = "group_interleaved_zb"
+    _check_groups(name, num_ranks, num_microbatches, group_size)
+    layout = StageLayout(num_ranks, num_chunks)
+    actions = _strict_interleaved(layout, num_microbatches, group_size, split=True)
+    try:
+        return _finish(name, layout, num_microbatches, actions, group_size)
+    except ScheduleError as err:
+        raise ValueError(
+            f"{name}: group_size={group_size} is too small for {num_ranks} ranks: in its fixed order a "
+            f"rank's forward of a later chunk needs the last rank's forward of the chunk before, which "
+            f"that rank runs only after a backward that waits on the first rank (a deadlock; it needs "
+            f"group_size >= num_ranks/2 in general). Use interleaved_zb for small groups") from err
 
 
 def _modulo_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
@@ -335,8 +376,8 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
         num_ranks: pipeline ranks.
         num_microbatches: microbatches per step.
         num_chunks: chunks per rank (interleaved families; ``zbv`` always uses 2).
-        group_size: microbatch group size for ``group_interleaved`` and ``interleaved_zb``
-            (default ``num_ranks``).
+        group_size: microbatch group size for ``group_interleaved``, ``group_interleaved_zb`` and
+            ``interleaved_zb`` (default ``num_ranks``).
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
@@ -347,6 +388,6 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
         return single[name](num_ranks, num_microbatches)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, num_chunks=num_chunks)
-    grouped = interleaved_zb if name == "interleaved_zb" else group_interleaved
+    grouped = {"interleaved_zb": interleaved_zb, "group_interleaved_zb": group_interleaved_zb}.get(name, group_interleaved)
     return grouped(num_ranks, num_microbatches, num_chunks=num_chunks,
                    group_size=num_ranks if group_size is None else group_size)

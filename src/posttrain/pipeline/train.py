@@ -36,7 +36,8 @@ class PipelineConfig:
         stages: pipeline ranks (processes).
         chunks: model chunks per rank (interleaved families; ``zbv`` always uses 2).
         microbatches: microbatches per step.
-        group_size: group size of ``group_interleaved`` and ``interleaved_zb`` (default: ``stages``).
+        group_size: group size of ``group_interleaved``, ``group_interleaved_zb`` and ``interleaved_zb``
+            (default: ``stages``).
         offload: ``none``, ``full`` or the number of chunks per rank to offload.
         model: ``gpt`` or ``llama``.
         dim, layers, heads, vocab: model shape (``layers`` at least ``stages * chunks``).

@@ -141,7 +141,7 @@ PAPER_PEAKS = {(2, 8): [16, 8, 2], (2, 4): [12, 6, 3], (2, 1): [13, 5, 2], (4, 2
 PAPER_MAKESPANS = {(2, 8): 206, (2, 4): 210, (2, 1): 240}
 
 
-PAPER_TABLE_SCHEDULES = ("group_interleaved", "interleaved_zb")
+PAPER_TABLE_SCHEDULES = ("group_interleaved", "group_interleaved_zb", "interleaved_zb")
 
 
 def held_for_w_at_peak(res: SimResult) -> int:
@@ -155,32 +155,38 @@ def held_for_w_at_peak(res: SimResult) -> int:
 
 
 def pipeoffload_table(*, num_ranks: int = 8, num_microbatches: int = 32) -> list[dict]:
-    """Both our group-interleaved constructions on the paper's unit clock next to the paper's
-    figures, one row per (schedule, v, g).
+    """Our group-interleaved constructions on the paper's unit clock next to the paper's figures,
+    one row per (schedule, v, g).
 
     Copies are free (``host_bandwidth = inf``) and every chunk-microbatch of an offloaded chunk
-    is offloaded (``min_lifespan = 0``), as in the paper's count."""
+    is offloaded (``min_lifespan = 0``), as in the paper's count. A construction that cannot run
+    at (v, g) (``group_interleaved_zb`` below ``g = p/2`` deadlocks) has ``peaks = None`` and the
+    reason in ``"error"``."""
     rows = []
     for (v, g), paper in PAPER_PEAKS.items():
         for name in PAPER_TABLE_SCHEDULES:
-            ours, held, makespan = [], [], None
-            for k in range(v + 1):
-                r = simulate_pipeline(name, num_ranks=num_ranks, num_microbatches=num_microbatches,
-                                      num_chunks=v, group_size=g, offload_chunks=k, min_lifespan=0.0)
-                ours.append(max(r.peaks))
-                held.append(held_for_w_at_peak(r.sim))
-                makespan = r.base_makespan
-            rows.append({"schedule": name, "chunks": v, "group_size": g, "peaks": ours, "held_for_w": held,
-                         "paper_peaks": paper, "makespan": makespan, "paper_makespan": PAPER_MAKESPANS.get((v, g))})
+            row = {"schedule": name, "chunks": v, "group_size": g, "peaks": None, "held_for_w": None,
+                   "makespan": None, "paper_peaks": paper, "paper_makespan": PAPER_MAKESPANS.get((v, g))}
+            try:
+                runs = [simulate_pipeline(name, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                                          num_chunks=v, group_size=g, offload_chunks=k, min_lifespan=0.0)
+                        for k in range(v + 1)]
+            except ValueError as err:
+                row["error"] = str(err)
+            else:
+                row.update(peaks=[max(r.peaks) for r in runs], held_for_w=[held_for_w_at_peak(r.sim) for r in runs],
+                           makespan=runs[0].base_makespan)
+            rows.append(row)
     return rows
 
 
 def format_pipeoffload_table(rows: list[dict]) -> str:
     lines = ["p=8, m=32, F=I=W=1, free copies: peak chunk-microbatches for 0..v chunks offloaded; of those at",
              "the peak, how many have run their I and are held only for their W; makespan",
-             f"{'schedule':18} {'v':>2} {'g':>2}  {'ours':20} {'held for W':20} {'paper':20} {'makespan ours/paper':>20}"]
+             f"{'schedule':20} {'v':>2} {'g':>2}  {'ours':20} {'held for W':20} {'paper':20} {'makespan ours/paper':>20}"]
     for r in rows:
-        lines.append(f"{r['schedule']:18} {r['chunks']:>2} {r['group_size']:>2}  {str(r['peaks']):20} "
-                     f"{str(r['held_for_w']):20} {str(r['paper_peaks']):20} "
-                     f"{r['makespan']:>9g} / {r['paper_makespan'] or '-'}")
+        ours = ("deadlocks (g < p/2)", "-", "-") if r["peaks"] is None else (
+            str(r["peaks"]), str(r["held_for_w"]), f"{r['makespan']:g}")
+        lines.append(f"{r['schedule']:20} {r['chunks']:>2} {r['group_size']:>2}  {ours[0]:20} {ours[1]:20} "
+                     f"{str(r['paper_peaks']):20} {ours[2]:>9} / {r['paper_makespan'] or '-'}")
     return "\n".join(lines)

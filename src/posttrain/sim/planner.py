@@ -56,8 +56,8 @@ def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Clus
 
 def pipeline_candidates(num_ranks: int, chunk_options: Sequence[int] = (2, 4)) -> list[dict]:
     """Schedules worth trying at ``num_ranks``: one-chunk schedules, ZB-V, interleaved 1F1B, and
-    both group-interleaved constructions with every group size dividing ``num_ranks``, each with
-    0..v chunks offloaded."""
+    the three group-interleaved constructions with every group size dividing ``num_ranks``, each
+    with 0..v chunks offloaded."""
     out = []
     for name in SCHEDULES:
         if name in ("gpipe",):
@@ -68,8 +68,9 @@ def pipeline_candidates(num_ranks: int, chunk_options: Sequence[int] = (2, 4)) -
             out += [{"schedule": name, "num_chunks": 2, "group_size": None, "offload_chunks": k} for k in (0, 1, 2)]
         else:
             for v in chunk_options:
-                # group_interleaved at g = p is interleaved_1f1b; interleaved_zb at g = p is its own
-                top = num_ranks + 1 if name == "interleaved_zb" else num_ranks
+                # group_interleaved at g = p is interleaved_1f1b; the split-backward ones at g = p are
+                # their own; group_interleaved_zb deadlocks below g = p/2 (simulate_pipeline raises)
+                top = num_ranks if name == "group_interleaved" else num_ranks + 1
                 groups = [None] if name == "interleaved_1f1b" else [g for g in range(1, top) if num_ranks % g == 0]
                 out += [{"schedule": name, "num_chunks": v, "group_size": g, "offload_chunks": k}
                         for g in groups for k in range(v + 1)]
