@@ -165,7 +165,9 @@ def test_bench_pipeline_tiny(tmp_path):
     import json
 
     res = json.loads(out.read_text())
-    assert {r["schedule"] for r in res["memory"]} == {"1f1b", "interleaved_1f1b", "group_interleaved", "interleaved_zb"}
+    assert {r["schedule"] for r in res["memory"]} == {"1f1b", "interleaved_1f1b", "group_interleaved",
+                                                      "group_interleaved_zb", "interleaved_zb"}
+    assert {r["group_size"] for r in res["memory"] if r["schedule"] == "group_interleaved_zb"} == {1}
     assert all(r["peak_units"] == r["predicted_units"] for r in res["memory"])
     assert [r["schedule"] for r in res["timing"]] == ["1f1b", "interleaved_1f1b"]
     assert all(r["max_grad_diff"] == 0.0 and r["ratio"] > 0 for r in res["timing"])

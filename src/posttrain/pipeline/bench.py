@@ -31,13 +31,17 @@ from .train import PipelineConfig, _batch, _loss, _model, predicted_peaks, run_p
 
 __all__ = ["bench_pipeline"]
 
-MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_interleaved", 2, 1), ("interleaved_zb", 2, 1))
+# (schedule, chunks, group size): None is the stage count, "half" half of it (the smallest group
+# group_interleaved_zb runs at)
+MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_interleaved", 2, 1),
+                    ("group_interleaved_zb", 2, "half"), ("interleaved_zb", 2, 1))
 
 
 def _memory_rows(base: PipelineConfig, stage_counts, out) -> list[dict]:
     rows = []
     for p in stage_counts:
-        for name, chunks, g in MEMORY_SCHEDULES:
+        for name, chunks, group in MEMORY_SCHEDULES:
+            g = p // 2 if group == "half" else group
             offloads = ("none", "full") if chunks == 1 else ("none", "1", "full")
             base_peak = None
             for off in offloads:
@@ -51,7 +55,7 @@ def _memory_rows(base: PipelineConfig, stage_counts, out) -> list[dict]:
                        "peak_mib": peak_mib, "peak_units": units, "predicted_units": max(predicted_peaks(cfg)),
                        "vs_none": peak_mib / base_peak}
                 rows.append(row)
-                out(f"{p:>6} {name:>18} {off:>7} {peak_mib:>9.2f} {units:>6.1f} {row['predicted_units']:>9} "
+                out(f"{p:>6} {name:>20} {off:>7} {peak_mib:>9.2f} {units:>6.1f} {row['predicted_units']:>9} "
                     f"{row['vs_none']:>7.2f}")
     return rows
 
@@ -110,7 +114,7 @@ def bench_pipeline(base: PipelineConfig, *, stage_counts=(2, 4), repeats: int = 
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be at least 1")
     out("Saved-activation peak per rank (largest rank), measured by the hooks; vs_none: MiB ratio to no offload")
-    out(f"{'stages':>6} {'schedule':>18} {'offload':>7} {'peak MiB':>9} {'units':>6} {'predicted':>9} {'vs_none':>7}")
+    out(f"{'stages':>6} {'schedule':>20} {'offload':>7} {'peak MiB':>9} {'units':>6} {'predicted':>9} {'vs_none':>7}")
     memory = _memory_rows(base, stage_counts, out)
     out("")
     out("Step time, our runner (no offload) vs torch.distributed.pipelining on the same stages "
