@@ -220,8 +220,8 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
 
 def _strict_interleaved(layout: StageLayout, m: int, group_size: int, *, split: bool) -> dict[int, list[Action]]:
     """Interleaved 1F1B in a fixed per-rank order: forwards and backwards in group order (``g``
-    microbatches through chunk 0, then chunk 1, ...; backwards through the chunks in reverse),
-    ``warm-up`` forwards, then one backward and one forward alternately, then the remaining
+    microbatches through chunk 0, then chunk 1, ...; backwards through the chunks in reverse); a
+    warm-up of forwards, then one backward and one forward alternately, then the remaining
     backwards.
 
     - ``split=False`` is Megatron-LM's interleaved 1F1B (``g = p``): ``2(p-r-1) + (v-1)p + 1``
@@ -287,6 +287,8 @@ def group_interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: i
     try:
         return _finish(name, layout, num_microbatches, actions, group_size)
     except ScheduleError as err:
+        if not str(err).startswith("deadlock"):
+            raise
         raise ValueError(
             f"{name}: group_size={group_size} is too small for {num_ranks} ranks: in its fixed order a "
             f"rank's forward of a later chunk needs the last rank's forward of the chunk before, which "
