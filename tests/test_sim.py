@@ -186,6 +186,8 @@ def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
     for key in (("group_interleaved_zb", 2, 1), ("group_interleaved_zb", 4, 2)):
         assert rows[key]["peaks"] is None and "too small" in rows[key]["error"]
     assert "deadlocks (g < p/2)" in format_pipeoffload_table(list(rows.values()))
+    assert {k for k, r in rows.items() if r["peaks"] is None} == {("group_interleaved_zb", 2, 1),
+                                                                  ("group_interleaved_zb", 4, 2)}
     for r in rows.values():
         assert r["peaks"] is None or r["peaks"] == sorted(r["peaks"], reverse=True)
 
