@@ -22,8 +22,8 @@ for _ranks in (2, 4):
             _CASES.append((_ranks, _name, _chunks, _off))
 
 
-# the smallest group each construction runs at (group_interleaved_zb deadlocks below ranks/2)
-_GROUP = {"group_interleaved": lambda r: 1, "interleaved_zb": lambda r: 1, "group_interleaved_zb": lambda r: r // 2}
+# the grouped constructions at their smallest group
+_GROUP = {"group_interleaved": lambda r: 1, "interleaved_zb": lambda r: 1, "group_interleaved_zb": lambda r: 1}
 
 
 @pytest.mark.parametrize("ranks,schedule,chunks,offload", _CASES,
@@ -94,19 +94,22 @@ def test_at_8_ranks_group_interleaved_offload_of_half_cuts_more_than_half_interl
     assert 0.45 <= peaks(8, "1") / peaks(8, "none") <= 0.55
 
 
-@pytest.mark.parametrize("schedule,group,microbatches,expected", [
+@pytest.mark.parametrize("schedule,chunks,group,microbatches,expected", [
     # the modulo construction at group size 1: interleaved 1F1B holds 23
-    ("interleaved_zb", 1, 16, {"none": 10, "1": 5}),
-    # the fixed-order split-backward one at the paper's v=2 g=4 (design/pipeoffload.md): 12 -> 6
-    ("group_interleaved_zb", 4, 32, {"none": 12, "1": 6}),
+    ("interleaved_zb", 2, 1, 16, {"none": 10, "1": 5}),
+    # the slot construction at the paper's v=2 g=4, v=2 g=1 and v=4 g=2 (design/pipeoffload.md:
+    # 12, 6 | 13, 5, 2 | 22, 14, 8, 4; full offload 2 where the paper counts 3 at g=4 and v=4)
+    ("group_interleaved_zb", 2, 4, 32, {"none": 12, "1": 6}),
+    ("group_interleaved_zb", 2, 1, 32, {"none": 13, "1": 5, "full": 2}),
+    ("group_interleaved_zb", 4, 2, 32, {"none": 22, "1": 14, "2": 8, "3": 4, "full": 2}),
 ])
-def test_at_8_ranks_split_backward_group_interleaved_memory_is_measured_as_predicted(schedule, group, microbatches,
-                                                                                    expected):
-    """On 8 processes, without offload and with the first chunk offloaded, in chunk-microbatches."""
+def test_at_8_ranks_split_backward_group_interleaved_memory_is_measured_as_predicted(schedule, chunks, group,
+                                                                                    microbatches, expected):
+    """On 8 processes, with 0, 1, ... chunks offloaded, in chunk-microbatches."""
     got = {}
     for off in expected:
-        cfg = PipelineConfig(schedule=schedule, stages=8, chunks=2, group_size=group, microbatches=microbatches,
-                             layers=16, dim=16, heads=2, seq_len=16, steps=1, offload=off)
+        cfg = PipelineConfig(schedule=schedule, stages=8, chunks=chunks, group_size=group, microbatches=microbatches,
+                             layers=8 * chunks, dim=16, heads=2, seq_len=16, steps=1, offload=off)
         measured = [r["result"]["peak_units"] for r in run_pipeline(cfg, timeout_s=120)]
         assert measured == predicted_peaks(cfg)
         got[off] = max(measured)

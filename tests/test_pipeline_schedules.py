@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from posttrain.pipeline import (
     KINDS, SCHEDULES, Action, ScheduleError, StageLayout, build_schedule, parse_schedule, simulate,
 )
+from posttrain.pipeline.schedules import _strict_interleaved
 
 
 def test_action_text_round_trips_for_every_kind():
@@ -90,22 +91,38 @@ def test_interleaved_zb_at_group_size_one_spreads_memory_at_interleaved_speed():
     assert sum(s == 0 for s in live) > sum(s == 8 for s in live)
 
 
-def test_group_interleaved_zb_warm_up_and_the_papers_unit_clock_figures():
-    kw = dict(num_ranks=8, num_microbatches=32, num_chunks=2)
-    for g, makespan in ((8, 206), (4, 210)):  # design/pipeoffload.md's makespans for these g
-        s = build_schedule("group_interleaved_zb", group_size=g, **kw)
-        # (p-r-1) + (v-1)g + 1 warm-up forwards, then I, W, F in turn: that many in flight at most
-        assert s.predicted_peaks == tuple((8 - r - 1) + g + 1 for r in range(8))
-        assert s.simulate().makespan == makespan
-        assert all(a.kind == "F" for a in s.actions[0][:8 + g])
-        assert [a.kind for a in s.actions[0][8 + g:8 + g + 3]] == ["I", "W", "F"]
+def test_group_interleaved_zb_reproduces_the_papers_unit_clock_figures():
+    kw = dict(num_ranks=8, num_microbatches=32)
+    # design/pipeoffload.md: makespans 206 / 210 / 240 and peaks 16 / 12 / 13 for v=2, g=8 / 4 / 1
+    for g, peak, makespan, block in ((8, 16, 206, 237), (4, 12, 210, 225), (1, 13, 215, 240)):
+        s = build_schedule("group_interleaved_zb", num_chunks=2, group_size=g, **kw)
+        assert max(s.predicted_peaks) == peak
+        assert s.simulate().makespan == makespan and s.block_makespan == block
+    assert max(build_schedule("group_interleaved_zb", num_chunks=4, group_size=2, **kw).predicted_peaks) == 22
+    # g >= p/2: (p-r-1) + (v-1)g + 1 warm-up forwards, then I, W, F in turn
+    s = build_schedule("group_interleaved_zb", num_chunks=2, group_size=4, **kw)
+    assert s.predicted_peaks == tuple((8 - r - 1) + 4 + 1 for r in range(8))
+    assert all(a.kind == "F" for a in s.actions[0][:12]) and [a.kind for a in s.actions[0][12:15]] == ["I", "W", "F"]
+    # g = 1: the slots keep the turn; chunk 0 runs ahead of chunk 1 instead of waiting for it
+    one = build_schedule("group_interleaved_zb", num_chunks=2, group_size=1, **kw).text()[0].split()
+    assert one[:6] == ["0F0", "0F1", "0F2", "8F0", "0F3", "8F1"]
 
 
-def test_group_interleaved_zb_rejects_groups_that_deadlock():
-    for p, g in ((8, 3), (8, 1), (6, 2)):
-        with pytest.raises(ValueError, match=rf"group_interleaved_zb: group_size={g} is too small for {p} ranks"):
-            build_schedule("group_interleaved_zb", num_ranks=p, num_microbatches=2 * p * g, num_chunks=2, group_size=g)
-    build_schedule("group_interleaved_zb", num_ranks=8, num_microbatches=32, num_chunks=4, group_size=4)
+def test_group_interleaved_zb_is_megatrons_split_order_where_that_runs():
+    for p in range(1, 9):
+        for v in (1, 2, 3):
+            for g in range(1, p + 1):
+                layout = StageLayout(p, v)
+                m = 2 * p * g
+                strict = _strict_interleaved(layout, m, g, split=True)
+                ours = build_schedule("group_interleaved_zb", num_ranks=p, num_microbatches=m, num_chunks=v,
+                                      group_size=g)
+                if 2 * g >= p:
+                    assert ours.actions == strict, (p, v, g)
+    for v, g in ((2, 1), (2, 2), (2, 3), (4, 2)):  # the fixed order deadlocks here (the paper's p=8)
+        layout = StageLayout(8, v)
+        with pytest.raises(ScheduleError, match="deadlock"):
+            simulate(_strict_interleaved(layout, 48, g, split=True), layout, 48)
 
 
 @settings(max_examples=40, deadline=None)
@@ -118,11 +135,7 @@ def test_every_generator_gives_a_valid_schedule(p, k, v, data):
             kw["num_chunks"] = v
         if name in ("group_interleaved", "group_interleaved_zb", "interleaved_zb"):
             kw["group_size"] = data.draw(st.sampled_from([g for g in range(1, p + 1) if m % g == 0]))
-        try:
-            s = build_schedule(name, num_ranks=p, num_microbatches=m, **kw)
-        except ValueError as err:  # only this construction, and only for groups under p/2
-            assert name == "group_interleaved_zb" and 2 * kw["group_size"] < p and "too small" in str(err)
-            continue
+        s = build_schedule(name, num_ranks=p, num_microbatches=m, **kw)
         sim = s.simulate()  # raises on any invalid schedule
         assert tuple(sim.peaks()) == s.predicted_peaks
         per_rank_work = m * s.layout.num_chunks * 3

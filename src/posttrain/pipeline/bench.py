@@ -31,27 +31,25 @@ from .train import PipelineConfig, _batch, _loss, _model, predicted_peaks, run_p
 
 __all__ = ["bench_pipeline"]
 
-# (schedule, chunks, group size): None is the stage count, "half" half of it (the smallest group
-# group_interleaved_zb runs at)
+# (schedule, chunks, group size): None is the stage count
 MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_interleaved", 2, 1),
-                    ("group_interleaved_zb", 2, "half"), ("interleaved_zb", 2, 1))
+                    ("group_interleaved_zb", 2, 1), ("interleaved_zb", 2, 1))
 
 
 def _memory_rows(base: PipelineConfig, stage_counts, out) -> list[dict]:
     rows = []
     for p in stage_counts:
         for name, chunks, group in MEMORY_SCHEDULES:
-            g = p // 2 if group == "half" else group
             offloads = ("none", "full") if chunks == 1 else ("none", "1", "full")
             base_peak = None
             for off in offloads:
-                cfg = replace(base, schedule=name, stages=p, chunks=chunks, group_size=g, offload=off, steps=1,
+                cfg = replace(base, schedule=name, stages=p, chunks=chunks, group_size=group, offload=off, steps=1,
                               microbatches=2 * p, layers=max(base.layers, p * chunks))
                 res = run_pipeline(cfg)
                 peak_mib = max(sum(r["result"]["peak_bytes"].values()) for r in res) / 2**20
                 units = max(r["result"]["peak_units"] for r in res)
                 base_peak = base_peak or peak_mib
-                row = {"stages": p, "schedule": name, "chunks": chunks, "group_size": g, "offload": off,
+                row = {"stages": p, "schedule": name, "chunks": chunks, "group_size": group, "offload": off,
                        "peak_mib": peak_mib, "peak_units": units, "predicted_units": max(predicted_peaks(cfg)),
                        "vs_none": peak_mib / base_peak}
                 rows.append(row)

@@ -26,16 +26,22 @@ and otherwise waits. The queues and caps define the schedule family:
   ``g`` shrinks (p=8, m=32, v=2: makespan 253 units at g=4, 637 at g=1, where the paper's schedule
   stays within 240). Megatron's strict alternation with a ``g``-sized warm-up deadlocks for
   ``g < p``. ``interleaved_zb`` below drops the strict order and has few bubbles instead.
-- ``group_interleaved_zb``: the same family with split backward, in a fixed per-rank order like
-  Megatron's: ``(p-r-1) + (v-1)g + 1`` forwards in group order, then ``I``, its ``W`` and the
-  next forward in turn. ``I`` takes one unit, so the first backward reaches rank ``r`` sooner
-  than a full ``B`` would, and the warm-up shrinks to ``p-r-1`` plus the group. On the paper's
-  clock (p=8, m=32, v=2) this is the reference's schedule for the table's two larger groups:
-  ``g = 8`` gives makespan 206 and peaks 16, 8, 2 with 0, 1, 2 chunks offloaded; ``g = 4`` gives
-  210 and 12, 6, 2 (the paper: 12, 6, 3). Its limit: for ``g < p/2`` in general the order
-  deadlocks (a rank's forward of chunk ``c`` needs the last rank's forward of chunk ``c - 1``,
-  which that rank runs only after a backward that waits on the first rank), and the generator
-  raises a ``ValueError`` naming ``interleaved_zb``.
+- ``group_interleaved_zb``: the same family with split backward, on fixed slots: every rank runs
+  ``I``, ``W``, ``F`` in turn, one unit each, the odd ranks one unit later than the even ones. One
+  block of ``g`` microbatches is laid out stage by stage, each action in the first unit of its
+  kind (``W`` right after its ``I``) that is at or after its input and not yet taken in any
+  period of ``3vg`` units; the block repeats every period, and each rank runs its actions in block
+  order as soon as their inputs are ready. For ``g >= p/2`` (checked for every ``p <= 8``) this is
+  exactly the fixed order of Megatron-LM's schedule with split backward: ``(p-r-1) + (v-1)g + 1``
+  forwards in group order, then ``I``, its ``W`` and the next forward in turn (that order
+  deadlocks below ``p/2``: a rank's forward of chunk ``c`` needs the last rank's forward of chunk
+  ``c - 1``, which it runs only after a backward that waits on the first rank; the slots keep the
+  turn and let a later microbatch's forward take it). On the paper's clock (p=8, m=32) it gives
+  the reference scheduler's figures in design/pipeoffload.md but two full-offload peaks (v=2:
+  g=8 16, 8, 2; g=4 12, 6, 2 where the paper has 12, 6, 3; g=1 13, 5, 2; v=4, g=2: 22, 14, 8, 4,
+  2 where the paper has 22, 14, 8, 4, 3) and the makespans: 206 at g=8 and 210 at g=4 as run, and at g=1 the
+  paper's 240 is the block's own timing (:attr:`Schedule.block_makespan`), which this runtime
+  squeezes to 215 by starting each action as soon as it can.
 - ``interleaved_zb``: the same family built another way, as a modulo schedule (the "building
   block" of Qi et al., "Pipeline Parallelism with Controllable Memory"): one block of ``g``
   microbatches is laid out once on a unit clock and repeated every ``3vg`` units (each rank's
@@ -65,7 +71,7 @@ from dataclasses import dataclass
 
 from ._ir import Action, format_schedule
 from .layout import StageLayout
-from .simulate import ScheduleError, SimResult, simulate
+from .simulate import SimResult, simulate
 
 __all__ = ["SCHEDULES", "Schedule", "build_schedule"]
 
@@ -84,6 +90,10 @@ class Schedule:
         actions: ``{rank: [Action]}``.
         predicted_peaks: peak in-flight chunk-microbatches per rank (unit clock).
         group_size: microbatch group size (group-interleaved family), else ``None``.
+        block_makespan: for the repeated-block constructions (``group_interleaved_zb``,
+            ``interleaved_zb``), the makespan if every action ran at its time in the repeated
+            block; the runtime starts each action as soon as its inputs are ready, which is never
+            later. ``None`` for the others.
     """
 
     name: str
@@ -92,6 +102,7 @@ class Schedule:
     actions: dict[int, list[Action]]
     predicted_peaks: tuple[int, ...]
     group_size: int | None = None
+    block_makespan: int | None = None
 
     def text(self) -> dict[int, str]:
         return format_schedule(self.actions)
@@ -188,9 +199,9 @@ def _check_groups(name: str, num_ranks: int, num_microbatches: int, group_size: 
         raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
 
 
-def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None) -> Schedule:
+def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None, block_makespan=None) -> Schedule:
     sim = simulate(actions, layout, m)
-    return Schedule(name, layout, m, actions, tuple(sim.peaks()), group_size)
+    return Schedule(name, layout, m, actions, tuple(sim.peaks()), group_size, block_makespan)
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -229,7 +240,9 @@ def _strict_interleaved(layout: StageLayout, m: int, group_size: int, *, split: 
       ``ScheduleInterleaved1F1B`` (a test checks it).
     - ``split=True`` runs each backward as ``I`` then its ``W`` at once, with
       ``(p-r-1) + (v-1)g + 1`` warm-up forwards: ``I`` takes one unit, so the first backward
-      comes back to rank ``r`` one unit per stage sooner than a full ``B`` does."""
+      comes back to rank ``r`` one unit per stage sooner than a full ``B`` does. This is the
+      order ``group_interleaved_zb``'s slots give for ``g >= p/2`` (a test checks it); below that
+      it deadlocks."""
     p, v = layout.num_ranks, layout.num_chunks
     out = {}
     for r in range(p):
@@ -274,26 +287,55 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, *, num_chunks: int) 
                              name="interleaved_1f1b")
 
 
-def group_interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
-    """Group-interleaved with split backward in a fixed order (see the module docstring).
+def _slot_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
+    """Unit-clock start of every action of microbatches ``0 .. group_size-1`` on fixed slots:
+    rank ``r`` runs ``I``, ``W``, ``F`` in turn from unit ``r % 2``; laid out stage by stage, each
+    action takes the first unit of its kind at or after its input that no other action of the
+    block takes in any period of ``3 * num_chunks * group_size`` (each rank has exactly as many
+    units of each kind per period as the block has actions of that kind, so one always exists)."""
+    p, n = layout.num_ranks, layout.num_stages
+    period = 3 * layout.num_chunks * group_size
+    taken: list[set[int]] = [set() for _ in range(p)]
+    start: dict[Action, int] = {}
 
-    Raises:
-        ValueError: the order deadlocks at this ``group_size`` (in general below ``num_ranks / 2``).
-    """
+    def place(a: Action, t: int) -> int:
+        r = layout.rank_of(a.stage)
+        while "IWF"[(t - r % 2) % 3] != a.kind or t % period in taken[r]:
+            t += 1
+        taken[r].update((t % period, (t + 1) % period) if a.kind == "I" else (t % period,))
+        start[a] = t
+        if a.kind == "I":
+            start[Action(a.stage, "W", a.microbatch)] = t + 1
+        return t + 1
+
+    ready = [0] * group_size  # when each microbatch's next input is ready
+    for kind, stages in (("F", range(n)), ("I", reversed(range(n)))):
+        for s in stages:
+            for j in range(group_size):
+                ready[j] = place(Action(s, kind, j), ready[j])
+    return start
+
+
+def _repeat_block(layout: StageLayout, m: int, group_size: int, block: dict[Action, int]):
+    """Each rank's actions for ``m`` microbatches with ``block`` repeated every ``3vg`` units,
+    in time order, and the makespan at those times."""
+    period = 3 * layout.num_chunks * group_size
+    timed: dict[int, list[tuple[int, Action]]] = {r: [] for r in range(layout.num_ranks)}
+    for a, t in block.items():
+        for b in range(m // group_size):
+            timed[layout.rank_of(a.stage)].append((t + b * period, Action(a.stage, a.kind, b * group_size + a.microbatch)))
+    actions = {r: [a for _, a in sorted(ts)] for r, ts in timed.items()}
+    span = max(block.values()) + 1 - min(block.values()) + (m // group_size - 1) * period
+    return actions, span
+
+
+def group_interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
+    """Group-interleaved with split backward on fixed ``I, W, F`` slots (see the module docstring)."""
     name = "group_interleaved_zb"
     _check_groups(name, num_ranks, num_microbatches, group_size)
     layout = StageLayout(num_ranks, num_chunks)
-    actions = _strict_interleaved(layout, num_microbatches, group_size, split=True)
-    try:
-        return _finish(name, layout, num_microbatches, actions, group_size)
-    except ScheduleError as err:
-        if not str(err).startswith("deadlock"):
-            raise
-        raise ValueError(
-            f"{name}: group_size={group_size} is too small for {num_ranks} ranks: in its fixed order a "
-            f"rank's forward of a later chunk needs the last rank's forward of the chunk before, which "
-            f"that rank runs only after a backward that waits on the first rank (a deadlock; it needs "
-            f"group_size >= num_ranks/2 in general). Use interleaved_zb for small groups") from err
+    actions, span = _repeat_block(layout, num_microbatches, group_size, _slot_block(layout, group_size))
+    return _finish(name, layout, num_microbatches, actions, group_size, span)
 
 
 def _modulo_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
@@ -341,13 +383,8 @@ def interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, gr
     name = "interleaved_zb"
     _check_groups(name, num_ranks, num_microbatches, group_size)
     layout = StageLayout(num_ranks, num_chunks)
-    period = 3 * num_chunks * group_size
-    timed: dict[int, list[tuple[int, Action]]] = {r: [] for r in range(num_ranks)}
-    for a, t in _modulo_block(layout, group_size).items():
-        for b in range(num_microbatches // group_size):
-            timed[layout.rank_of(a.stage)].append((t + b * period, Action(a.stage, a.kind, b * group_size + a.microbatch)))
-    actions = {r: [a for _, a in sorted(ts)] for r, ts in timed.items()}
-    return _finish(name, layout, num_microbatches, actions, group_size)
+    actions, span = _repeat_block(layout, num_microbatches, group_size, _modulo_block(layout, group_size))
+    return _finish(name, layout, num_microbatches, actions, group_size, span)
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:

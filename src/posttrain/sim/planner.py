@@ -69,7 +69,7 @@ def pipeline_candidates(num_ranks: int, chunk_options: Sequence[int] = (2, 4)) -
         else:
             for v in chunk_options:
                 # group_interleaved at g = p is interleaved_1f1b; the split-backward ones at g = p are
-                # their own; group_interleaved_zb deadlocks below g = p/2 (simulate_pipeline raises)
+                # their own
                 top = num_ranks if name == "group_interleaved" else num_ranks + 1
                 groups = [None] if name == "interleaved_1f1b" else [g for g in range(1, top) if num_ranks % g == 0]
                 out += [{"schedule": name, "num_chunks": v, "group_size": g, "offload_chunks": k}
