@@ -39,9 +39,9 @@ and otherwise waits. The queues and caps define the schedule family:
   turn and let a later microbatch's forward take it). On the paper's clock (p=8, m=32) it gives
   the reference scheduler's figures in design/pipeoffload.md but two full-offload peaks (v=2:
   g=8 16, 8, 2; g=4 12, 6, 2 where the paper has 12, 6, 3; g=1 13, 5, 2; v=4, g=2: 22, 14, 8, 4,
-  2 where the paper has 22, 14, 8, 4, 3) and the makespans: 206 at g=8 and 210 at g=4 as run, and at g=1 the
-  paper's 240 is the block's own timing (:attr:`Schedule.block_makespan`), which this runtime
-  squeezes to 215 by starting each action as soon as it can.
+  2 where the paper has 22, 14, 8, 4, 3) and the makespans: 206 at g=8 and 210 at g=4 as run,
+  and at g=1 the paper's 240 is the block's own timing (:attr:`Schedule.block_makespan`), which
+  this runtime squeezes to 215 by starting each action as soon as it can.
 - ``interleaved_zb``: the same family built another way, as a modulo schedule (the "building
   block" of Qi et al., "Pipeline Parallelism with Controllable Memory"): one block of ``g``
   microbatches is laid out once on a unit clock and repeated every ``3vg`` units (each rank's
@@ -329,13 +329,17 @@ def _repeat_block(layout: StageLayout, m: int, group_size: int, block: dict[Acti
     return actions, span
 
 
-def group_interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
-    """Group-interleaved with split backward on fixed ``I, W, F`` slots (see the module docstring)."""
-    name = "group_interleaved_zb"
+def _block_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int, group_size: int,
+                    make_block) -> Schedule:
     _check_groups(name, num_ranks, num_microbatches, group_size)
     layout = StageLayout(num_ranks, num_chunks)
-    actions, span = _repeat_block(layout, num_microbatches, group_size, _slot_block(layout, group_size))
+    actions, span = _repeat_block(layout, num_microbatches, group_size, make_block(layout, group_size))
     return _finish(name, layout, num_microbatches, actions, group_size, span)
+
+
+def group_interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
+    """Group-interleaved with split backward on fixed ``I, W, F`` slots (see the module docstring)."""
+    return _block_schedule("group_interleaved_zb", num_ranks, num_microbatches, num_chunks, group_size, _slot_block)
 
 
 def _modulo_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
@@ -380,11 +384,7 @@ def _modulo_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
 
 def interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:
     """Group-interleaved as a modulo schedule with split backward (see the module docstring)."""
-    name = "interleaved_zb"
-    _check_groups(name, num_ranks, num_microbatches, group_size)
-    layout = StageLayout(num_ranks, num_chunks)
-    actions, span = _repeat_block(layout, num_microbatches, group_size, _modulo_block(layout, group_size))
-    return _finish(name, layout, num_microbatches, actions, group_size, span)
+    return _block_schedule("interleaved_zb", num_ranks, num_microbatches, num_chunks, group_size, _modulo_block)
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
