@@ -104,8 +104,12 @@ def test_group_interleaved_zb_reproduces_the_papers_unit_clock_figures():
     assert s.predicted_peaks == tuple((8 - r - 1) + 4 + 1 for r in range(8))
     assert all(a.kind == "F" for a in s.actions[0][:12]) and [a.kind for a in s.actions[0][12:15]] == ["I", "W", "F"]
     # g = 1: the slots keep the turn; chunk 0 runs ahead of chunk 1 instead of waiting for it
-    one = build_schedule("group_interleaved_zb", num_chunks=2, group_size=1, **kw).text()[0].split()
-    assert one[:6] == ["0F0", "0F1", "0F2", "8F0", "0F3", "8F1"]
+    one = build_schedule("group_interleaved_zb", num_chunks=2, group_size=1, **kw)
+    assert one.text()[0].split()[:6] == ["0F0", "0F1", "0F2", "8F0", "0F3", "8F1"]
+    # held to its block times, the run starts every action there (they are feasible) and ends at 240
+    timed = one.simulate(not_before=one.block_times)
+    assert all(timed.start[(one.layout.rank_of(a.stage), a)] == t for a, t in one.block_times.items())
+    assert timed.makespan == 240 and max(timed.peaks()) == 13
 
 
 def test_group_interleaved_zb_is_megatrons_split_order_where_that_runs():

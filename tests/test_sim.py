@@ -14,7 +14,10 @@ import pytest
 from posttrain.balance import plan_minibatch
 from posttrain.sim import Cluster, LayerCost, SimModel, draw_lengths, load_lengths, simulate_dp, simulate_minibatch
 from posttrain.sim._engine import Engine, Link, Rendezvous
-from posttrain.sim.pipeline import PipelineWorkload, format_pipeoffload_table, pipeoffload_table, simulate_pipeline
+from posttrain.pipeline import build_schedule
+from posttrain.sim.pipeline import (
+    PipelineWorkload, design_copy_peak, format_pipeoffload_table, pipeoffload_table, simulate_pipeline,
+)
 from posttrain.sim.trace import chrome_trace, plot_dp_timelines, write_chrome_trace
 
 FREE = Cluster(num_gpus=4, gpus_per_node=4, intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0,
@@ -186,11 +189,28 @@ def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
     assert [gz[k]["peaks"] for k in gz] == [[16, 8, 2], [12, 6, 2], [13, 5, 2], [22, 14, 8, 4, 2]]
     assert [gz[k]["makespan"] for k in gz] == [206, 210, 215, 422]
     assert [gz[k]["block_makespan"] for k in gz] == [237, 225, 240, 471]
+    # with the design note's copies, every peak of the paper: as run at g = 8, 4 and v=4 g=2, and
+    # at block times at g = 1 (where the makespan is the block timing too)
+    assert [gz[k]["design_peaks"] for k in ((2, 8), (2, 4), (4, 2))] == [[16, 8, 2], [12, 6, 3], [22, 14, 8, 4, 3]]
+    assert gz[(2, 1)]["design_block_peaks"] == [13, 5, 2] and gz[(2, 1)]["design_peaks"] == [13, 5, 3]
     assert rows[("group_interleaved", 2, 8)]["block_makespan"] is None
+    assert rows[("group_interleaved", 2, 8)]["design_block_peaks"] is None
     text = format_pipeoffload_table(list(rows.values()))
-    assert "215 /   240 / 240" in text and "213 /     - / 206" in text
+    assert "215 /  240 / 240" in text and "213 /    - / 206" in text and "13,5,3 | 13,5,2" in text
     for r in rows.values():
         assert r["peaks"] == sorted(r["peaks"], reverse=True)
+
+
+def test_design_copy_peak_counts_copies_and_the_reload_lead_by_hand():
+    # one rank, GPipe, 3 microbatches: F at 0, 1, 2; B (2 units) at 3, 5, 7
+    res = build_schedule("gpipe", num_ranks=1, num_microbatches=3).simulate()
+    assert design_copy_peak(res, 0) == 3
+    # free copies landing just in time: one chunk-microbatch at a time
+    assert design_copy_peak(res, 1, copy=0, lead=0) == 1
+    # reloads land a unit early: F0's reload (2-5) overlaps F2 (2-3), F1's (4-7) F0's
+    assert design_copy_peak(res, 1, copy=0, lead=1) == 2
+    # one-unit copies: F0 is still going out when F2 runs, and its reload follows at once
+    assert design_copy_peak(res, 1, copy=1, lead=1) == 3
 
 
 def test_layer_cost_fit_recovers_known_coefficients():

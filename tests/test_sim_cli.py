@@ -28,7 +28,7 @@ def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "makespan" in out and "k = (D2H + H2D)" in out and chart.read_bytes()[:4] == b"\x89PNG"
     assert main(["simulate", "pipeline", "--paper-table"]) == 0
-    assert "[16, 8, 2]" in capsys.readouterr().out
+    assert "group_interleaved_zb  2  1  13,5,2" in capsys.readouterr().out
 
 
 def test_simulate_table_small(tmp_path, capsys):

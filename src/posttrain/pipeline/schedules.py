@@ -90,9 +90,9 @@ class Schedule:
         actions: ``{rank: [Action]}``.
         predicted_peaks: peak in-flight chunk-microbatches per rank (unit clock).
         group_size: microbatch group size (group-interleaved family), else ``None``.
-        block_makespan: for the repeated-block constructions (``group_interleaved_zb``,
-            ``interleaved_zb``), the makespan if every action ran at its time in the repeated
-            block; the runtime starts each action as soon as its inputs are ready, which is never
+        block_times: for the repeated-block constructions (``group_interleaved_zb``,
+            ``interleaved_zb``), every action's start in the repeated block (unit clock, from 0);
+            the runtime starts each action as soon as its inputs are ready instead, which is never
             later. ``None`` for the others.
     """
 
@@ -102,7 +102,12 @@ class Schedule:
     actions: dict[int, list[Action]]
     predicted_peaks: tuple[int, ...]
     group_size: int | None = None
-    block_makespan: int | None = None
+    block_times: dict[Action, int] | None = None
+
+    @property
+    def block_makespan(self) -> int | None:
+        """The makespan at :attr:`block_times`, or ``None``."""
+        return None if self.block_times is None else max(self.block_times.values()) + 1
 
     def text(self) -> dict[int, str]:
         return format_schedule(self.actions)
@@ -199,9 +204,9 @@ def _check_groups(name: str, num_ranks: int, num_microbatches: int, group_size: 
         raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
 
 
-def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None, block_makespan=None) -> Schedule:
+def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None, block_times=None) -> Schedule:
     sim = simulate(actions, layout, m)
-    return Schedule(name, layout, m, actions, tuple(sim.peaks()), group_size, block_makespan)
+    return Schedule(name, layout, m, actions, tuple(sim.peaks()), group_size, block_times)
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -317,24 +322,23 @@ def _slot_block(layout: StageLayout, group_size: int) -> dict[Action, int]:
 
 
 def _repeat_block(layout: StageLayout, m: int, group_size: int, block: dict[Action, int]):
-    """Each rank's actions for ``m`` microbatches with ``block`` repeated every ``3vg`` units,
-    in time order, and the makespan at those times."""
-    period = 3 * layout.num_chunks * group_size
-    timed: dict[int, list[tuple[int, Action]]] = {r: [] for r in range(layout.num_ranks)}
-    for a, t in block.items():
-        for b in range(m // group_size):
-            timed[layout.rank_of(a.stage)].append((t + b * period, Action(a.stage, a.kind, b * group_size + a.microbatch)))
-    actions = {r: [a for _, a in sorted(ts)] for r, ts in timed.items()}
-    span = max(block.values()) + 1 - min(block.values()) + (m // group_size - 1) * period
-    return actions, span
+    """Each rank's actions for ``m`` microbatches with ``block`` repeated every ``3vg`` units, in
+    time order, and every action's start (the first at 0)."""
+    period, first = 3 * layout.num_chunks * group_size, min(block.values())
+    times = {Action(a.stage, a.kind, b * group_size + a.microbatch): t - first + b * period
+             for a, t in block.items() for b in range(m // group_size)}
+    actions = {r: [] for r in range(layout.num_ranks)}
+    for a in sorted(times, key=lambda a: (times[a], a)):
+        actions[layout.rank_of(a.stage)].append(a)
+    return actions, times
 
 
 def _block_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int, group_size: int,
                     make_block) -> Schedule:
     _check_groups(name, num_ranks, num_microbatches, group_size)
     layout = StageLayout(num_ranks, num_chunks)
-    actions, span = _repeat_block(layout, num_microbatches, group_size, make_block(layout, group_size))
-    return _finish(name, layout, num_microbatches, actions, group_size, span)
+    actions, times = _repeat_block(layout, num_microbatches, group_size, make_block(layout, group_size))
+    return _finish(name, layout, num_microbatches, actions, group_size, times)
 
 
 def group_interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, group_size: int) -> Schedule:

@@ -21,6 +21,7 @@ from the start of its ``F`` until its ``OFFLOAD`` finishes, and again from the s
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ._ir import Action
@@ -147,8 +148,9 @@ def _deps(a: Action, layout: StageLayout, present: set[Action]) -> list[Action]:
 
 
 def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microbatches: int, *,
-             durations: Durations = Durations()) -> SimResult:
-    """Validate ``schedule`` and run it on a clock.
+             durations: Durations = Durations(), not_before: Mapping[Action, float] | None = None) -> SimResult:
+    """Validate ``schedule`` and run it on a clock; ``not_before`` holds actions back to a given
+    start (e.g. a repeated-block schedule at its block times: ``Schedule.block_times``).
 
     Raises:
         ScheduleError: a missing, repeated or misplaced action, a dependency that runs later in
@@ -188,7 +190,8 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
                 deps = _deps(a, layout, present)
                 if any(d not in end for d in deps) or (a in trigger and trigger[a] not in started):
                     break
-                t0 = max([free[key], *(end[d] for d in deps), started.get(trigger.get(a), 0.0)])
+                t0 = max([free[key], *(end[d] for d in deps), started.get(trigger.get(a), 0.0),
+                          (not_before or {}).get(a, 0.0)])
                 started[a] = t0
                 t1 = t0 + getattr(durations, a.kind, 0.0)  # sends and receives take no time
                 end[a] = t1

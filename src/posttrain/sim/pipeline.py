@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from posttrain.pipeline import Action, Durations, OffloadPolicy, SimResult, add_offload, build_schedule, simulate
 
-__all__ = ["PipelineSimResult", "PipelineWorkload", "format_pipeoffload_table", "pipeoffload_table", "simulate_pipeline"]
+__all__ = ["PipelineSimResult", "PipelineWorkload", "design_copy_peak", "format_pipeoffload_table", "pipeoffload_table",
+           "simulate_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -154,14 +155,41 @@ def held_for_w_at_peak(res: SimResult) -> int:
                if r == rank and a.kind == "W" and res.end[(r, Action(a.stage, "I", a.microbatch))] <= t < w_end)
 
 
+def design_copy_peak(res: SimResult, offload_chunks: int, *, copy: float = 1.0, lead: float = 1.0) -> int:
+    """Peak resident chunk-microbatches of a run without copy actions, with each rank's first
+    ``offload_chunks`` chunks offloaded by the rule of design/pipeoffload.md, every copy taking
+    ``copy`` and never waiting for another: a chunk-microbatch is resident from its forward's
+    start until its offload, started at the forward's end, finishes; and again from its reload,
+    timed to finish ``lead`` (one backward) before its backward starts, until the backward
+    (``B``, or ``W`` when split) finishes. Not our runtime's count (one copy stream, each copy
+    issued where it sits in the rank's list): the count that explains the paper's table."""
+    layout = res.layout
+    resident: dict[int, list[tuple[float, float, int]]] = {}
+    for (rank, a), t0 in res.start.items():
+        if a.kind != "F":
+            continue
+        s, j, end = a.stage, a.microbatch, res.end
+        bwd = (rank, Action(s, "B", j)) if (rank, Action(s, "B", j)) in end else (rank, Action(s, "I", j))
+        release = end.get((rank, Action(s, "W", j)), end[bwd])
+        spans = [(t0, release)]
+        if layout.chunk_of(s) < offload_chunks:
+            gone = end[(rank, a)] + copy
+            spans = [(t0, gone), (max(gone, res.start[bwd] - lead - copy), release)]
+        resident.setdefault(rank, []).extend((lo, hi, s) for lo, hi in spans)
+    return max(SimResult(layout, res.start, res.end, resident).peaks())
+
+
 def pipeoffload_table(*, num_ranks: int = 8, num_microbatches: int = 32) -> list[dict]:
     """Our group-interleaved constructions on the paper's unit clock next to the paper's figures,
-    one row per (schedule, v, g).
+    one row per (schedule, v, g), with 0..v chunks offloaded.
 
-    Copies are free (``host_bandwidth = inf``) and every chunk-microbatch of an offloaded chunk
-    is offloaded (``min_lifespan = 0``), as in the paper's count. ``makespan`` is as run (each
-    action as soon as its inputs are ready); ``block_makespan`` is the repeated-block
-    constructions' makespan at their block times (``None`` for ``group_interleaved``)."""
+    - ``peaks``: our runtime's count with free copies (``host_bandwidth = inf``), every
+      chunk-microbatch of an offloaded chunk offloaded (``min_lifespan = 0``).
+    - ``design_peaks``: :func:`design_copy_peak` (one-unit copies) of the same run;
+      ``design_block_peaks``: the same at the repeated-block constructions' block times
+      (``None`` for ``group_interleaved``).
+    - ``makespan`` as run (each action as soon as its inputs are ready); ``block_makespan`` at
+      block times."""
     rows = []
     for (v, g), paper in PAPER_PEAKS.items():
         for name in PAPER_TABLE_SCHEDULES:
@@ -169,20 +197,33 @@ def pipeoffload_table(*, num_ranks: int = 8, num_microbatches: int = 32) -> list
                                       group_size=g, offload_chunks=k, min_lifespan=0.0) for k in range(v + 1)]
             sched = build_schedule(name, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=v,
                                    group_size=g)
+            plain = sched.simulate()
+            block = None if sched.block_times is None else sched.simulate(not_before=sched.block_times)
             rows.append({"schedule": name, "chunks": v, "group_size": g, "peaks": [max(r.peaks) for r in runs],
-                         "held_for_w": [held_for_w_at_peak(r.sim) for r in runs], "makespan": runs[0].base_makespan,
-                         "block_makespan": sched.block_makespan, "paper_peaks": paper,
-                         "paper_makespan": PAPER_MAKESPANS.get((v, g))})
+                         "held_for_w": [held_for_w_at_peak(r.sim) for r in runs],
+                         "design_peaks": [design_copy_peak(plain, k) for k in range(v + 1)],
+                         "design_block_peaks": None if block is None else [design_copy_peak(block, k)
+                                                                           for k in range(v + 1)],
+                         "makespan": plain.makespan, "block_makespan": sched.block_makespan,
+                         "paper_peaks": paper, "paper_makespan": PAPER_MAKESPANS.get((v, g))})
     return rows
 
 
 def format_pipeoffload_table(rows: list[dict]) -> str:
-    lines = ["p=8, m=32, F=I=W=1, free copies: peak chunk-microbatches for 0..v chunks offloaded; of those at",
-             "the peak, how many have run their I and are held only for their W; makespan as run, at block times",
-             f"{'schedule':20} {'v':>2} {'g':>2}  {'ours':20} {'held for W':20} {'paper':20} {'makespan ours/block/paper':>26}"]
+    def cells(x) -> str:
+        return "-" if x is None else ",".join(f"{n:g}" for n in x)
+
+    lines = ["p=8, m=32, F=I=W=1; peak chunk-microbatches for 0..v chunks offloaded:",
+             "  ours: free copies, as our runtime counts them; held for W: of those at the peak, how many ran",
+             "  their I and wait for their W; design copies: one-unit copies, each reload landing one unit",
+             "  before its backward (design/pipeoffload.md's rule), as run and at block times",
+             "makespan: as run / at block times / paper",
+             f"{'schedule':20} {'v':>2} {'g':>2}  {'ours':13} {'held for W':13} {'design copies':27} {'paper':13} "
+             f"{'makespan':>18}"]
     for r in rows:
+        design = f"{cells(r['design_peaks'])} | {cells(r['design_block_peaks'])}"
         block = "-" if r["block_makespan"] is None else f"{r['block_makespan']:g}"
-        lines.append(f"{r['schedule']:20} {r['chunks']:>2} {r['group_size']:>2}  {str(r['peaks']):20} "
-                     f"{str(r['held_for_w']):20} {str(r['paper_peaks']):20} "
-                     f"{r['makespan']:>9g} / {block:>5} / {r['paper_makespan'] or '-'}")
+        lines.append(f"{r['schedule']:20} {r['chunks']:>2} {r['group_size']:>2}  {cells(r['peaks']):13} "
+                     f"{cells(r['held_for_w']):13} {design:27} {cells(r['paper_peaks']):13} "
+                     f"{r['makespan']:>5g} / {block:>4} / {r['paper_makespan'] or '-'}")
     return "\n".join(lines)
