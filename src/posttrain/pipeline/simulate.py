@@ -176,6 +176,7 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
                     trigger[a] = last_compute
             else:
                 last_compute = a
+    hold = not_before or {}
     started: dict[Action, float] = {}
     pos = dict.fromkeys(streams, 0)
     free = dict.fromkeys(streams, 0.0)
@@ -191,7 +192,7 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
                 if any(d not in end for d in deps) or (a in trigger and trigger[a] not in started):
                     break
                 t0 = max([free[key], *(end[d] for d in deps), started.get(trigger.get(a), 0.0),
-                          (not_before or {}).get(a, 0.0)])
+                          hold.get(a, 0.0)])
                 started[a] = t0
                 t1 = t0 + getattr(durations, a.kind, 0.0)  # sends and receives take no time
                 end[a] = t1

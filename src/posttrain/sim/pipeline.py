@@ -197,7 +197,7 @@ def pipeoffload_table(*, num_ranks: int = 8, num_microbatches: int = 32) -> list
                                       group_size=g, offload_chunks=k, min_lifespan=0.0) for k in range(v + 1)]
             sched = build_schedule(name, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=v,
                                    group_size=g)
-            plain = sched.simulate()
+            plain = runs[0].sim  # nothing offloaded: the schedule as run, no copy actions
             block = None if sched.block_times is None else sched.simulate(not_before=sched.block_times)
             rows.append({"schedule": name, "chunks": v, "group_size": g, "peaks": [max(r.peaks) for r in runs],
                          "held_for_w": [held_for_w_at_peak(r.sim) for r in runs],
