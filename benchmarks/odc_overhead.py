@@ -28,10 +28,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-import posttrain.odc as odc_mod
 from posttrain._launch import run_ranks
 from posttrain.models import build_model
-from posttrain.train import TrainConfig, TrainData, _build, _build_flat, _microbatch_loss
+from posttrain.train import TrainConfig, TrainData, build_training, microbatch_loss
 
 
 def _worker(rank: int, world_size: int, dim: int) -> dict:
@@ -40,22 +39,24 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
     seqs = [s for s in data.minibatch(0) if 300 < len(s) < 700][:1]
     torch.manual_seed(cfg.seed)
     plain = build_model(cfg.model, cfg.model_config(data.vocab_size))
-    model, _ = _build(cfg, data.vocab_size)  # sharded exactly as the training loop shards it
-    odc = odc_mod.enable(model) if world_size > 1 else None
-    flat_model, flat, _ = _build_flat(replace(cfg, dp="odc-flat"), data.vocab_size)
+    # sharded exactly as the training loop shards it
+    fsdp = build_training(replace(cfg, dp="odc-fsdp2" if world_size > 1 else "fsdp"), data.vocab_size)
+    flat = build_training(replace(cfg, dp="odc"), data.vocab_size)
+    model = fsdp.model
+    tokens = len(seqs[0]) - 1
 
     def timed(m, ctx):
         with ctx:
             t0 = time.perf_counter()
-            loss = _microbatch_loss(m, seqs, [0], 1.0)
+            loss = microbatch_loss(m, seqs, [0], 1.0)
             t1 = time.perf_counter()
             loss.backward()
             return t1 - t0, time.perf_counter() - t1
 
     steps = {
         "plain": lambda: timed(plain, contextlib.nullcontext()),
-        "fsdp": lambda: timed(model, odc.minibatch() if odc is not None else contextlib.nullcontext()),
-        "flat": lambda: timed(flat_model, flat.minibatch()),
+        "fsdp": lambda: timed(model, fsdp.engine.minibatch(tokens)),
+        "flat": lambda: timed(flat.model, flat.engine.minibatch(tokens)),
     }
     best = {}
     for _ in range(3):
@@ -79,9 +80,8 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
         for _ in range(5):
             fn()
         faults[name] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
-    if odc is not None:
-        odc.close()
-    flat.close()
+    fsdp.engine.close()
+    flat.engine.close()
 
     opt_ms = {}
     for name, kw in (("default", {}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):

@@ -123,3 +123,33 @@ def assert_states_close(got: dict, want: dict, **tol) -> None:
     for k in want:
         torch.testing.assert_close(got[k], want[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
+
+
+def tiny_llama():
+    """A transformers LlamaForCausalLM, tiny random config (nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_qwen2_tied():
+    """A transformers Qwen2ForCausalLM with tie_word_embeddings=True: lm_head.weight is
+    model.embed_tokens.weight (one nn.Parameter used by two modules)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise AssertionError("the Qwen2 test model is not tied")
+    return model

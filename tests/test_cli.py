@@ -88,9 +88,9 @@ def test_bench_odc_runs_every_variant_and_the_ideal(tmp_path):
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
     median, spread = got["median"], got["spread"]
-    assert set(median) == {"fsdp+round_robin", "fsdp+same_micro", "odc-collective+same_micro",
-                           "odc+round_robin", "odc+diff_micro", "odc-flat-collective+same_micro",
-                           "odc-flat+diff_micro", "ideal"}
+    assert set(median) == {"fsdp+round_robin", "fsdp+same_micro", "odc-fsdp2-collective+same_micro",
+                           "odc-fsdp2+round_robin", "odc-fsdp2+diff_micro", "odc-collective+same_micro",
+                           "odc+diff_micro", "ideal"}
     assert median["fsdp+same_micro"]["vs_fsdp_same_micro"] == 1.0
     assert median["ideal"]["vs_ideal"] == 1.0 and median["odc+diff_micro"]["tokens_per_s"] > 0
     refs = {"vs_fsdp_same_micro": "fsdp+same_micro", "vs_ideal": "ideal"}
@@ -100,7 +100,7 @@ def test_bench_odc_runs_every_variant_and_the_ideal(tmp_path):
             assert spread[name][key] == [min(per_round), max(per_round)]
             assert min(per_round) <= median[name][key] <= max(per_round)
     assert "odc+diff_micro / fsdp+same_micro" in proc.stdout
-    assert "odc-flat+diff_micro / odc-flat-collective" in proc.stdout
+    assert "odc+diff_micro / odc-collective" in proc.stdout
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])

@@ -1,47 +1,72 @@
-"""Flat ODC (no FSDP2) trains exactly like a single process, with the ODC protocol's guarantees.
+"""Flat ODC (no FSDP2) trains exactly like a single process, with every feature of the FSDP2 engine.
 
-A failure pinpoints a wrong gather (parameters), a wrong push or sync (gradients), or a wrong
-re-gather before backward (a unit's freed weights), for the configuration in the test id.
+A failure pinpoints, for the configuration in the test id: a wrong gather (parameters), a wrong
+push or sync (gradients), a wrong re-gather before backward (a unit's freed weights), wrong
+mixed-precision casts, a tied or frozen parameter handled as an ordinary one, or a model left
+unusable after sharding.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.profiler import ProfilerActivity, profile
 
 import posttrain.odc as odc_mod
 from posttrain._launch import run_ranks
+from posttrain.models import checkpoint_blocks
 
-from odc_helpers import LR, STEPS, assert_states_close, loss_of, make_gpt, step_data, train_reference
+from odc_helpers import (LR, STEPS, assert_states_close, loss_of, make_gpt, step_data, tiny_llama, tiny_qwen2_tied,
+                         train_fsdp, train_reference)
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def train_flat(rank: int, world_size: int, counts: list[int], *, make_model=make_gpt, units=None,
-               steps: int = STEPS, **kw):
+def train_flat(rank: int, world_size: int, counts: list[int], *, make_model=make_gpt, units=None, prepare=None,
+               mesh_shape=None, steps: int = STEPS, close: bool = False, ac: bool = False, **kw):
+    """Train under flat ODC; returns (full state dict, stats, extra) where extra describes the handle."""
+    mesh = None
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     model = make_model()
-    handle = odc_mod.flat_shard(model, units(model) if units else None, **kw)
+    if prepare is not None:
+        prepare(model)
+    if ac:
+        from posttrain.models import find_blocks
+
+        checkpoint_blocks(find_blocks(model))
+    handle = odc_mod.flat_shard(model, units(model) if units else None, mesh=mesh, **kw)
     opt = torch.optim.SGD(handle.parameters(), lr=LR, momentum=0.9)
-    with handle:
-        for step in range(steps):
-            data, total = step_data(step, counts)
-            mine = data[rank]
-            with handle.minibatch(num_tokens=sum(x.shape[1] - 1 for x in mine)) as mb:
-                assert mb.global_tokens == total
-                for x in mine:
-                    (loss_of(model, x) / mb.global_tokens).backward()
-            opt.step()
-            opt.zero_grad()
-        state = handle.full_state_dict()
-        stats = dict(handle.stats)
-    return state, stats
+    for step in range(steps):
+        data, total = step_data(step, counts)
+        mine = data[rank] if mesh_shape is None else data[rank]
+        with handle.minibatch(num_tokens=sum(x.shape[1] - 1 for x in mine)) as mb:
+            assert mb.global_tokens == total
+            for x in mine:
+                (loss_of(model, x) / mb.global_tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    extra = {"num_params": len(handle.parameters()), "grads_bytes": handle._protocol.grads_bytes,
+             "params_bytes": handle._protocol.params_bytes}
+    state = handle.full_state_dict()
+    stats = dict(handle.stats)
+    if close:
+        handle.close()
+        extra["after_close"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        handle.close(restore=False)
+    return state, stats, extra
 
 
 @pytest.mark.parametrize("counts", [[3, 1, 0, 2], [2, 1], [1, 1]], ids=["ws4-3-1-0-2", "ws2-2-1", "ws2-equal"])
 def test_flat_parity_with_single_process_reference(counts):
     """Unequal microbatch counts (a rank with none included) give the reference's parameters."""
     want = train_reference(counts)
-    for rank, (state, stats) in enumerate(run_ranks(train_flat, len(counts), counts)):
+    for rank, (state, stats, _) in enumerate(run_ranks(train_flat, len(counts), counts)):
         assert_states_close(state, want, **FP32)
         # every block is gathered for forward and again for backward, the root once
         units = 3
@@ -52,35 +77,228 @@ def test_flat_parity_with_single_process_reference(counts):
 def test_flat_collective_mode_matches_reference():
     counts = [2, 2]
     want = train_reference(counts)
-    for state, _ in run_ranks(train_flat, 2, counts, mode="collective"):
+    for state, _, _ in run_ranks(train_flat, 2, counts, mode="collective"):
         assert_states_close(state, want, **FP32)
 
 
-def test_flat_transformers_llama_parity():
+def test_flat_finds_the_blocks_of_a_transformers_model_and_matches_the_reference():
+    """No units given: the decoder layers at model.model.layers are found, one unit each."""
     pytest.importorskip("transformers")
-    from test_odc_parity import _tiny_llama
-
     counts = [2, 1]
-    want = train_reference(counts, make_model=_tiny_llama)
-    got = run_ranks(train_flat, 2, counts, make_model=_tiny_llama,
-                    units=lambda m: [*m.model.layers, m])
-    for state, _ in got:
+    want = train_reference(counts, make_model=tiny_llama)
+    for state, stats, _ in run_ranks(train_flat, 2, counts, make_model=tiny_llama):
+        assert_states_close(state, want, rtol=1e-4, atol=1e-5)
+    # 2 decoder layers and the root: 3 pushes per microbatch on rank 0
+    assert run_ranks(train_flat, 2, counts, make_model=tiny_llama, steps=1)[0][1]["pushes"] == 2 * 3
+
+
+def test_flat_mixed_precision_matches_fsdp2_and_gathers_half_the_bytes():
+    """bf16 params / fp32 reduce: the same parameters as FSDP2 under the same policy (both sum
+    bf16 gradients in fp32), half the gather bytes of fp32, fp32 pushes and fp32 master shards."""
+    counts = [2, 2]
+    want = run_ranks(train_fsdp, 2, counts, mp=BF16)[0]
+    got = run_ranks(train_flat, 2, counts, mp_policy=BF16, grad_divide_factor=2.0)
+    fp32 = run_ranks(train_flat, 2, counts, grad_divide_factor=2.0)
+    for (state, stats, _), (_, stats32, _) in zip(got, fp32):
+        assert all(v.dtype == torch.float32 for v in state.values())
+        assert_states_close(state, want, rtol=1e-3, atol=1e-5)
+        assert stats["gathers"] == stats32["gathers"]
+        assert stats["gather_bytes"] * 2 == stats32["gather_bytes"], (stats, stats32)
+        assert stats["push_bytes"] == stats32["push_bytes"] * 0.5  # bf16 rows added into fp32
+
+
+def test_flat_bf16_model_trains_in_bf16():
+    """A model already in bf16 (no policy): bf16 shards, gathers and accumulators; close to fp32."""
+    counts = [2, 1]
+    want = train_reference(counts)
+    bf16 = run_ranks(train_flat, 2, counts, make_model=lambda: make_gpt().to(torch.bfloat16))
+    for state, _, _ in bf16:
+        assert all(v.dtype == torch.bfloat16 for v in state.values())
+        assert_states_close({k: v.float() for k, v in state.items()}, want, rtol=5e-2, atol=2e-2)
+
+
+def _tied_check(rank, world_size, counts):
+    state, _, extra = train_flat(rank, world_size, counts, make_model=tiny_qwen2_tied, close=True)
+    return state, extra["after_close"]
+
+
+def test_flat_tied_embeddings_train_as_one_parameter_and_stay_tied():
+    """Qwen2 with tie_word_embeddings: trained as one parameter (its gradient is the sum of both
+    uses), like the reference; after close() the model holds one tied parameter again."""
+    pytest.importorskip("transformers")
+    counts = [2, 1]
+    want = train_reference(counts, make_model=tiny_qwen2_tied)
+    assert torch.equal(want["lm_head.weight"], want["model.embed_tokens.weight"])
+    for state, after in run_ranks(_tied_check, 2, counts):
+        assert_states_close(state, want, rtol=1e-4, atol=1e-5)
+        assert_states_close(after, want, rtol=1e-4, atol=1e-5)
+
+
+def _tied_roundtrip(rank, world_size, tmp):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_qwen2_tied()
+    handle = odc_mod.flat_shard(model)
+    opt = torch.optim.SGD(handle.parameters(), lr=0.5)
+    x = step_data(0, [1, 1])[0][rank][0]
+    with handle.minibatch(num_tokens=x.shape[1] - 1) as mb:
+        (loss_of(model, x) / mb.global_tokens).backward()
+    opt.step()
+    handle.close()
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if rank == 0:
+        model.save_pretrained(tmp)
+    torch.distributed.barrier()
+    back = AutoModelForCausalLM.from_pretrained(tmp)
+    with torch.no_grad():
+        same = torch.equal(back(x).logits, model(x).logits)
+    return tied, back.lm_head.weight is back.model.embed_tokens.weight, same
+
+
+def test_flat_tied_model_saves_and_reloads_tied_with_equal_logits(tmp_path):
+    pytest.importorskip("transformers")
+    for tied, reloaded_tied, same in run_ranks(_tied_roundtrip, 2, str(tmp_path)):
+        assert tied and reloaded_tied and same
+
+
+def _freeze(model):
+    model.tok_emb.weight.requires_grad_(False)
+    for p in model.layers[1].parameters():
+        p.requires_grad_(False)
+
+
+def test_flat_frozen_parameters_are_gathered_but_never_pushed_stepped_or_accumulated():
+    """Frozen embeddings and a frozen block: the reference's parameters (frozen ones unchanged);
+    the all-frozen block has no shard to step and pushes nothing; accumulators hold only the
+    trainable elements."""
+    counts = [2, 1]
+    want = train_reference(counts, make_model=lambda: _frozen_gpt())
+    init = make_gpt().state_dict()
+    got = run_ranks(train_flat, 2, counts, prepare=_freeze)
+    plain = run_ranks(train_flat, 2, counts)
+    for rank, ((state, stats, extra), (_, _, plain_extra)) in enumerate(zip(got, plain)):
+        assert_states_close(state, want, **FP32)
+        assert torch.equal(state["tok_emb.weight"], init["tok_emb.weight"])
+        assert torch.equal(state["layers.1.fc.weight"], init["layers.1.fc.weight"])
+        assert extra["num_params"] == 2  # block 0 and the root; block 1 is all frozen
+        assert stats["pushes"] == counts[rank] * 2 * STEPS, stats
+        frozen_numel = sum(p.numel() for p in make_gpt().layers[1].parameters()) + init["tok_emb.weight"].numel()
+        assert plain_extra["grads_bytes"] - extra["grads_bytes"] >= frozen_numel * 4 // 2 - 64 * 3
+        assert extra["params_bytes"] == plain_extra["params_bytes"]  # frozen ones are still exposed
+
+
+def _frozen_gpt():
+    model = make_gpt()
+    _freeze(model)
+    return model
+
+
+def test_flat_hsdp_2x2_matches_the_reference():
+    """(replicate=2, shard=2) mesh: ODC inside each shard pair, one all-reduce at the sync."""
+    counts = [3, 0, 1, 2]
+    want = train_reference(counts)
+    for state, _, _ in run_ranks(train_flat, 4, counts, mesh_shape=(2, 2)):
+        assert_states_close(state, want, **FP32)
+
+
+def test_flat_deterministic_mode_is_bitwise_reproducible():
+    """deterministic=True: two runs give bitwise identical parameters, matching the reference."""
+    counts = [3, 1, 0, 2]
+    first = run_ranks(train_flat, 4, counts, deterministic=True)
+    second = run_ranks(train_flat, 4, counts, deterministic=True)
+    want = train_reference(counts)
+    for (a, _, _), (b, _, _) in zip(first, second):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+        assert_states_close(a, want, **FP32)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_flat_activation_checkpointing_matches_the_reference(model):
+    """Checkpointed blocks recompute their forward after the re-gather: same parameters."""
+    if model == "llama":
+        pytest.importorskip("transformers")
+    make = make_gpt if model == "gpt" else tiny_llama
+    counts = [2, 1]
+    want = train_reference(counts, make_model=make)
+    for state, stats, _ in run_ranks(train_flat, 2, counts, make_model=make, ac=True):
         assert_states_close(state, want, rtol=1e-4, atol=1e-5)
 
 
-def _frees_after_forward(rank, world_size):
+def _peak_bytes(rank, world_size, ac):
+    from posttrain.models import GPT, GPTConfig, token_loss_sum
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, dim=64, num_layers=4, num_heads=2, max_seq_len=2048))
+    if ac:
+        checkpoint_blocks(model.layers)
+    handle = odc_mod.flat_shard(model)
+    x = torch.randint(0, 64, (1, 2049), generator=torch.Generator().manual_seed(rank))
+    with handle.minibatch(num_tokens=2048):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            token_loss_sum(model(x[:, :-1]), x[:, 1:]).backward()
+    handle.close(restore=False)
+    deltas = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    current = peak = 0
+    for _, d in deltas:
+        current += d
+        peak = max(peak, current)
+    return peak
+
+
+def test_flat_activation_checkpointing_lowers_peak_memory_on_a_long_sequence():
+    """One 2048-token microbatch through 4 blocks: the peak of CPU memory allocated during forward
+    and backward (torch profiler) falls to well under half with per-block checkpointing."""
+    without = run_ranks(_peak_bytes, 2, False)
+    with_ac = run_ranks(_peak_bytes, 2, True)
+    for a, b in zip(without, with_ac):
+        assert b < 0.5 * a, (a, b)
+
+
+def _state_dict_before_and_after_close(rank, world_size):
     model = make_gpt()
     handle = odc_mod.flat_shard(model)
-    with handle:
-        x = step_data(0, [1, 1])[0][rank][0]
-        with handle.minibatch():
-            loss = loss_of(model, x)
-            # blocks freed their gathered weights after forward; the root keeps its own
-            freed = [u.full.untyped_storage().nbytes() == 0 for u in handle.layouts]
-            loss.backward()
-        with torch.no_grad():
-            out = loss_of(model, x)  # outside a minibatch: a collective gather, no push
-    return freed, float(out), len(handle.parameters())
+    try:
+        model.state_dict()
+        before = "no error"
+    except RuntimeError as e:
+        before = str(e)
+    full = handle.full_state_dict()
+    handle.close()
+    after = model.state_dict()
+    same = after.keys() == full.keys() and all(torch.equal(after[k], full[k]) for k in full)
+    trainable = all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+    return before, same, trainable, len(list(model.parameters()))
+
+
+def test_flat_model_state_dict_is_a_clear_error_until_close_puts_the_parameters_back():
+    for before, same, trainable, count in run_ranks(_state_dict_before_and_after_close, 2):
+        assert "sharded by flat ODC" in before and "handle.close()" in before
+        assert same and trainable and count == len(list(make_gpt().parameters()))
+
+
+def _sharded_roundtrip(rank, world_size):
+    model = make_gpt()
+    handle = odc_mod.flat_shard(model)
+    sd = {k: v.clone() for k, v in handle.sharded_state_dict().items()}  # the values are views of the shards
+    shapes = {k: (tuple(v.shape), tuple(v.to_local().shape)) for k, v in sd.items()}
+    before = [p.detach().clone() for p in handle.parameters()]
+    for p in handle.parameters():
+        p.data.zero_()
+    handle.load_sharded_state_dict(sd)
+    restored = all(torch.equal(a, b.detach()) for a, b in zip(before, handle.parameters()))
+    handle.close(restore=False)
+    return shapes, restored
+
+
+def test_flat_sharded_state_dict_is_unpadded_dtensors_per_unit():
+    results = run_ranks(_sharded_roundtrip, 2)
+    for shapes, restored in results:
+        assert restored
+        assert set(shapes) == {"layers.0.flat", "layers.1.flat", "<root>.flat"}
+    for key in results[0][0]:
+        (global0, local0), (global1, local1) = results[0][0][key], results[1][0][key]
+        assert global0 == global1 and local0[0] + local1[0] == global0[0]
 
 
 def test_flat_frees_block_weights_after_forward_and_evaluates_outside_a_minibatch():
@@ -89,15 +307,32 @@ def test_flat_frees_block_weights_after_forward_and_evaluates_outside_a_minibatc
         assert out > 0 and nparams == 3
 
 
+def _frees_after_forward(rank, world_size):
+    model = make_gpt()
+    handle = odc_mod.flat_shard(model)
+    x = step_data(0, [1, 1])[0][rank][0]
+    with handle.minibatch():
+        loss = loss_of(model, x)
+        # blocks freed their gathered weights after forward; the root keeps its own
+        freed = [u.full.untyped_storage().nbytes() == 0 for u in handle.layouts]
+        loss.backward()
+    with torch.no_grad():
+        out = loss_of(model, x)  # outside a minibatch: a collective gather, no push
+    handle.close(restore=False)
+    return freed, float(out), len(handle.parameters())
+
+
 def _backward_outside(rank, world_size):
     model = make_gpt()
-    with odc_mod.flat_shard(model):
-        x = step_data(0, [1, 1])[0][rank][0]
-        loss = loss_of(model, x)
-        try:
-            loss.backward()
-        except RuntimeError as e:
-            return str(e)
+    handle = odc_mod.flat_shard(model)
+    x = step_data(0, [1, 1])[0][rank][0]
+    loss = loss_of(model, x)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        handle.close(restore=False)
     return "no error"
 
 
@@ -109,23 +344,26 @@ def test_flat_backward_outside_a_minibatch_is_a_clear_error():
 def _bad_input(rank, world_size, what):
     model = make_gpt()
     try:
-        if what == "bf16":
-            model = model.to(torch.bfloat16)
+        if what == "mixed-dtypes":
+            model.layers[0].fc.to(torch.bfloat16)
             odc_mod.flat_shard(model)
         elif what == "foreign":
             odc_mod.flat_shard(model, [torch.nn.Linear(2, 2)])
         elif what == "uncovered":
             odc_mod.flat_shard(model, list(model.layers))
-        elif what == "deterministic":
-            odc_mod.flat_shard(model, deterministic=True)
+        elif what == "tied-across-units":
+            model.layers[1].fc.weight = model.layers[0].fc.weight
+            odc_mod.flat_shard(model)
+        elif what == "no-blocks":
+            odc_mod.flat_shard(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     except ValueError as e:
         return str(e)
     return "no error"
 
 
 @pytest.mark.parametrize("what,needle", [
-    ("bf16", "fp32 CPU models"), ("foreign", "not a submodule"), ("uncovered", "outside every unit"),
-    ("deterministic", "deterministic"),
+    ("mixed-dtypes", "one dtype per unit"), ("foreign", "not a submodule"), ("uncovered", "outside every unit"),
+    ("tied-across-units", "must belong to one unit"), ("no-blocks", "cannot find the transformer blocks"),
 ])
 def test_flat_bad_input_is_a_clear_error(what, needle):
     for msg in run_ranks(_bad_input, 2, what):
@@ -133,23 +371,25 @@ def test_flat_bad_input_is_a_clear_error(what, needle):
 
 
 def _setup_fails(rank, world_size):
-    import posttrain.odc._flat as flat_mod
+    import posttrain.odc._protocol as protocol_mod
 
     model = make_gpt()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    params_before = [id(p) for p in model.parameters()]
 
     def broken(*a, **k):
         raise OSError("no space left on /dev/shm")
 
-    real, flat_mod.ShmTransport.create = flat_mod.ShmTransport.create, broken
+    real, protocol_mod.ShmTransport.create = protocol_mod.ShmTransport.create, broken
     try:
         odc_mod.flat_shard(model)
     except OSError:
         pass
     finally:
-        flat_mod.ShmTransport.create = real
+        protocol_mod.ShmTransport.create = real
     after = model.state_dict()
-    return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    same_objects = [id(p) for p in model.parameters()] == params_before
+    return same_objects and after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_flat_setup_failure_gives_the_model_its_parameters_back():

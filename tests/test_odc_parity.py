@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from posttrain._launch import run_ranks
 
-from odc_helpers import assert_states_close, train_fsdp, train_odc, train_reference
+from odc_helpers import assert_states_close, tiny_llama, train_fsdp, train_odc, train_reference
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -95,22 +95,10 @@ def test_collective_mode_matches_reference():
         assert_states_close(state, want, **FP32)
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg)
-
-
 def test_transformers_llama_parity():
     """A transformers LlamaForCausalLM (tiny random config, no download) under ODC."""
     pytest.importorskip("transformers")
     counts = [2, 1]
-    want = train_reference(counts, make_model=_tiny_llama)
-    for state, _ in run_ranks(train_odc, 2, counts, make_model=_tiny_llama):
+    want = train_reference(counts, make_model=tiny_llama)
+    for state, _ in run_ranks(train_odc, 2, counts, make_model=tiny_llama):
         assert_states_close(state, want, rtol=1e-4, atol=1e-5)

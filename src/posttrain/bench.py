@@ -1,8 +1,8 @@
 """``posttrain bench odc``: FSDP2 vs ODC training throughput, side by side in one run, 2 ranks.
 
 Same model, data and steps for every variant: FSDP2 (gloo) with round_robin and with
-same_micro; ODC in collective mode (same_micro); ODC with round_robin and with diff_micro; flat
-ODC (no FSDP2, :func:`posttrain.odc.flat_shard`) in collective mode and with diff_micro; and
+same_micro; ODC on FSDP2 in collective mode (same_micro), with round_robin and with diff_micro; flat ODC
+(``--dp odc``, no FSDP2) in collective mode and with diff_micro; and
 the ideal bound: the compute time of all microbatches of a step divided evenly over the ranks,
 no communication. The ideal's compute time is measured on ``world_size`` processes at once (each
 runs every microbatch of the step on an unsharded model), so it sees the same core and memory
@@ -22,14 +22,15 @@ from posttrain.train import TrainConfig, TrainData, ideal_compute_worker, summar
 
 __all__ = ["ODC_VARIANTS", "bench_odc"]
 
+#: (engine, odc mode, balancing method); named ``<dp label>+<method>`` (e.g. ``odc-collective+same_micro``).
 ODC_VARIANTS = (
-    ("fsdp", "round_robin"),
-    ("fsdp", "same_micro"),
-    ("odc-collective", "same_micro"),
-    ("odc", "round_robin"),
-    ("odc", "diff_micro"),
-    ("odc-flat-collective", "same_micro"),
-    ("odc-flat", "diff_micro"),
+    ("fsdp", "odc", "round_robin"),
+    ("fsdp", "odc", "same_micro"),
+    ("odc-fsdp2", "collective", "same_micro"),
+    ("odc-fsdp2", "odc", "round_robin"),
+    ("odc-fsdp2", "odc", "diff_micro"),
+    ("odc", "collective", "same_micro"),
+    ("odc", "odc", "diff_micro"),
 )
 _REF = "fsdp+same_micro"
 
@@ -61,10 +62,10 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     rounds = []
     for k in range(repeats):
         got = {}
-        for dp, balance in ODC_VARIANTS:
-            name = f"{dp}+{balance}"
-            got[name] = summarize(run_ranks(train_worker, world_size, replace(base, dp=dp, balance=balance),
-                                            timeout_s=3600))
+        for dp, mode, balance in ODC_VARIANTS:
+            cfg = replace(base, dp=dp, odc_mode=mode, balance=balance)
+            name = f"{cfg.dp_label}+{balance}"
+            got[name] = summarize(run_ranks(train_worker, world_size, cfg, timeout_s=3600))
             log(f"  round {k + 1}/{repeats}  {name:28} {got[name]['tokens_per_s']:9.0f} tokens/s", flush=True)
         got["ideal"] = _ideal(base, world_size)
         log(f"  round {k + 1}/{repeats}  {'ideal':28} {got['ideal']['tokens_per_s']:9.0f} tokens/s", flush=True)
@@ -98,7 +99,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         "excluded, over the ideal's: FSDP2's per-module unshard/reshard work shows here; (rounds): lowest and "
         "highest ratio of a single round)")
     log("")
-    for engine in ("odc", "odc-flat"):
+    for engine in ("odc-fsdp2", "odc"):
         odc, coll = median[f"{engine}+diff_micro"], median[f"{engine}-collective+same_micro"]
         log(f"{engine}+diff_micro / fsdp+same_micro = {odc['vs_fsdp_same_micro']:.2f}x; "
             f"{engine}+diff_micro / ideal = {odc['vs_ideal']:.2f}; "

@@ -36,7 +36,7 @@ from posttrain.balance import FlopsCost
 from posttrain.models import build_model
 from posttrain.data import synthetic_sequences
 from posttrain.sim import Cluster, LayerCost, SimModel, simulate_dp
-from posttrain.train import (TrainConfig, TrainData, _microbatch_loss, _plan, ideal_compute_worker, summarize,
+from posttrain.train import (TrainConfig, TrainData, ideal_compute_worker, microbatch_loss, plan_step, summarize,
                              train_worker)
 
 __all__ = ["calibrate_odc", "calibrate_pipeline", "measure_machine"]
@@ -46,7 +46,7 @@ def _plans(cfg: TrainConfig, world_size: int, method: str):
     data = TrainData(cfg, world_size)
     cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
     c = replace(cfg, balance=method)
-    return [_plan(c, data.minibatch(k), world_size, cost) for k in range(1, cfg.steps)]  # step 0 is warm-up
+    return [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, cfg.steps)]  # step 0 is warm-up
 
 
 def _slowest_median(fn, iters: int) -> float:
@@ -69,7 +69,7 @@ def _compute_worker(rank: int, world_size: int, cfg: TrainConfig, shapes: list[l
     for shape in shapes:
         seqs = synthetic_sequences([n + 1 for n in shape], vocab_size=data.vocab_size, seed=len(shape))
         ids = list(range(len(seqs)))
-        seconds.append(_slowest_median(lambda: _microbatch_loss(model, seqs, ids, 1.0).backward(), iters))
+        seconds.append(_slowest_median(lambda: microbatch_loss(model, seqs, ids, 1.0).backward(), iters))
     return seconds
 
 
@@ -89,7 +89,7 @@ def _engine_cost(cfg: TrainConfig, dp: str, world_size: int, log) -> float:
         ideal = statistics.mean(sum(step) / len(step) for step in list(zip(*per_rank))[1:]) / world_size
         data = TrainData(c, world_size)
         cost = FlopsCost.from_config(c.model_config(data.vocab_size))
-        mbs = max(_plan(c, data.minibatch(1), world_size, cost).num_microbatches)
+        mbs = max(plan_step(c, data.minibatch(1), world_size, cost).num_microbatches)
     extra = max(0.0, run["step_time_s"] - ideal) / (mbs * cfg.num_layers)
     log(f"  {dp} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
         f"{mbs} microbatches x {cfg.num_layers} layers -> {extra * 1e3:.3f} ms per layer and microbatch", flush=True)

@@ -3,6 +3,7 @@
     posttrain demo                          # FSDP2 then ODC: tiny GPT, 2 CPU processes, long-tail lengths
     posttrain train --dp fsdp --balance same_micro --steps 20 --metrics out/fsdp.csv
     posttrain train --dp odc --model llama --precision bf16 --checkpoint-dir out/ckpt
+    posttrain train --dp odc --deterministic --activation-checkpointing --world-size 4 --replicas 2
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
     posttrain bench odc --profile long_tail --repeats 5
     posttrain bench pipeline --stages 2,4
@@ -51,12 +52,14 @@ def _train(args: argparse.Namespace) -> int:
     from posttrain.timeline import plot_timelines
     from posttrain.train import run_training
 
-    cfg = _config(args, dp=args.dp, balance=args.balance, optimizer=args.optimizer,
-                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, progress=True)
+    cfg = _config(args, dp=args.dp, odc_mode=args.odc_mode, balance=args.balance, optimizer=args.optimizer,
+                  deterministic=args.deterministic, activation_checkpointing=args.activation_checkpointing,
+                  replicas=args.replicas, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                  progress=True)
     results = run_training(cfg, world_size=args.world_size, metrics_path=args.metrics)
     if results is not None and args.timeline and results[0]["metrics"]:
         last = results[0]["metrics"][-1]["step"]
-        plot_timelines({f"{cfg.dp}+{cfg.balance}": [r["events"] for r in results]}, args.timeline,
+        plot_timelines({f"{cfg.dp_label}+{cfg.balance}": [r["events"] for r in results]}, args.timeline,
                        title=f"step {last}: per-rank compute, communication and waiting")
         print(f"wrote {args.timeline}")
     return 0
@@ -138,7 +141,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, steps: int, sequences: int, max
 def build_parser() -> argparse.ArgumentParser:
     from posttrain.balance import METHODS
     from posttrain.pipeline import SCHEDULES
-    from posttrain.train import DP_MODES
+    from posttrain.train import DP_CHOICES
 
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -154,9 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="train with FSDP2 or ODC on CPU processes (or under torchrun)")
-    train.add_argument("--dp", choices=DP_MODES, default="odc",
-                       help="data-parallel engine: fsdp, odc, odc-collective on FSDP2; odc-flat, "
-                       "odc-flat-collective: ODC on flat per-block buffers, no FSDP2 (default odc)")
+    train.add_argument("--dp", choices=DP_CHOICES, default="odc",
+                       help="data-parallel engine: odc (flat ODC, the fast one), fsdp (FSDP2), odc-fsdp2 (ODC on "
+                       "FSDP2); odc-collective and odc-fsdp2-collective: --odc-mode collective; odc-flat and "
+                       "odc-flat-collective: older names of odc and odc-collective (default odc)")
+    train.add_argument("--odc-mode", choices=("odc", "collective"), default="odc",
+                       help="ODC engines: odc, or collective (a barrier at every gather and reduce, equal "
+                       "microbatch counts: FSDP's semantics on ODC's transport; for benchmarks) (default odc)")
+    train.add_argument("--deterministic", action="store_true",
+                       help="ODC engines: bitwise identical runs (gradients summed in rank order; one full "
+                       "gradient of extra memory per rank)")
+    train.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute each block's forward in backward (saves activation memory)")
+    train.add_argument("--replicas", type=int, default=1,
+                       help="HSDP: shard within groups of world-size/replicas ranks, replicate across them (default 1)")
     train.add_argument("--balance", choices=METHODS, default="diff_micro", help="balancing method (default diff_micro)")
     _add_run_args(train, steps=20, sequences=16, max_len=512, dim=128)
     train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="(default adamw)")

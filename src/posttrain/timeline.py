@@ -14,24 +14,17 @@ intervals of different ranks line up without any clock exchange. Kinds:
 Compute time is microbatch time minus the communication inside it; everything else in a step
 is waiting or communication. :func:`plot_timelines` draws runs side by side.
 
-FSDP2's gloo collectives are timed by :class:`TimedAllGather` / :class:`TimedReduceScatter`,
-installed through FSDP2's public ``set_custom_all_gather`` / ``set_custom_reduce_scatter``: they
-make the same ``all_gather_single`` / ``reduce_scatter_single`` calls FSDP2's defaults make.
+The engines of :mod:`posttrain.dp` report their communication calls to ``Recorder.add`` through
+``DataParallelEngine.set_comm_hook``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-
-from posttrain.odc._compat import AllGather, ReduceScatter
-
-__all__ = ["COMM_KINDS", "Recorder", "TimedAllGather", "TimedReduceScatter", "plot_timelines", "time_fsdp_comms"]
+__all__ = ["COMM_KINDS", "Recorder", "plot_timelines"]
 
 COMM_KINDS = ("gather", "reduce")
 
@@ -56,43 +49,6 @@ class Recorder:
     def total(self, kind: str) -> float:
         """Seconds recorded under ``kind``."""
         return sum(e - s for k, s, e in self.events if k == kind)
-
-
-class _Timed:
-    def __init__(self, on_comm) -> None:
-        self._on_comm = on_comm
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class TimedAllGather(_Timed, AllGather):
-    """FSDP2's default all-gather (``dist.all_gather_single``), timed."""
-
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        start = time.perf_counter()
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        self._on_comm("gather", start, time.perf_counter())
-        return work
-
-
-class TimedReduceScatter(_Timed, ReduceScatter):
-    """FSDP2's default reduce-scatter (``dist.reduce_scatter_single``), timed."""
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        start = time.perf_counter()
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
-        self._on_comm("reduce", start, time.perf_counter())
-        return work
-
-
-def time_fsdp_comms(modules: Sequence[FSDPModule], on_comm) -> None:
-    """Time every all-gather and reduce-scatter of ``modules`` (FSDP2 on gloo/CPU, where FSDP2
-    issues them synchronously, so the interval is the whole collective including waiting)."""
-    for m in modules:
-        m.set_custom_all_gather(TimedAllGather(on_comm))
-        m.set_custom_reduce_scatter(TimedReduceScatter(on_comm))
 
 
 _COLORS = {"compute": "#3b7dd8", "gather": "#f0a030", "reduce": "#d0502a", "sync": "#8a8a8a",

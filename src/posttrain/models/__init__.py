@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .blocks import checkpoint_blocks, find_blocks
 from .gpt import GPT, GPTConfig, token_loss_sum
 from .llama import LlamaLM, llama_config
 
-__all__ = ["MODELS", "GPT", "GPTConfig", "LlamaLM", "build_model", "llama_config", "token_loss_sum"]
+__all__ = [
+    "MODELS", "GPT", "GPTConfig", "LlamaLM", "build_model", "checkpoint_blocks", "find_blocks", "llama_config",
+    "token_loss_sum",
+]
 
 MODELS = ("gpt", "llama")
 

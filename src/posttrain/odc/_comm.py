@@ -21,17 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.profiler import record_function
 
-from ._compat import AllGather, ReduceScatter, ShardedParamInfo
-
-if TYPE_CHECKING:
-    from ._state import ODC
+from posttrain._compat import AllGather, ReduceScatter, ShardedParamInfo
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +77,21 @@ class ModuleLayout:
         return self.reduce_numel * self.reduce_dtype.itemsize
 
 
-class _ODCComm:
-    """Binds a comm hook to the ODC handle and one module's layout; plain allocations."""
+class CommEngine(Protocol):
+    """What the comm hooks call: the ODC-on-FSDP2 engine."""
 
-    def __init__(self, odc: ODC, layout: ModuleLayout) -> None:
-        self._odc = odc
+    on_comm: object
+
+    def gather(self, lay: ModuleLayout, output: torch.Tensor, input: torch.Tensor, group) -> None: ...
+
+    def scatter_accumulate(self, lay: ModuleLayout, output: torch.Tensor, input: torch.Tensor, group) -> None: ...
+
+
+class _ODCComm:
+    """Binds a comm hook to the engine and one module's layout; plain allocations."""
+
+    def __init__(self, engine: CommEngine, layout: ModuleLayout) -> None:
+        self._odc = engine
         self._layout = layout
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -103,7 +110,7 @@ class ODCAllGather(_ODCComm, AllGather):
     ) -> dist.Work | None:
         start = time.perf_counter()
         with record_function("ODC::gather"):
-            self._odc._gather(self._layout, output_tensor, input_tensor, group)
+            self._odc.gather(self._layout, output_tensor, input_tensor, group)
         if self._odc.on_comm is not None:
             self._odc.on_comm("gather", start, time.perf_counter())
         return None
@@ -122,7 +129,7 @@ class ODCReduceScatter(_ODCComm, ReduceScatter):
     ) -> dist.Work | None:
         start = time.perf_counter()
         with record_function("ODC::scatter_accumulate"):
-            self._odc._scatter_accumulate(self._layout, output_tensor, input_tensor, group)
+            self._odc.scatter_accumulate(self._layout, output_tensor, input_tensor, group)
         if self._odc.on_comm is not None:
             self._odc.on_comm("reduce", start, time.perf_counter())
         return None

@@ -1,79 +1,96 @@
-"""ODC without FSDP2: one flat parameter buffer per unit, gathered and pushed by module hooks.
+"""ODC without FSDP2: flat parameter buffers per unit, gathered and pushed by module hooks.
 
 [Note: flat ODC]
 FSDP2 does its unshard, reshard and reduce bookkeeping per parameter: allocate and copy the
 all-gather input, copy out each parameter, swap it onto the module, and in backward copy every
-gradient into a reduce buffer and back into a sharded ``.grad``. On a GPU that work runs ahead of
-the kernels; on a CPU it adds to them (``benchmarks/odc_overhead.py``: one microbatch under
-FSDP2 on a single rank, no communication at all, takes about 1.2x the plain model's time).
-ODC needs none of it, because its gathers and pushes are plain copies and adds:
+gradient into a reduce buffer and back into a sharded ``.grad``. ODC needs none of it, because
+its gathers and pushes are plain copies and adds:
 
 - A *unit* is a module whose own parameters (those not inside another unit) are flattened in
-  registration order into one vector, padded to a multiple of the shard size. Shard rank ``r``
-  owns elements ``[r*S, (r+1)*S)``, kept in :attr:`FlatODC.shards` (what the optimizer steps)
-  and exposed in its ``params`` region at minibatch entry, exactly as in [Note: ODC layouts].
-- Forward pre-hook: a fresh leaf tensor of the whole vector is filled from every owner's
-  exposure (one copy per owner) and split into views that are set on the submodules in place of
-  their parameters. Forward post-hook: a resharded unit frees the leaf's storage and hooks its
-  outputs, so the first gradient reaching them refills the same storage before the unit's
-  backward reads its saved weights.
+  registration order into vectors, padded to a multiple of the shard size: one vector of the
+  trainable parameters and one of the frozen ones (``requires_grad=False``: gathered, never
+  pushed, stepped or given accumulator space). A parameter shared by several modules (tied
+  embeddings) is stored once; every module that uses it sees the same tensor. Shard rank ``r``
+  owns elements ``[r*S, (r+1)*S)`` of each vector (:attr:`FlatUnit.shard`, what the optimizer
+  steps, in the model's dtype) and exposes them, cast to the mixed-precision ``param_dtype``, in
+  its ``params`` region at minibatch entry, exactly as in [Note: ODC layouts].
+- Forward pre-hook: fresh tensors of the whole vectors are filled from every owner's exposure
+  (one copy per owner and vector); the trainable one becomes a leaf that requires grad, and both
+  are split into views that are set on the modules in place of their parameters. Forward
+  post-hook: a resharded unit frees the vectors' storage and hooks its outputs, so the first
+  gradient reaching them refills the same storage before the unit's backward reads its saved
+  weights (or, under activation checkpointing, recomputes its forward).
 - When autograd has accumulated the leaf's gradient (one tensor: the split's backward
-  concatenates), it is pushed row by row into the owners' accumulators and both are freed.
-- Entry, exit, the accumulators, collective mode and failure handling are those of
-  :class:`~posttrain.odc.ODC`.
+  concatenates), row ``p`` is added into owner ``p``'s accumulator (in ``reduce_dtype``) and
+  both are freed.
+- Entry, exit, the accumulators, collective and deterministic modes, HSDP and failure handling
+  are the minibatch protocol's (``_protocol.py``).
 
-Per microbatch and unit this is a handful of Python calls instead of FSDP2's hundreds, one copy
-per gathered byte instead of three, one add per pushed byte instead of three copies and an add.
-The module's parameters are no longer registered on it: the optimizer gets
-:meth:`FlatODC.parameters`, and :meth:`FlatODC.full_state_dict` rebuilds the named parameters.
+The module's parameters are not registered on it while it is sharded: the optimizer gets
+:meth:`FlatODC.parameters`, ``model.state_dict()`` raises (use :meth:`FlatODC.full_state_dict`
+or :meth:`FlatODC.sharded_state_dict`), and :meth:`FlatODC.close` puts the full parameters back.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from ._api import ODCConfig
-from ._state import _TAG_GATHER, ODC
-from ._transport import ShmTransport
+from posttrain.models.blocks import find_blocks
 
-__all__ = ["FlatODC", "flat_shard"]
+from ._protocol import Minibatch, MinibatchProtocol
+from .config import ODCConfig
+
+__all__ = ["FlatODC", "FlatUnit", "flat_shard"]
 
 
 @dataclass(eq=False)
 class FlatUnit:
-    """One unit's flat layout; field names shared with ``ModuleLayout`` where the protocol reads them."""
+    """One unit's flat layout and its live tensors. See [Note: flat ODC]."""
 
     name: str
     module: nn.Module
-    entries: list[tuple[nn.Module, str, torch.Size]]  # (owner module, attribute, shape)
-    sizes: list[int]
-    numel: int  # unpadded
-    shard_numel: int  # S: padded numel / shard size
+    slots: list[tuple[nn.Module, str, int]]  # (module, attribute, index into params)
+    params: list[nn.Parameter]  # unique, in flat order: trainable first, then frozen
+    param_names: list[str]  # one name per unique parameter (its first slot)
+    num_trainable: int  # params[:num_trainable] require grad
+    numel: int  # trainable elements, unpadded
+    frozen_numel: int
+    shard_numel: int  # S: padded trainable elements per rank
+    frozen_shard_numel: int
     reshard: bool
+    master_dtype: torch.dtype
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     params_offset: int = 0
     grads_offset: int = 0
-    shard: nn.Parameter | None = field(default=None, repr=False)  # this rank's slice, stepped by the optimizer
-    originals: list[nn.Parameter] | None = field(default=None, repr=False)  # put back if setup fails
-    full: torch.Tensor | None = field(default=None, repr=False)  # this microbatch's leaf
+    shard: nn.Parameter | None = field(default=None, repr=False)  # this rank's trainable slice
+    frozen_shard: torch.Tensor | None = field(default=None, repr=False)
+    full: torch.Tensor | None = field(default=None, repr=False)  # this microbatch's trainable leaf
+    frozen_full: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def gather_bytes(self) -> int:
-        return self.shard_numel * self.param_dtype.itemsize
+        return (self.shard_numel + self.frozen_shard_numel) * self.param_dtype.itemsize
 
     @property
     def reduce_bytes(self) -> int:
         return self.shard_numel * self.reduce_dtype.itemsize
+
+    @property
+    def sizes(self) -> list[int]:
+        return [p.numel() for p in self.params]
 
 
 def flat_shard(
@@ -82,268 +99,557 @@ def flat_shard(
     group: dist.ProcessGroup | None = None,
     config: ODCConfig | None = None,
     /,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     **overrides,
 ) -> FlatODC:
-    """Shard a plain model over ``group`` and train it with ODC, without FSDP2. See [Note: flat ODC].
+    """Shard a plain model over its data-parallel ranks and train it with ODC, without FSDP2.
 
-    A collective over ``group`` (default: the world): every rank calls it with the same model
-    structure; rank 0's initial values are broadcast to the others.
+    A collective over the data-parallel ranks: every rank calls it with the same model
+    structure; the first rank's initial values are broadcast to the others. See [Note: flat ODC].
 
     Args:
-        model: an unsharded CPU model in fp32.
+        model: an unsharded CPU model (one floating dtype per unit; fp32 for mixed precision).
         units: modules whose parameters are gathered and freed together, in any order; default:
-            every child of a ``model.layers`` list, then ``model`` for what remains. ``model``
+            the transformer blocks (``model.layers``, ``model.model.layers``, ... see
+            :func:`posttrain.models.find_blocks`), then ``model`` for what remains. ``model``
             itself, if listed, keeps its parameters gathered from forward until its backward;
             the others free theirs after forward and gather again for backward.
-        group: the data-parallel ranks, all on this host.
-        config: an :class:`~posttrain.odc.ODCConfig` (HSDP and ``deterministic`` are not
-            supported here); keyword ``overrides`` replace its fields.
+        group: the data-parallel ranks, all on this host (default: the world). Ignored if
+            ``mesh`` is given.
+        config: an :class:`~posttrain.odc.ODCConfig`; keyword ``overrides`` replace its fields.
+        mesh: a 1-D mesh of the shard ranks, or a 2-D ``(replicate, shard)`` mesh for HSDP:
+            ODC inside each shard group (one host), one gradient all-reduce across replicas per
+            minibatch.
+        mp_policy: FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters
+            are exposed and gathered in ``param_dtype`` (once per minibatch: half the bytes of
+            fp32 for bf16), gradients accumulated in ``reduce_dtype`` (default: ``param_dtype``),
+            the optimizer steps the shards in the model's dtype; ``cast_forward_inputs`` casts
+            floating inputs of every unit to ``param_dtype``, ``output_dtype`` the model's output.
 
     Returns:
         The handle: ``with handle.minibatch(): ...`` as for :func:`posttrain.odc.enable`; build
         the optimizer on ``handle.parameters()``.
     """
-    return FlatODC(model, units, group, replace(config or ODCConfig(), **overrides))
+    return FlatODC(model, units, group, replace(config or ODCConfig(), **overrides), mesh=mesh, mp_policy=mp_policy)
 
 
-class FlatODC(ODC):
+class _ModelSharded(RuntimeError):
+    pass
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on tensors; calls ``fn`` when the gradients of all of them are computed."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fn()
+        return (None, *grads)
+
+
+class FlatODC:
     """ODC on flat per-unit buffers; create with :func:`flat_shard`. See [Note: flat ODC]."""
 
-    def __init__(self, model: nn.Module, units: Sequence[nn.Module] | None, group, config: ODCConfig) -> None:
-        if config.deterministic:
-            raise ValueError("flat ODC does not support deterministic=True; use posttrain.odc.enable on FSDP2")
-        self._init_protocol(config)
+    def __init__(
+        self,
+        model: nn.Module,
+        units: Sequence[nn.Module] | None,
+        group: dist.ProcessGroup | None,
+        config: ODCConfig,
+        *,
+        mesh: DeviceMesh | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
+        self.config = config
         self.model = model
-        self.shard_group = group or dist.group.WORLD
-        self.replicate_group = None
-        self._init_group()
-        self.shards: list[nn.Parameter] = []
-        self.layouts = self._build_units(model, units)
-        params_bytes = self._place_layouts()
-        self._param_ids = {id(p) for p in self.shards}
-        self._hooks = []
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        if mesh is not None:
+            if mesh.ndim not in (1, 2):
+                raise ValueError(f"flat ODC takes a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D")
+            self.shard_group = mesh.get_group(mesh.ndim - 1)
+            self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        else:
+            self.shard_group = group or dist.group.WORLD
+            self.replicate_group = None
+        self.mesh = mesh
+        self.rank = dist.get_rank(self.shard_group)
+        self.shard_size = dist.get_world_size(self.shard_group)
+        self._hooks: list = []
+        self._protocol: MinibatchProtocol | None = None
+        self._closed = False
+        self.layouts = self._build_units(model, units)  # checked before anything is taken off the model
+        self._take_parameters()
         try:
-            self.transport = ShmTransport.create(
-                self.shard_group, {"params": params_bytes, "grads": self._grads_bytes}, timeout_s=config.timeout_s
+            self._protocol = MinibatchProtocol(
+                config, shard_group=self.shard_group, replicate_group=self.replicate_group, layouts=self.layouts,
+                steps=self, param_ids={id(p) for p in self.parameters()},
             )
         except BaseException:
-            self._restore()
+            self._put_back([[p.detach() for p in u.params] for u in self.layouts], originals=True)
+            self._closed = True
             raise
         for u in self.layouts:
-            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True))
             self._hooks.append(u.module.register_forward_hook(self._make_post_forward(u)))
-            u.originals = None
-        self._step_hook = register_optimizer_step_pre_hook(self._check_step)
+        for m in {id(m): m for m in (model, *(u.module for u in self.layouts))}.values():
+            self._hooks.append(m.register_state_dict_pre_hook(self._refuse_state_dict))
 
     # ------------------------------------------------------------------ setup
     def _build_units(self, model: nn.Module, units: Sequence[nn.Module] | None) -> list[FlatUnit]:
         if units is None:
-            layers = getattr(model, "layers", None)
-            if not isinstance(layers, nn.ModuleList):
-                raise ValueError(
-                    f"{type(model).__name__} has no `layers` ModuleList; pass units=[...] to flat_shard"
-                )
-            units = [*layers, model]
-        names = {id(m): n or "<root>" for n, m in model.named_modules()}
-        unit_ids = set()
+            units = [*find_blocks(model), model]
+        names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        unit_ids: dict[int, nn.Module] = {}
         for m in units:
             if id(m) not in names:
                 raise ValueError(f"unit {type(m).__name__} is not a submodule of the model")
             if id(m) in unit_ids:
-                raise ValueError(f"unit {names[id(m)]!r} is listed twice")
-            unit_ids.add(id(m))
-        # A parameter belongs to the innermost unit that contains it.
-        owner_of: dict[int, nn.Module] = {}
+                raise ValueError(f"unit {names[id(m)] or '<root>'!r} is listed twice")
+            unit_ids[id(m)] = m
 
-        def claim(m: nn.Module, current: nn.Module | None) -> None:
-            if id(m) in unit_ids:
-                current = m
-            for p in m._parameters.values():
-                if p is not None and current is not None:
-                    owner_of.setdefault(id(p), current)
+        def label(m: nn.Module) -> str:
+            return names[id(m)] or "<root>"
+
+        # Each module's unit: the innermost listed module that contains it.
+        unit_of: dict[int, nn.Module | None] = {}
+
+        def walk(m: nn.Module, current: nn.Module | None) -> None:
+            current = m if id(m) in unit_ids else current
+            if id(m) in unit_of:
+                return
+            unit_of[id(m)] = current
             for child in m.children():
-                claim(child, current)
+                walk(child, current)
 
-        claim(model, model if id(model) in unit_ids else None)
-        found = []
-        seen: set[tuple[int, str]] = set()
-        for unit in units:
-            entries, tensors = [], []
-            for m in unit.modules():
-                for n, p in m._parameters.items():
-                    if p is None or owner_of.get(id(p)) is not unit or (id(m), n) in seen:
-                        continue
-                    if any(p is t for t in tensors):
-                        raise ValueError(f"unit {names[id(unit)]!r} shares a parameter between modules; "
-                                         "flat ODC does not support tied weights")
-                    if p.device.type != "cpu" or p.dtype != torch.float32:
-                        raise ValueError(
-                            f"parameter {names[id(m)]}.{n} is {p.dtype} on {p.device}; flat ODC takes fp32 CPU models"
-                        )
-                    if not p.requires_grad:
-                        raise ValueError(f"parameter {names[id(m)]}.{n} is frozen; flat ODC trains every parameter")
-                    seen.add((id(m), n))
-                    entries.append((m, n, p.shape))
-                    tensors.append(p)
-            if not entries:
-                raise ValueError(f"unit {names[id(unit)]!r} owns no parameters")
-            found.append((unit, entries, tensors))
-        missing = [f"{names[id(m)]}.{n}".lstrip(".") for m in model.modules() for n, p in m._parameters.items()
-                   if p is not None and (id(m), n) not in seen]
+        walk(model, None)
+        slots: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {id(u): [] for u in units}
+        param_unit: dict[int, nn.Module] = {}
+        missing = []
+        for mod_name, m in model.named_modules(remove_duplicate=False):
+            for attr, p in m._parameters.items():
+                if p is None:
+                    continue
+                unit = unit_of[id(m)]
+                full_name = f"{mod_name}.{attr}".lstrip(".")
+                if unit is None:
+                    missing.append(full_name)
+                    continue
+                seen = param_unit.setdefault(id(p), unit)
+                if seen is not unit:
+                    raise ValueError(
+                        f"parameter {full_name} is shared by modules in units {label(seen)!r} and {label(unit)!r}; "
+                        "tied parameters must belong to one unit (list a unit that contains both modules)"
+                    )
+                if (m, attr, p) not in [(a, b, c) for a, b, c in slots[id(unit)] if a is m and b == attr]:
+                    slots[id(unit)].append((m, attr, p))
         if missing:
             raise ValueError(f"parameters outside every unit: {missing[:5]}; list a unit that contains them")
 
-        # Checked: only now take the parameters off the model.
+        mp = self.mp_policy
         out = []
-        for unit, entries, tensors in found:
-            sizes = [t.numel() for t in tensors]
-            numel = sum(sizes)
-            shard = -(-numel // self.shard_size)
-            flat = torch.zeros(shard * self.shard_size)
-            torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[:numel])
-            dist.broadcast(flat, src=self._shard_ranks[0], group=self.shard_group)
-            for m, n, _ in entries:
-                del m._parameters[n]
-            mine = nn.Parameter(flat[self.rank * shard : (self.rank + 1) * shard].clone())
-            self.shards.append(mine)
+        for unit in units:
+            found = slots[id(unit)]
+            if not found:
+                raise ValueError(f"unit {label(unit)!r} owns no parameters")
+            unique: dict[int, tuple[nn.Parameter, str]] = {}
+            for m, attr, p in found:
+                unique.setdefault(id(p), (p, f"{names[id(m)]}.{attr}".lstrip(".")))
+            ordered = [v for v in unique.values() if v[0].requires_grad] + [
+                v for v in unique.values() if not v[0].requires_grad
+            ]
+            params = [p for p, _ in ordered]
+            index = {id(p): i for i, p in enumerate(params)}
+            for p, pname in ordered:
+                if p.device.type != "cpu" or not p.dtype.is_floating_point:
+                    raise ValueError(
+                        f"parameter {pname} is {p.dtype} on {p.device}; flat ODC takes floating-point CPU models"
+                    )
+            dtypes = {p.dtype for p in params}
+            if len(dtypes) != 1:
+                raise ValueError(
+                    f"unit {label(unit)!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                    "flat ODC needs one dtype per unit (cast the model, or list such parameters in their own unit)"
+                )
+            master = dtypes.pop()
+            param_dtype = mp.param_dtype or master
+            num_trainable = sum(p.requires_grad for p in params)
+            numel = sum(p.numel() for p in params[:num_trainable])
+            frozen_numel = sum(p.numel() for p in params[num_trainable:])
             out.append(FlatUnit(
-                name=names[id(unit)], module=unit, entries=entries, sizes=sizes, numel=numel,
-                shard_numel=shard, reshard=unit is not model, param_dtype=torch.float32,
-                reduce_dtype=torch.float32, shard=mine, originals=tensors,
+                name=label(unit), module=unit, slots=[(m, attr, index[id(p)]) for m, attr, p in found],
+                params=params, param_names=[n for _, n in ordered], num_trainable=num_trainable, numel=numel,
+                frozen_numel=frozen_numel, shard_numel=-(-numel // self.shard_size),
+                frozen_shard_numel=-(-frozen_numel // self.shard_size), reshard=unit is not model,
+                master_dtype=master, param_dtype=param_dtype, reduce_dtype=mp.reduce_dtype or param_dtype,
             ))
         return out
 
-    def _restore(self) -> None:
-        """Give the model its parameters back (setup failed after taking them)."""
-        for u in self.layouts:
-            for (m, n, _), p in zip(u.entries, u.originals):
-                m._parameters[n] = p
-        self._closed = True
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        """Every data-parallel rank takes the first rank's values: replicas first, then shards."""
+        if self.replicate_group is not None:
+            src = dist.get_process_group_ranks(self.replicate_group)[0]
+            dist.broadcast(flat, src=src, group=self.replicate_group)
+        dist.broadcast(flat, src=dist.get_process_group_ranks(self.shard_group)[0], group=self.shard_group)
 
+    def _take_parameters(self) -> None:
+        """Flatten, broadcast and shard every unit; take the parameters off the modules."""
+        r = self.rank
+        for u in self.layouts:
+            trainable, frozen = u.params[: u.num_trainable], u.params[u.num_trainable :]
+            for tensors, numel, shard_numel, is_trainable in (
+                (trainable, u.numel, u.shard_numel, True), (frozen, u.frozen_numel, u.frozen_shard_numel, False)
+            ):
+                if not tensors:
+                    continue
+                flat = torch.zeros(shard_numel * self.shard_size, dtype=u.master_dtype)
+                torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[:numel])
+                self._broadcast(flat)
+                mine = flat[r * shard_numel : (r + 1) * shard_numel].clone()
+                if is_trainable:
+                    u.shard = nn.Parameter(mine)
+                else:
+                    u.frozen_shard = mine
+        for u in self.layouts:
+            for m, attr, _ in u.slots:
+                m._parameters.pop(attr, None)
+
+    def _put_back(self, full: list[list[torch.Tensor]], *, originals: bool = False) -> None:
+        """Register parameters on the modules again: the original objects, or new ones."""
+        for u, values in zip(self.layouts, full):
+            if originals:
+                made = u.params
+            else:
+                made = [nn.Parameter(v, requires_grad=p.requires_grad) for v, p in zip(values, u.params)]
+            for m, attr, i in u.slots:
+                m.__dict__.pop(attr, None)
+                m._parameters[attr] = made[i]
+
+    # ------------------------------------------------------------- public API
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's flat shards, one per unit: what the optimizer steps."""
-        return list(self.shards)
+        """This rank's trainable flat shards, one per unit that has trainable parameters:
+        what the optimizer steps."""
+        return [u.shard for u in self.layouts if u.shard is not None]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(unit name, shard)`` for :meth:`parameters`, in the same order."""
+        return [(u.name, u.shard) for u in self.layouts if u.shard is not None]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts since creation: gathers, pushes, and their bytes."""
+        return self._protocol.stats
+
+    @property
+    def on_comm(self) -> Callable[[str, float, float], None] | None:
+        """Called as ``on_comm(kind, start, end)`` after every gather and push inside a minibatch."""
+        return self._protocol.on_comm
+
+    @on_comm.setter
+    def on_comm(self, fn: Callable[[str, float, float], None] | None) -> None:
+        self._protocol.on_comm = fn
+
+    @property
+    def in_minibatch(self) -> bool:
+        return self._protocol.in_minibatch
+
+    @contextmanager
+    def minibatch(self, *, num_tokens: int | None = None) -> Iterator[Minibatch]:
+        """One optimizer step's worth of microbatches; see :meth:`MinibatchProtocol.minibatch`."""
+        if self._closed:
+            raise RuntimeError("this flat ODC handle is closed")
+        with self._protocol.minibatch(num_tokens=num_tokens) as mb:
+            yield mb
+
+    def iter_full_units(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Unit by unit, every parameter under each name a module uses for it (tied parameters
+        under each of their names, as ``model.state_dict()`` has them), in the model's dtype.
+        A collective over the shard group; holds one unit's full parameters at a time."""
+        self._check_open()
+        names = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
+        for u in self.layouts:
+            values = self._gather_unit(u)
+            out = {}
+            for m, attr, i in u.slots:
+                out[f"{names[id(m)]}.{attr}".lstrip(".")] = values[i]
+            yield out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter under its original name, gathered from all ranks (a collective)."""
-        out = {}
-        names = {id(m): n for n, m in self.model.named_modules()}
-        for u, shard in zip(self.layouts, self.shards):
-            flat = torch.empty(u.shard_numel * self.shard_size)
-            dist.all_gather_into_tensor(flat, shard.detach(), group=self.shard_group)
-            for (m, n, shape), v in zip(u.entries, flat[: u.numel].split(u.sizes)):
-                out[f"{names[id(m)]}.{n}".lstrip(".")] = v.view(shape).clone()
+        """Every parameter under its original names, gathered from all ranks (a collective)."""
+        out: dict[str, torch.Tensor] = {}
+        for part in self.iter_full_units():
+            out.update(part)
         return out
 
-    # ------------------------------------------------------------- protocol
-    def _expose(self) -> None:
-        for u, shard in zip(self.layouts, self.shards):
-            self._params_view(self.rank, u).copy_(shard.detach())
-
-    def _release(self) -> None:
+    def sharded_state_dict(self) -> dict[str, DTensor]:
+        """This rank's shards as 1-D DTensors for ``torch.distributed.checkpoint``: keys
+        ``"<unit>.flat"`` (trainable) and ``"<unit>.flat_frozen"``. The global shape is the unit's
+        unpadded length, so a checkpoint loads on any shard size (DCP reshards)."""
+        self._check_open()
+        out = {}
         for u in self.layouts:
-            u.full = None
+            if u.shard is not None:
+                out[f"{u.name}.flat"] = self.as_dtensor(u, u.shard.detach())
+            if u.frozen_shard is not None:
+                out[f"{u.name}.flat_frozen"] = self.as_dtensor(u, u.frozen_shard, frozen=True)
+        return out
 
-    def _clear_grads(self) -> None:
-        for shard in self.shards:
+    def load_sharded_state_dict(self, state: dict[str, DTensor]) -> None:
+        """Copy a :meth:`sharded_state_dict` (e.g. filled by ``dcp.load``) into the shards."""
+        self._check_open()
+        with torch.no_grad():
+            for u in self.layouts:
+                for key, dst in ((f"{u.name}.flat", u.shard), (f"{u.name}.flat_frozen", u.frozen_shard)):
+                    if dst is None:
+                        continue
+                    if key not in state:
+                        raise ValueError(f"state dict has no {key!r}; it was saved from another model or units")
+                    self.from_dtensor(state[key], dst)
+
+    def as_dtensor(self, u: FlatUnit, local: torch.Tensor, *, frozen: bool = False) -> DTensor:
+        """``local`` (a padded shard of ``u``'s trainable or frozen vector, or a tensor of the
+        same shape such as optimizer state) as a DTensor of the unpadded global vector."""
+        numel, shard = (u.frozen_numel, u.frozen_shard_numel) if frozen else (u.numel, u.shard_numel)
+        if local.shape != (shard,):
+            raise AssertionError(f"{u.name}: shard of shape {tuple(local.shape)}, expected ({shard},)")
+        valid = max(0, min(shard, numel - self.rank * shard))
+        placements = (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
+        return DTensor.from_local(local[:valid], self._device_mesh(), placements, run_check=False,
+                                  shape=torch.Size([numel]), stride=(1,))
+
+    @staticmethod
+    def from_dtensor(src: DTensor | torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the local part of an :meth:`as_dtensor` tensor into the padded shard ``dst``."""
+        local = src.to_local() if isinstance(src, DTensor) else src
+        with torch.no_grad():
+            dst[: local.numel()].copy_(local.reshape(-1))
+            dst[local.numel() :].zero_()
+
+    def close(self, *, restore: bool = True) -> None:
+        """Put the full parameters back on the model (``restore``: a collective over the shard
+        group, so every rank must call it; skipped after a failure) and free the shared buffers
+        and hooks. Idempotent; the handle cannot be used afterwards, the model can."""
+        if self._closed:
+            return
+        p = self._protocol
+        if restore and p is not None and p.broken is None and not p.closed and not p.in_minibatch:
+            full = [self._gather_unit(u) for u in self.layouts]
+            self._put_back(full)
+        self._free()
+
+    def _free(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for u in self.layouts:
+            u.full = u.frozen_full = None
+        if self._protocol is not None:
+            self._protocol.close()
+
+    def __enter__(self) -> FlatODC:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        p = self._protocol
+        if exc is not None:
+            if p is not None and not p.closed and p.broken is None:
+                p.fail(f"{type(exc).__name__}: {exc}")
+            self._free()  # no collective: peers may be gone
+        else:
+            self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._free()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    # ---------------------------------------------------------------- helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this flat ODC handle is closed; the model holds its full parameters again")
+
+    def _device_mesh(self) -> DeviceMesh:
+        if self.mesh is None:
+            self.mesh = DeviceMesh.from_group(self.shard_group, "cpu")
+        return self.mesh
+
+    def _gather_unit(self, u: FlatUnit) -> list[torch.Tensor]:
+        """Every parameter of ``u``, full, in the model's dtype (a collective over the shard group)."""
+        values: list[torch.Tensor] = []
+        for shard, numel, shard_numel, params in (
+            (u.shard, u.numel, u.shard_numel, u.params[: u.num_trainable]),
+            (u.frozen_shard, u.frozen_numel, u.frozen_shard_numel, u.params[u.num_trainable :]),
+        ):
+            if shard is None:
+                continue
+            flat = torch.empty(shard_numel * self.shard_size, dtype=u.master_dtype)
+            dist.all_gather_into_tensor(flat, shard.detach(), group=self.shard_group)
+            values += [v.view(p.shape).clone() for v, p in zip(flat[:numel].split([p.numel() for p in params]), params)]
+        return values
+
+    def _refuse_state_dict(self, module, prefix, keep_vars) -> None:
+        raise _ModelSharded(
+            f"{type(module).__name__} is sharded by flat ODC and holds no parameters; use "
+            "handle.full_state_dict() (all ranks), handle.sharded_state_dict() (checkpoints), or "
+            "handle.close() to put the full parameters back on the model first"
+        )
+
+    # ------------------------------------------------- steps of the protocol
+    def expose(self) -> None:
+        for u in self.layouts:
+            view = self._protocol.params_view(self.rank, u)
+            if u.shard is not None:  # copy_ casts to the mixed-precision param dtype
+                view[: u.shard_numel].copy_(u.shard.detach())
+            if u.frozen_shard is not None:
+                view[u.shard_numel :].copy_(u.frozen_shard)
+
+    def release(self) -> None:
+        for u in self.layouts:
+            for t in (u.full, u.frozen_full):
+                if t is not None:
+                    t.untyped_storage().resize_(0)  # the views left on the modules hold this storage
+            u.full = u.frozen_full = None
+
+    def clear_grads(self) -> None:
+        for shard in self.parameters():
             shard.grad = None
 
-    def _write_grads(self) -> None:
-        acc = self._reduced_accumulator()
-        factor = self.config.grad_divide_factor
-        for u, shard in zip(self.layouts, self.shards):
-            g = acc[u.grads_offset : u.grads_offset + u.reduce_bytes].view(u.reduce_dtype)
-            if shard.grad is None:
-                shard.grad = torch.zeros_like(shard)
-            shard.grad.copy_(g)
-            if factor != 1.0:
-                shard.grad.div_(factor)
+    def write_grads(self, reduced) -> None:
+        for u in self.layouts:
+            if u.shard is None:
+                continue
+            g = reduced(u)
+            if u.shard.grad is None:
+                u.shard.grad = torch.empty_like(u.shard)
+            u.shard.grad.copy_(g)
 
     # ---------------------------------------------------------------- hooks
-    def _fill(self, u: FlatUnit, dst: torch.Tensor) -> None:
-        """Gather every owner's shard of ``u`` into ``dst`` (the whole padded vector)."""
+    def _fill(self, u: FlatUnit, full: torch.Tensor | None, frozen: torch.Tensor | None) -> None:
+        """Gather every owner's shards of ``u`` into ``full`` / ``frozen`` (whole padded vectors)."""
+        p = self._protocol
         start = time.perf_counter()
         with record_function("ODC::gather"):
-            if not self._in_minibatch:
-                self._usable()
+            if not p.in_minibatch:
+                p.check_usable()
                 # Outside a minibatch (evaluation) the exposures may be stale: a collective.
-                dist.all_gather_into_tensor(dst, u.shard.detach(), group=self.shard_group)
-            else:
-                if self.config.mode == "collective":
-                    self.transport.barrier(_TAG_GATHER)
-                rows = dst.view(self.shard_size, u.shard_numel)
-                for q in range(self.shard_size):
-                    rows[q].copy_(self._params_view(q, u))
-                self.stats["gathers"] += 1
-                self.stats["gather_bytes"] += dst.numel() * dst.element_size()
-        if self.on_comm is not None and self._in_minibatch:
-            self.on_comm("gather", start, time.perf_counter())
+                for dst, src in ((full, u.shard), (frozen, u.frozen_shard)):
+                    if dst is not None:
+                        dist.all_gather_into_tensor(dst, src.detach().to(u.param_dtype), group=self.shard_group)
+                return
+            p.before_gather()
+            rows = full.view(self.shard_size, u.shard_numel) if full is not None else None
+            frozen_rows = frozen.view(self.shard_size, u.frozen_shard_numel) if frozen is not None else None
+            for q in range(self.shard_size):
+                src = p.params_view(q, u)
+                if rows is not None:
+                    rows[q].copy_(src[: u.shard_numel])
+                if frozen_rows is not None:
+                    frozen_rows[q].copy_(src[u.shard_numel :])
+            p.stats["gathers"] += 1
+            p.stats["gather_bytes"] += u.gather_bytes * self.shard_size
+        if p.on_comm is not None:
+            p.on_comm("gather", start, time.perf_counter())
 
     def _make_pre_forward(self, u: FlatUnit):
-        def pre_forward(module, args):
-            full = torch.empty(u.shard_numel * self.shard_size, dtype=u.param_dtype)
-            self._fill(u, full)
-            if torch.is_grad_enabled():
-                full.requires_grad_()
-                full.register_post_accumulate_grad_hook(self._make_push(u))
-            u.full = full
-            for (m, n, shape), v in zip(u.entries, full[: u.numel].split(u.sizes)):
-                m.__dict__[n] = v.view(shape)
+        cast_inputs = self.mp_policy.cast_forward_inputs and u.param_dtype != u.master_dtype
+
+        def pre_forward(module, args, kwargs):
+            n = self.shard_size
+            full = torch.empty(u.shard_numel * n, dtype=u.param_dtype) if u.shard is not None else None
+            frozen = torch.empty(u.frozen_shard_numel * n, dtype=u.param_dtype) if u.frozen_shard is not None else None
+            self._fill(u, full, frozen)
+            views: list[torch.Tensor] = []
+            if full is not None:
+                if torch.is_grad_enabled():
+                    full.requires_grad_()
+                    full.register_post_accumulate_grad_hook(self._make_push(u))
+                views += full[: u.numel].split(u.sizes[: u.num_trainable])
+            if frozen is not None:
+                views += frozen[: u.frozen_numel].split(u.sizes[u.num_trainable :])
+            u.full, u.frozen_full = full, frozen
+            views = [v.view(p.shape) for v, p in zip(views, u.params)]
+            for m, attr, i in u.slots:
+                m.__dict__[attr] = views[i]
+            changed = False
+            if cast_inputs:
+                args, kwargs = tree_map_only(
+                    torch.Tensor, lambda t: t.to(u.param_dtype) if t.is_floating_point() else t, (args, kwargs))
+                changed = True
+            if frozen is not None and u.reshard and torch.is_grad_enabled():
+                # Free the frozen vector when the gradients of the unit's inputs are computed: its
+                # backward is done then (FSDP2 reshards at the same point).
+                flat, spec = tree_flatten((args, kwargs))
+                idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if idx:
+                    wrapped = _AfterBackward.apply(lambda: frozen.untyped_storage().resize_(0), *[flat[i] for i in idx])
+                    for i, t in zip(idx, wrapped):
+                        flat[i] = t
+                    args, kwargs = tree_unflatten(flat, spec)
+                    changed = True
+            return (args, kwargs) if changed else None
 
         return pre_forward
 
     def _make_post_forward(self, u: FlatUnit):
+        output_dtype = self.mp_policy.output_dtype if u.module is self.model else None
+
         def post_forward(module, args, output):
-            full = u.full
-            if not u.reshard or full is None:
-                return
-            storage = full.untyped_storage()
-            nbytes = storage.nbytes()
-            storage.resize_(0)
-            if not full.requires_grad:
-                return
+            if output_dtype is not None:
+                output = tree_map_only(torch.Tensor, lambda t: t.to(output_dtype) if t.is_floating_point() else t,
+                                       output)
+            if not u.reshard:
+                return output
+            full, frozen = u.full, u.frozen_full
+            sizes = [t.untyped_storage().nbytes() if t is not None else 0 for t in (full, frozen)]
+            for t in (full, frozen):
+                if t is not None:
+                    t.untyped_storage().resize_(0)
             fired = False
 
             def regather(grad):
                 nonlocal fired
-                if not fired:
-                    fired = True
-                    if storage.nbytes() == 0:
-                        storage.resize_(nbytes)
-                        # A tensor of its own on the same storage: filling it does not bump the
-                        # version counter that autograd checks on the saved weight views.
-                        buf = torch.empty(0, dtype=full.dtype).set_(storage, 0, full.shape, full.stride())
-                        self._fill(u, buf)
+                if fired:
+                    return grad
+                fired = True
+                bufs = []
+                for t, nbytes in zip((full, frozen), sizes):
+                    if t is None or t.untyped_storage().nbytes() == nbytes:
+                        bufs.append(None)  # absent, or already refilled
+                        continue
+                    storage = t.untyped_storage()
+                    storage.resize_(nbytes)
+                    # A tensor of its own on the same storage: filling it does not bump the
+                    # version counter that autograd checks on the saved weight views.
+                    bufs.append(torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride()))
+                self._fill(u, *bufs)
                 return grad
 
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(regather)
+            return output
 
         return post_forward
 
     def _make_push(self, u: FlatUnit):
         def push(full: torch.Tensor) -> None:
+            p = self._protocol
             start = time.perf_counter()
             with record_function("ODC::scatter_accumulate"):
-                if not self._in_minibatch:
-                    self._usable()
-                    raise RuntimeError(
-                        "backward ran outside `with odc.minibatch():`; ODC accumulates gradients only "
-                        "inside a minibatch (enter it before the first forward whose loss you backward)"
-                    )
-                grad = full.grad
-                self._push_rows(u, grad.view(self.shard_size, u.shard_numel))
-                self.stats["push_bytes"] += grad.numel() * grad.element_size()
+                p.check_in_minibatch_for_backward()
+                p.push_rows(u, full.grad.view(self.shard_size, u.shard_numel))
                 full.grad = None
                 full.untyped_storage().resize_(0)
-            if self.on_comm is not None:
-                self.on_comm("reduce", start, time.perf_counter())
+            if p.on_comm is not None:
+                p.on_comm("reduce", start, time.perf_counter())
 
         return push
-
-    def close(self) -> None:
-        for h in getattr(self, "_hooks", []):
-            h.remove()
-        self._hooks = []
-        super().close()

@@ -1,16 +1,11 @@
-"""User-facing policy and entry point of ODC."""
+"""User-facing policy of ODC. Imports nothing else of the package."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-import torch.nn as nn
-
-if TYPE_CHECKING:
-    from ._state import ODC
-
-__all__ = ["ODCConfig", "enable"]
+__all__ = ["ODCConfig"]
 
 
 @dataclass(frozen=True)
@@ -46,31 +41,9 @@ class ODCConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("odc", "collective"):
             raise ValueError(f"mode={self.mode!r} is not one of 'odc', 'collective'")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
         if not self.grad_divide_factor > 0:
             raise ValueError(f"grad_divide_factor={self.grad_divide_factor} must be positive")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive")
-
-
-def enable(model: nn.Module, config: ODCConfig | None = None, /, **overrides) -> ODC:
-    """Switch a ``fully_shard``-ed model from FSDP2's collectives to ODC.
-
-    A collective over the data-parallel group: every rank calls it with the same model
-    structure. Allocates the shared-memory buffers (unlinked from ``/dev/shm`` before this
-    returns) and installs ODC's gather and scatter-accumulate on every FSDP module.
-
-    Args:
-        model: a model on which ``fully_shard`` was applied (to blocks and/or the root).
-        config: an :class:`ODCConfig`; keyword ``overrides`` replace its fields
-            (``enable(model, deterministic=True)``).
-
-    Returns:
-        The :class:`~posttrain.odc.ODC` handle: ``with odc.minibatch(): ...``, ``odc.close()``.
-
-    Raises:
-        ValueError: the model has no FSDP module, its parameters are not sharded on dim 0 over a
-            1-D or (replicate, shard) mesh, or its shard group spans hosts.
-    """
-    from ._state import ODC  # noqa: F811 - runtime import; _state imports this module
-
-    return ODC(model, replace(config or ODCConfig(), **overrides))

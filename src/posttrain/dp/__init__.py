@@ -1,0 +1,22 @@
+"""Data-parallel engines behind one interface, chosen by name. See [Note: data-parallel engines].
+
+    engine = posttrain.dp.build_engine("odc", model, EngineConfig(precision="bf16"))
+    optimizer = torch.optim.AdamW(engine.parameters())
+    with engine.minibatch(local_tokens) as mb:
+        for micro in my_microbatches:                 # counts may differ per rank unless
+            (loss_sum(micro) / mb.loss_divisor).backward()   # engine.equal_microbatches
+    optimizer.step()
+
+Engines: ``fsdp`` (FSDP2, the baseline), ``odc`` (flat ODC, :func:`posttrain.odc.flat_shard`),
+``odc-fsdp2`` (ODC on FSDP2, :func:`posttrain.odc.enable`).
+"""
+
+from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state
+from .fsdp import FSDP2Engine, ODCOnFSDP2Engine  # registers fsdp and odc-fsdp2
+from .odc_flat import FlatODCEngine  # registers odc
+from .registry import DP_ALIASES, build_engine, engine_class, engine_names, register_engine, resolve_dp
+
+__all__ = [
+    "DP_ALIASES", "CommHook", "DataParallelEngine", "EngineConfig", "FSDP2Engine", "FlatODCEngine",
+    "MinibatchInfo", "ODCOnFSDP2Engine", "build_engine", "engine_class", "engine_names", "ensure_optimizer_state", "register_engine", "resolve_dp",
+]

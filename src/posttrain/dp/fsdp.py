@@ -1,0 +1,157 @@
+"""FSDP2 engines: plain FSDP2 (the baseline), and ODC on FSDP2 (:func:`posttrain.odc.enable`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_sd
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import posttrain.odc as odc
+from posttrain._compat import AllGather, ReduceScatter
+from posttrain.models import checkpoint_blocks, find_blocks
+
+from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state
+from .registry import register_engine
+
+__all__ = ["FSDP2Engine", "ODCOnFSDP2Engine", "data_parallel_mesh", "mixed_precision"]
+
+
+def mixed_precision(config: EngineConfig) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``config.precision``."""
+    if config.precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def data_parallel_mesh(config: EngineConfig) -> DeviceMesh:
+    """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` for ``config.replicas > 1``."""
+    world = dist.get_world_size()
+    if world % config.replicas:
+        raise ValueError(f"--replicas={config.replicas} does not divide the {world} data-parallel ranks")
+    if config.replicas == 1:
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    return init_device_mesh("cpu", (config.replicas, world // config.replicas), mesh_dim_names=("replicate", "shard"))
+
+
+class _Timed:
+    def __init__(self, hook: CommHook) -> None:
+        self._hook = hook
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _TimedAllGather(_Timed, AllGather):
+    """FSDP2's default all-gather (``dist.all_gather_single``), timed."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        start = time.perf_counter()
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        self._hook("gather", start, time.perf_counter())
+        return work
+
+
+class _TimedReduceScatter(_Timed, ReduceScatter):
+    """FSDP2's default reduce-scatter (``dist.reduce_scatter_single``), timed."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        start = time.perf_counter()
+        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                          async_op=async_op)
+        self._hook("reduce", start, time.perf_counter())
+        return work
+
+
+@register_engine("fsdp")
+class FSDP2Engine(DataParallelEngine):
+    """FSDP2 (``fully_shard`` per block and on the root) with its collectives: every rank must
+    run the same number of microbatches. FSDP2 averages gradients over the ranks (gloo has no
+    pre-multiplied sum), so the loss divisor is the global token count over the world size."""
+
+    checkpoint_format = "fsdp2"
+
+    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+        super().__init__(model, config)
+        blocks = find_blocks(model)
+        if config.activation_checkpointing:
+            checkpoint_blocks(blocks)
+        mesh = data_parallel_mesh(config)
+        mp = mixed_precision(config)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self._modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    @property
+    def equal_microbatches(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    @contextmanager
+    def minibatch(self, num_tokens: int) -> Iterator[MinibatchInfo]:
+        total = odc.global_token_count(num_tokens)
+        yield MinibatchInfo(total, total / dist.get_world_size())
+
+    def set_comm_hook(self, hook: CommHook | None) -> None:
+        for m in self._modules:
+            m.set_custom_all_gather(_TimedAllGather(hook) if hook else None)
+            m.set_custom_reduce_scatter(_TimedReduceScatter(hook) if hook else None)
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        ensure_optimizer_state(optimizer)
+        msd, osd = dcp_sd.get_state_dict(self.model, optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        dcp_sd.set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def iter_full_state(self) -> Iterator[dict[str, torch.Tensor]]:
+        # One FSDP module (a block, then what the root shards itself) at a time.
+        owners = [n for n, m in self.model.named_modules() if isinstance(m, FSDPModule)]
+        parts: dict[str, dict[str, torch.Tensor]] = {n: {} for n in owners}
+        for key, value in self.model.state_dict().items():
+            owner = max((n for n in owners if n == "" or key.startswith(n + ".")), key=len)
+            parts[owner][key] = value
+        for owner in owners:
+            yield {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                   for k, v in parts[owner].items()}
+
+
+@register_engine("odc-fsdp2")
+class ODCOnFSDP2Engine(FSDP2Engine):
+    """FSDP2 sharding with ODC's one-sided gather and scatter-accumulate
+    (:func:`posttrain.odc.enable`), for models a user already shards with ``fully_shard``."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+        super().__init__(model, config)
+        self.handle = odc.enable(model, mode=config.mode, deterministic=config.deterministic)
+
+    @property
+    def equal_microbatches(self) -> bool:
+        return self.config.mode == "collective"
+
+    @contextmanager
+    def minibatch(self, num_tokens: int) -> Iterator[MinibatchInfo]:
+        with self.handle.minibatch(num_tokens=num_tokens) as mb:
+            yield MinibatchInfo(mb.global_tokens, float(mb.global_tokens))
+
+    def set_comm_hook(self, hook: CommHook | None) -> None:
+        self.handle.on_comm = hook
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(self.handle.stats)
+
+    def close(self) -> None:
+        self.handle.close()

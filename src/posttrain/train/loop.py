@@ -1,0 +1,169 @@
+"""The training loop: one rank of a data-parallel run on any engine.
+
+Composes the mechanisms: :class:`~posttrain.train.TrainData` makes each minibatch,
+:mod:`posttrain.balance` plans it (every rank computes the same plan), and the data-parallel engine
+(:mod:`posttrain.dp`) runs it. An engine whose ranks must run equal microbatch counts
+(``equal_microbatches``: FSDP2, ODC's collective mode) gets zero-weight one-token dummy
+microbatches on the ranks with fewer - the cost such engines pay for imbalance.
+
+Each microbatch's summed token loss is divided by the engine's loss divisor for the minibatch
+(see [Note: data-parallel engines]), so every engine computes the same gradient: that of the
+mean token loss of the whole minibatch.
+
+Timing (see :mod:`posttrain.timeline`): a step starts after a barrier outside the minibatch and
+ends when the slowest rank has finished its optimizer step. Per rank, *compute* is time inside
+microbatches minus the communication calls inside them; *wait* is the rest of the step
+(communication, waiting for peers, the minibatch sync), the optimizer step aside.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from posttrain.balance import FlopsCost, Plan, pack_sequences, plan_minibatch
+from posttrain.dp import DataParallelEngine, build_engine
+from posttrain.models import build_model, token_loss_sum
+from posttrain.timeline import COMM_KINDS, Recorder
+
+from .checkpoint import resume, save_checkpoint
+from .config import TrainConfig
+from .metrics import gather_step_stats
+from .minibatches import TrainData
+
+__all__ = ["Training", "build_training", "make_optimizer", "microbatch_loss", "plan_step", "train_worker"]
+
+
+@dataclass
+class Training:
+    """What one rank trains: the model (call it), its engine and the optimizer."""
+
+    model: nn.Module
+    engine: DataParallelEngine
+    optimizer: torch.optim.Optimizer
+
+
+def make_optimizer(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """``cfg.optimizer`` over ``params``."""
+    # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
+    # step on the benchmark's model takes 4-8x as long that way as fused
+    # (benchmarks/odc_overhead.py). DTensor has no sharding rule for fused SGD: SGD takes foreach.
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, fused=True)
+    return torch.optim.SGD(params, lr=cfg.lr, foreach=True)
+
+
+def build_training(cfg: TrainConfig, vocab_size: int) -> Training:
+    """The model of ``cfg`` (seeded), sharded by ``cfg.dp``, and its optimizer (a collective)."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.model_config(vocab_size))
+    engine = build_engine(cfg.dp, model, cfg.engine_config())
+    return Training(model, engine, make_optimizer(cfg, engine.parameters()))
+
+
+def plan_step(cfg: TrainConfig, seqs: Sequence[torch.Tensor], world_size: int, cost: FlopsCost,
+              method: str | None = None) -> Plan:
+    """The balancing plan of one minibatch (lengths are sequences' loss tokens)."""
+    return plan_minibatch([len(s) - 1 for s in seqs], world_size=world_size, max_tokens=cfg.max_tokens,
+                          method=method or cfg.balance, cost=cost)
+
+
+def microbatch_loss(model: nn.Module, seqs: Sequence[torch.Tensor], ids: Sequence[int], scale: float) -> torch.Tensor:
+    """The packed microbatch of ``seqs[ids]``: its summed next-token loss times ``scale``."""
+    packed = pack_sequences([seqs[i] for i in ids])
+    logits = model(packed.inputs, document_lengths=packed.document_lengths)
+    return token_loss_sum(logits, packed.targets) * scale
+
+
+_DUMMY = torch.zeros(1, 1, dtype=torch.long)
+
+
+def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    """Run ``cfg`` on this rank (inside an initialized process group).
+
+    Returns:
+        ``{"metrics": [one dict per step], "events": the last step's Recorder events,
+        "resumed_from": step}``. Every rank's metrics rows hold its own times and the step's
+        global figures.
+    """
+    data = TrainData(cfg, world_size)
+    rec = Recorder()
+    run = build_training(cfg, data.vocab_size)
+    model, engine, opt = run.model, run.engine, run.optimizer
+    engine.set_comm_hook(rec.add)
+    pad = engine.equal_microbatches
+    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
+    bar = None
+    metrics = []
+    try:
+        start = resume(cfg, engine, opt) if cfg.checkpoint_dir else 0
+        if cfg.progress and rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.dp_label}+{cfg.balance}", unit="step",
+                       leave=False, disable=None)  # no bar when stderr is not a terminal; step lines still print
+            if start:
+                bar.write(f"resumed from {cfg.checkpoint_dir} after step {start}")
+        for step in range(start, cfg.steps):
+            seqs = data.minibatch(step)
+            plan = plan_step(cfg, seqs, world_size, cost)
+            mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
+            rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+            total = sum(plan.rank_tokens)
+            dist.barrier()  # step start, outside any minibatch
+            t0 = time.perf_counter()
+            rec.events.clear()  # keep one step's intervals: the timeline shows the last step
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            with engine.minibatch(sum(m.num_tokens for m in mine)) as mb:
+                if mb.global_tokens != total:
+                    raise AssertionError(f"the engine counts {mb.global_tokens} tokens in step {step}, the plan {total}")
+                for j in range(rounds if pad else len(mine)):
+                    with rec.span("microbatch"):
+                        if j < len(mine):
+                            token_loss = microbatch_loss(model, seqs, mine[j].sequence_ids, 1.0)
+                            loss_sum += token_loss.detach()
+                            loss = token_loss / mb.loss_divisor
+                        else:
+                            loss = model(_DUMMY).sum() * 0.0  # keeps the rendezvous matched
+                        loss.backward()
+                t_sync = time.perf_counter()
+            rec.add("sync", t_sync, time.perf_counter())
+            with rec.span("optimizer"):
+                opt.step()
+                opt.zero_grad()
+            busy = time.perf_counter() - t0
+            comm = sum(rec.total(k) for k in COMM_KINDS)
+            own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
+                   "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
+                   "microbatches": len(mine), "rank_tokens": sum(m.num_tokens for m in mine)}
+            col = gather_step_stats(own, world_size)
+            step_time = float(col["busy_s"].max())
+            loss = float(col["loss"].sum()) / total
+            metrics.append({
+                "step": step, "rank": rank, "loss": loss, "tokens": total,
+                "tokens_per_s": total / step_time, "step_time_s": step_time,
+                "compute_s": own["compute_s"], "comm_s": own["comm_s"], "sync_s": own["sync_s"],
+                "optimizer_s": own["optimizer_s"],
+                "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
+                "utilization": own["compute_s"] / step_time,
+                "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]),
+            })
+            if cfg.checkpoint_dir and (step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+                save_checkpoint(cfg, engine, opt, step, rank)
+            if bar is not None and (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps):
+                util = float((col["compute_s"] / step_time).mean())
+                bar.write(f"step {step:4d}  loss {loss:.4f}  {total:6d} tokens  {total / step_time:8.0f} tokens/s  "
+                          f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}")
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{total / step_time:.0f}")
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        engine.close()
+    return {"metrics": metrics, "events": rec.events, "resumed_from": start}

@@ -1,0 +1,60 @@
+"""Per-step metrics of a training run: what each rank measured, and their summary."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["STAT_FIELDS", "gather_step_stats", "summarize", "write_metrics"]
+
+#: What every rank measures per step and shares after it (one small all-gather, outside the timed step).
+STAT_FIELDS = ("loss", "compute_s", "comm_s", "sync_s", "optimizer_s", "busy_s", "microbatches", "rank_tokens")
+
+
+def gather_step_stats(mine: dict[str, float], world_size: int) -> dict[str, torch.Tensor]:
+    """Every rank's :data:`STAT_FIELDS` values: field -> tensor of one value per rank (a collective)."""
+    local = torch.tensor([float(mine[k]) for k in STAT_FIELDS], dtype=torch.float64)
+    every = torch.empty(world_size * len(STAT_FIELDS), dtype=torch.float64)
+    dist.all_gather_into_tensor(every, local)
+    every = every.view(world_size, len(STAT_FIELDS))
+    return {name: every[:, i] for i, name in enumerate(STAT_FIELDS)}
+
+
+def summarize(results: list[dict]) -> dict:
+    """Aggregate ranks' metrics over the steps after the first (warm-up).
+
+    Returns tokens/s, utilization (compute share of step time averaged over ranks), wait share,
+    compute seconds per step summed over ranks, first and final loss, and mean step time.
+    """
+    steps = list(zip(*(r["metrics"] for r in results)))
+    steady = steps[1:] or steps
+    step_times = [s[0]["step_time_s"] for s in steady]
+    util = [sum(r["utilization"] for r in s) / len(s) for s in steady]
+    return {
+        "tokens_per_s": sum(s[0]["tokens"] for s in steady) / sum(step_times),
+        "utilization": sum(util) / len(util),
+        "wait_share": sum(sum(r["wait_s"] for r in s) / (len(s) * s[0]["step_time_s"]) for s in steady) / len(steady),
+        "compute_s": sum(sum(r["compute_s"] for r in s) for s in steady) / len(steady),
+        "final_loss": steps[-1][0]["loss"],
+        "first_loss": steps[0][0]["loss"],
+        "step_time_s": sum(step_times) / len(step_times),
+    }
+
+
+def write_metrics(results: list[dict], path: str) -> None:
+    """Every rank's per-step metrics to ``path``: CSV if it ends in ``.csv``, else JSON lines."""
+    rows = [row for s in zip(*(r["metrics"] for r in results)) for row in s]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        if path.endswith(".csv"):
+            if rows:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+        else:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
