@@ -28,6 +28,18 @@ def test_profiles_have_their_shapes():
     assert min(uni) >= 2048
 
 
+@pytest.mark.parametrize("profile,mean,top", [("longalign", 16500, 65536), ("swe_smith", 34700, 131072)])
+def test_published_shapes_scale_with_max_len(profile, mean, top):
+    """At their own scale the stand-ins have the paper's means; scaled to max_len=4096 every
+    length shrinks by the same factor (1/16, 1/32), so the shape is kept."""
+    full = profile_lengths(profile, 20000, max_len=top)
+    assert statistics.mean(full) == pytest.approx(mean, rel=0.05) and max(full) <= top
+    small = profile_lengths(profile, 20000, max_len=4096)
+    assert statistics.mean(small) == pytest.approx(mean * 4096 / top, rel=0.05) and max(small) <= 4096
+    scaled = [min(4096, max(8, n * 4096 / top)) for n in full[:50]]
+    assert all(abs(a - b) <= 1 for a, b in zip(small, scaled))  # the same draws, shrunk
+
+
 def test_synthetic_sequences_follow_the_counting_task():
     seqs = synthetic_sequences([5, 9], vocab_size=16, seed=0)
     assert [len(s) for s in seqs] == [5, 9]
@@ -37,7 +49,7 @@ def test_synthetic_sequences_follow_the_counting_task():
 
 
 def test_unknown_profile_lists_choices():
-    with pytest.raises(ValueError, match="long_tail, bimodal, uniform"):
+    with pytest.raises(ValueError, match="long_tail, bimodal, uniform, longalign, swe_smith"):
         profile_lengths("zipf", 3, max_len=64)
 
 

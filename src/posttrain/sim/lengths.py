@@ -1,10 +1,9 @@
-"""Sequence-length distributions for the simulator: named profiles or a file.
+"""Sequence-length distributions for the simulator: the named profiles of :mod:`posttrain.data`
+(one source for training, benchmarks and the simulator), or a file.
 
-``longalign`` and ``swe_smith`` are log-normal shapes with the means the ODC paper reports for
-LongAlign (~16.5K tokens, at most 64K) and SWE-smith agent trajectories (~34.7K, at most 128K).
-They are stand-ins with the right mean and a long tail, not the datasets: pass ``--lengths-file``
-with the real lengths to simulate those. The embedded training profiles of :mod:`posttrain.data`
-(``long_tail``, ``bimodal``, ``uniform``) are available too, scaled to ``max_len``.
+``longalign`` and ``swe_smith`` are drawn at their published scale here (up to 64K and 128K
+tokens) unless ``max_len`` scales them down as training on this machine does; pass
+``--lengths-file`` with the real lengths to simulate the datasets themselves.
 """
 
 from __future__ import annotations
@@ -12,41 +11,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
-from posttrain.data import PROFILES as TRAIN_PROFILES
-from posttrain.data import profile_lengths
+from posttrain.data import PROFILES, PUBLISHED_SHAPES, profile_lengths
 
 __all__ = ["LENGTH_PROFILES", "draw_lengths", "load_lengths", "profile_max_len"]
 
-# name -> (median, sigma of log, min, max); medians chosen so the clipped mean is the target
-_LOGNORMAL = {
-    "longalign": (13076.0, 0.7, 1024, 65536),   # mean ~16.5K
-    "swe_smith": (29125.0, 0.6, 2048, 131072),  # mean ~34.7K
-}
-LENGTH_PROFILES = (*_LOGNORMAL, *TRAIN_PROFILES)
+LENGTH_PROFILES = PROFILES
 
 
 def profile_max_len(profile: str, default: int = 65536) -> int:
-    """Longest sequence a profile draws (``default`` for the scalable training profiles)."""
-    return _LOGNORMAL[profile][3] if profile in _LOGNORMAL else default
+    """Longest sequence a profile draws at its own scale (``default`` for the scalable profiles)."""
+    return PUBLISHED_SHAPES[profile][3] if profile in PUBLISHED_SHAPES else default
 
 
 def draw_lengths(profile: str, num_sequences: int, *, seed: int = 0, max_len: int | None = None) -> list[int]:
-    """``num_sequences`` lengths from a named profile (seeded)."""
+    """``num_sequences`` lengths from a named profile (seeded), at most ``max_len`` (default: the
+    profile's published maximum, or 65,536)."""
     if profile not in LENGTH_PROFILES:
         raise ValueError(f"unknown length profile {profile!r}; choose one of {', '.join(LENGTH_PROFILES)} "
                          "or give a lengths file")
     if num_sequences < 1:
         raise ValueError(f"num_sequences={num_sequences} must be at least 1")
-    if profile in TRAIN_PROFILES:
+    if profile not in PUBLISHED_SHAPES:
         return profile_lengths(profile, num_sequences, max_len=max_len or 65536, seed=seed)
-    median, sigma, lo, hi = _LOGNORMAL[profile]
-    if max_len is not None:
-        hi = min(hi, max_len)
-    rng = np.random.default_rng([seed, sum(map(ord, profile))])
-    x = np.exp(np.log(median) + sigma * rng.standard_normal(num_sequences))
-    return [int(v) for v in np.clip(x, min(lo, hi), hi)]
+    lengths = profile_lengths(profile, num_sequences, max_len=profile_max_len(profile), seed=seed)
+    # A published shape is clipped, not rescaled, by a smaller limit: the simulator's max_tokens
+    # caps what fits in a microbatch, it does not shrink the data.
+    return [min(n, max_len) for n in lengths] if max_len is not None else lengths
 
 
 def load_lengths(path: str | Path) -> list[int]:
