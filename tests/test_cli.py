@@ -79,7 +79,7 @@ def test_train_under_torchrun(tmp_path):
     assert sorted((r["step"], r["rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_bench_odc_runs_every_variant_and_the_ideal(tmp_path):
+def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(tmp_path):
     import json
 
     out = tmp_path / "b.json"
@@ -87,20 +87,45 @@ def test_bench_odc_runs_every_variant_and_the_ideal(tmp_path):
                 "--layers", "1", "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
-    median, spread = got["median"], got["spread"]
+    median, spread, fac = got["median"], got["spread"], got["factors"]
     assert set(median) == {"fsdp+round_robin", "fsdp+same_micro", "odc-fsdp2-collective+same_micro",
                            "odc-fsdp2+round_robin", "odc-fsdp2+diff_micro", "odc-collective+same_micro",
-                           "odc+diff_micro", "ideal"}
+                           "odc+diff_micro", "even", "partition"}
     assert median["fsdp+same_micro"]["vs_fsdp_same_micro"] == 1.0
-    assert median["ideal"]["vs_ideal"] == 1.0 and median["odc+diff_micro"]["tokens_per_s"] > 0
-    refs = {"vs_fsdp_same_micro": "fsdp+same_micro", "vs_ideal": "ideal"}
+    assert median["partition"]["vs_partition"] == 1.0 and median["odc+diff_micro"]["tokens_per_s"] > 0
+    refs = {"vs_fsdp_same_micro": "fsdp+same_micro", "vs_partition": "partition"}
     for name in median:  # each round's ratio is reported; the median lies within their range
         for key, ref in refs.items():
             per_round = [r[name]["tokens_per_s"] / r[ref]["tokens_per_s"] for r in got["rounds"]]
             assert spread[name][key] == [min(per_round), max(per_round)]
             assert min(per_round) <= median[name][key] <= max(per_round)
-    assert "odc+diff_micro / fsdp+same_micro" in proc.stdout
-    assert "odc+diff_micro / odc-collective" in proc.stdout
+    for r in got["rounds"]:  # the three factors multiply to the total, round by round
+        tp = {k: v["tokens_per_s"] for k, v in r.items()}
+        assert tp["odc+diff_micro"] / tp["fsdp+same_micro"] == pytest.approx(
+            tp["odc-fsdp2-collective+same_micro"] / tp["fsdp+same_micro"]
+            * tp["odc-collective+same_micro"] / tp["odc-fsdp2-collective+same_micro"]
+            * tp["odc+diff_micro"] / tp["odc-collective+same_micro"])
+    assert set(fac) >= {"total", "transport", "engine", "mechanism", "headroom", "partition_vs_even"}
+    for line in ("transport", "engine", "mechanism", "headroom", "captured"):
+        assert f"  {line}" in proc.stdout
+    assert "partition bound" in proc.stdout and "even bound" in proc.stdout
+
+
+def test_bench_odc_sweep_reports_every_point_with_predictions(tmp_path):
+    import json
+
+    out = tmp_path / "s.json"
+    proc = _run("bench", "odc", "--sweep", "--sequences-per-rank", "1,2", "--sweep-max-tokens", "64,128", "--steps",
+                "2", "--max-len", "64", "--dim", "32", "--layers", "1", "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    points = json.loads(out.read_text())["points"]
+    assert [(p["sequences_per_rank"], p["max_tokens"]) for p in points] == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    for p in points:
+        assert p["headroom"][0] > 0 and p["mechanism"][0] > 0
+        assert p["predicted"]["headroom"] > 0 and p["predicted"]["mechanism"] > 0
+    assert "pred head" in proc.stdout
+    proc = _run("bench", "odc", "--sweep", "--sweep-max-tokens", "32", "--max-len", "64")
+    assert proc.returncode == 2 and "is below --max-len=64" in proc.stderr
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])

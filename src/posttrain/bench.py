@@ -1,26 +1,55 @@
-"""``posttrain bench odc``: FSDP2 vs ODC training throughput, side by side in one run, 2 ranks.
+"""``posttrain bench odc``: FSDP2 vs ODC, side by side in one run, and where the gain comes from.
 
-Same model, data and steps for every variant: FSDP2 (gloo) with round_robin and with
-same_micro; ODC on FSDP2 in collective mode (same_micro), with round_robin and with diff_micro; flat ODC
-(``--dp odc``, no FSDP2) in collective mode and with diff_micro; and
-the ideal bound: the compute time of all microbatches of a step divided evenly over the ranks,
-no communication. The ideal's compute time is measured on ``world_size`` processes at once (each
-runs every microbatch of the step on an unsharded model), so it sees the same core and memory
-contention as the training runs. Variants run interleaved for ``repeats`` rounds; ratios are
-medians over rounds (this machine is noisy: only ratios taken side by side mean anything).
+Same model, data and steps for every variant (``<engine>[-collective]+<balancing method>``):
+
+- ``fsdp+round_robin``, ``fsdp+same_micro``: FSDP2 with gloo collectives;
+- ``odc-fsdp2-collective+same_micro``, ``odc-fsdp2+round_robin``, ``odc-fsdp2+diff_micro``: ODC on
+  FSDP2 (collective mode: ODC's shared-memory transport with FSDP's rendezvous at every gather
+  and reduce);
+- ``odc-collective+same_micro``, ``odc+diff_micro``: flat ODC (``--dp odc``), in collective mode
+  and with one synchronization per minibatch;
+
+and two bounds with no communication at all (:mod:`posttrain.train.ideal`): the **even bound**
+(all compute divided evenly over the ranks) and the **partition bound** (the best assignment of
+whole sequences to ranks under their measured compute times, each rank running its share back to
+back). Every figure is a throughput (tokens/s over the steps after the first); variants run
+interleaved for ``repeats`` rounds and ratios are medians of the per-round ratios, with their
+range (this machine's noise is about +-10% a run).
+
+[Note: where ODC's gain comes from]
+``odc+diff_micro / fsdp+same_micro`` multiplies three factors, each measured with the other two
+held fixed:
+
+- **transport** = ``odc-fsdp2-collective+same_micro / fsdp+same_micro``: shared-memory copies and
+  adds instead of gloo collectives; same engine (FSDP2), same plans, same rendezvous;
+- **engine** = ``odc-collective+same_micro / odc-fsdp2-collective+same_micro``: flat buffers and
+  module hooks instead of FSDP2's per-parameter work; same transport, plans and rendezvous;
+- **mechanism** = ``odc+diff_micro / odc-collective+same_micro``: ODC's own idea, one
+  synchronization per minibatch and minibatch-level balancing; same engine and transport.
+
+The mechanism can only win what the collective run loses to imbalance: **headroom** =
+``partition bound / odc-collective+same_micro``. **Captured** = the time the mechanism saved over
+the time it could have saved, ``(1 - 1/mechanism) / (1 - 1/headroom)`` (shown where headroom
+exceeds 1.05).
+
+``sweep_odc`` repeats the mechanism measurement over sequences per rank and ``--max-tokens`` and
+puts the calibrated simulator's predictions beside it (:mod:`posttrain.calibrate`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
 from posttrain._launch import run_ranks
-from posttrain.train import TrainConfig, TrainData, ideal_compute_worker, summarize, train_worker
+from posttrain.train import (TrainConfig, TrainData, ideal_compute_worker, partition_bound_worker, partition_shares,
+                             sequence_times_worker, summarize, train_worker)
 
-__all__ = ["ODC_VARIANTS", "bench_odc"]
+__all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "bench_odc", "factors", "measure_bounds", "sweep_odc"]
 
 #: (engine, odc mode, balancing method); named ``<dp label>+<method>`` (e.g. ``odc-collective+same_micro``).
 ODC_VARIANTS = (
@@ -32,26 +61,99 @@ ODC_VARIANTS = (
     ("odc", "collective", "same_micro"),
     ("odc", "odc", "diff_micro"),
 )
+#: What the mechanism and its headroom need.
+MECHANISM_VARIANTS = (("odc", "collective", "same_micro"), ("odc", "odc", "diff_micro"))
 _REF = "fsdp+same_micro"
+_COLL, _ODC = "odc-collective+same_micro", "odc+diff_micro"
 
 
-def _ideal(cfg: TrainConfig, world_size: int) -> dict:
-    per_rank = run_ranks(ideal_compute_worker, world_size, cfg, timeout_s=3600)
-    times = [sum(step) / len(step) for step in zip(*per_rank)][1:]  # mean over ranks, first step out
+def _steady_tokens(cfg: TrainConfig, world_size: int) -> int:
     data = TrainData(cfg, world_size)
-    tokens = sum(sum(len(s) - 1 for s in data.minibatch(k)) for k in range(1, cfg.steps))
-    return {"tokens_per_s": tokens / (sum(times) / world_size), "utilization": 1.0,
-            "compute_s": sum(times) / len(times)}
+    return sum(sum(len(s) - 1 for s in data.minibatch(k)) for k in range(1, cfg.steps))
+
+
+def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
+    """Both bounds for the steps after the first: ``{"even": {...}, "partition": {...}}`` with
+    ``tokens_per_s`` (and for the partition bound whether every step's assignment is proven
+    optimal)."""
+    tokens = _steady_tokens(cfg, world_size)
+    per_rank = run_ranks(ideal_compute_worker, world_size, cfg, timeout_s=3600)
+    even_s = sum(sum(step) / world_size for step in list(zip(*per_rank))[1:])
+    times: dict = {}
+    for part in run_ranks(sequence_times_worker, world_size, cfg, timeout_s=3600):
+        times.update(part)
+    shares, exact = partition_shares(cfg, world_size, times)
+    per_rank = run_ranks(partition_bound_worker, world_size, cfg, shares, timeout_s=3600)
+    partition_s = sum(max(step) for step in zip(*per_rank))
+    return {"even": {"tokens_per_s": tokens / even_s, "utilization": 1.0, "compute_s": even_s / (cfg.steps - 1)},
+            "partition": {"tokens_per_s": tokens / partition_s, "utilization": 1.0,
+                          "compute_s": partition_s / (cfg.steps - 1), "exact": exact}}
+
+
+def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainConfig:
+    return replace(base, dp=dp, odc_mode=mode, balance=balance)
+
+
+def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: str) -> dict[str, dict]:
+    got = {}
+    for dp, mode, balance in variants:
+        cfg = _variant_cfg(base, dp, mode, balance)
+        name = f"{cfg.dp_label}+{balance}"
+        got[name] = summarize(run_ranks(train_worker, world_size, cfg, timeout_s=3600))
+        log(f"  {prefix}{name:32} {got[name]['tokens_per_s']:9.0f} tokens/s", flush=True)
+    for name, bound in measure_bounds(base, world_size).items():
+        got[name] = bound
+        log(f"  {prefix}{name + ' bound':32} {bound['tokens_per_s']:9.0f} tokens/s", flush=True)
+    return got
+
+
+def factors(r: dict[str, dict]) -> dict[str, float]:
+    """The factors of [Note: where ODC's gain comes from] for one round (those its variants allow)."""
+    tp = {k: v["tokens_per_s"] for k, v in r.items()}
+    out = {}
+    if _REF in tp and _ODC in tp:
+        out["total"] = tp[_ODC] / tp[_REF]
+    if "odc-fsdp2-collective+same_micro" in tp and _REF in tp:
+        out["transport"] = tp["odc-fsdp2-collective+same_micro"] / tp[_REF]
+    if "odc-fsdp2-collective+same_micro" in tp and _COLL in tp:
+        out["engine"] = tp[_COLL] / tp["odc-fsdp2-collective+same_micro"]
+    out["mechanism"] = tp[_ODC] / tp[_COLL]
+    out["headroom"] = tp["partition"] / tp[_COLL]
+    out["odc_vs_partition"] = tp[_ODC] / tp["partition"]
+    out["partition_vs_even"] = tp["partition"] / tp["even"]
+    return out
+
+
+def capture(mechanism: float, headroom: float) -> float | None:
+    """Share of the time the mechanism could save that it saved; ``None`` without headroom."""
+    if headroom <= 1.0:
+        return None
+    return (1 - 1 / mechanism) / (1 - 1 / headroom)
+
+
+def _med(rounds: list[dict], key: str) -> tuple[float, float, float]:
+    vals = [r[key] for r in rounds]
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def _write(path: str | None, out: dict, log: Callable) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        log(f"wrote {path}")
 
 
 def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_path: str | None = None,
               log=print) -> dict:
-    """Run every variant and the ideal ``repeats`` times, interleaved; print and return ratios.
+    """Run every variant and both bounds ``repeats`` times, interleaved; print and return ratios
+    and the factors of [Note: where ODC's gain comes from].
 
     Returns:
         ``{"config", "world_size", "repeats", "rounds": [{variant: summary}], "median": {variant:
-        {"tokens_per_s", "utilization", "vs_fsdp_same_micro", "vs_ideal", "compute_vs_ideal"}},
-        "spread": {variant: {ratio: [lowest, highest] over the rounds}}}``.
+        {"tokens_per_s", "utilization", "vs_fsdp_same_micro", "vs_partition", "vs_even",
+        "compute_vs_even"}}, "spread": {variant: {ratio: [lowest, highest]}}, "factors": {name:
+        [median, lowest, highest]}}``.
     """
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be at least 1")
@@ -59,24 +161,15 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         raise ValueError(f"--steps={base.steps} must be at least 2 (the first step is warm-up)")
     base = replace(base, progress=False, checkpoint_dir=None)
     TrainData(base, world_size)
-    rounds = []
-    for k in range(repeats):
-        got = {}
-        for dp, mode, balance in ODC_VARIANTS:
-            cfg = replace(base, dp=dp, odc_mode=mode, balance=balance)
-            name = f"{cfg.dp_label}+{balance}"
-            got[name] = summarize(run_ranks(train_worker, world_size, cfg, timeout_s=3600))
-            log(f"  round {k + 1}/{repeats}  {name:28} {got[name]['tokens_per_s']:9.0f} tokens/s", flush=True)
-        got["ideal"] = _ideal(base, world_size)
-        log(f"  round {k + 1}/{repeats}  {'ideal':28} {got['ideal']['tokens_per_s']:9.0f} tokens/s", flush=True)
-        rounds.append(got)
+    rounds = [_round(base, world_size, ODC_VARIANTS, log, f"round {k + 1}/{repeats}  ") for k in range(repeats)]
     median, spread = {}, {}
     for name in rounds[0]:
         ratios = {
             "vs_fsdp_same_micro": [r[name]["tokens_per_s"] / r[_REF]["tokens_per_s"] for r in rounds],
-            "vs_ideal": [r[name]["tokens_per_s"] / r["ideal"]["tokens_per_s"] for r in rounds],
-            # the same microbatches' compute (communication excluded) relative to the ideal's
-            "compute_vs_ideal": [r[name]["compute_s"] / r["ideal"]["compute_s"] for r in rounds],
+            "vs_partition": [r[name]["tokens_per_s"] / r["partition"]["tokens_per_s"] for r in rounds],
+            "vs_even": [r[name]["tokens_per_s"] / r["even"]["tokens_per_s"] for r in rounds],
+            # the same microbatches' compute (communication excluded) relative to the even bound's
+            "compute_vs_even": [r[name]["compute_s"] / r["even"]["compute_s"] for r in rounds],
         }
         median[name] = {
             "tokens_per_s": statistics.median(r[name]["tokens_per_s"] for r in rounds),
@@ -84,32 +177,105 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
             **{k: statistics.median(v) for k, v in ratios.items()},
         }
         spread[name] = {k: [min(v), max(v)] for k, v in ratios.items()}
+    per_round = [factors(r) for r in rounds]
+    fac = {k: list(_med(per_round, k)) for k in per_round[0]}
     source = base.data or f"profile {base.profile}"
     log(f"\nFSDP2 vs ODC, {world_size} ranks, {source}, {base.model} {base.num_layers}x{base.dim} {base.precision}, "
-        f"{base.sequences} sequences/step up to {base.max_len} tokens, {base.steps} steps (first excluded), "
-        f"median of {repeats} rounds")
-    log(f"{'variant':28} {'tokens/s':>9} {'util':>6} {'vs fsdp+same_micro':>19} {'(rounds)':>11} "
-        f"{'vs ideal':>9} {'(rounds)':>11} {'compute/ideal':>14}")
+        f"{base.sequences} sequences/step up to {base.max_len} tokens, max_tokens {base.max_tokens}, "
+        f"{base.steps} steps (first excluded), median of {repeats} rounds")
+    log(f"{'variant':34} {'tokens/s':>9} {'util':>5} {'vs fsdp+same_micro':>19} {'(rounds)':>11} "
+        f"{'vs partition':>13} {'(rounds)':>11} {'compute/even':>13}")
     for name, m in median.items():
         lo, hi = spread[name]["vs_fsdp_same_micro"]
-        ilo, ihi = spread[name]["vs_ideal"]
-        log(f"{name:28} {m['tokens_per_s']:9.0f} {m['utilization']:6.2f} {m['vs_fsdp_same_micro']:18.2f}x "
-            f"{lo:5.2f}-{hi:<5.2f} {m['vs_ideal']:9.2f} {ilo:5.2f}-{ihi:<5.2f} {m['compute_vs_ideal']:14.2f}")
-    log("(util: compute share of step time; compute/ideal: the same microbatches' compute time, communication "
-        "excluded, over the ideal's: FSDP2's per-module unshard/reshard work shows here; (rounds): lowest and "
-        "highest ratio of a single round)")
-    log("")
-    for engine in ("odc-fsdp2", "odc"):
-        odc, coll = median[f"{engine}+diff_micro"], median[f"{engine}-collective+same_micro"]
-        log(f"{engine}+diff_micro / fsdp+same_micro = {odc['vs_fsdp_same_micro']:.2f}x; "
-            f"{engine}+diff_micro / ideal = {odc['vs_ideal']:.2f}; "
-            f"{engine}-collective / fsdp+same_micro = {coll['vs_fsdp_same_micro']:.2f}x; "
-            f"{engine}+diff_micro / {engine}-collective = {odc['tokens_per_s'] / coll['tokens_per_s']:.2f}x")
+        plo, phi = spread[name]["vs_partition"]
+        label = f"{name} bound" if name in ("even", "partition") else name
+        log(f"{label:34} {m['tokens_per_s']:9.0f} {m['utilization']:5.2f} {m['vs_fsdp_same_micro']:18.2f}x "
+            f"{lo:5.2f}-{hi:<5.2f} {m['vs_partition']:13.2f} {plo:5.2f}-{phi:<5.2f} {m['compute_vs_even']:13.2f}")
+    log("(util: compute share of step time; compute/even: the same microbatches' compute time, communication "
+        "excluded, over the even bound's; (rounds): lowest and highest ratio of a single round)")
+    log("\nwhere the gain comes from (median of per-round ratios, lowest-highest):")
+    text = {
+        "total": "odc+diff_micro / fsdp+same_micro",
+        "transport": "shm vs gloo: odc-fsdp2-collective+same_micro / fsdp+same_micro",
+        "engine": "flat vs FSDP2: odc-collective+same_micro / odc-fsdp2-collective+same_micro",
+        "mechanism": "ODC's own: odc+diff_micro / odc-collective+same_micro",
+        "headroom": "what scheduling could win: partition bound / odc-collective+same_micro",
+        "odc_vs_partition": "odc+diff_micro / partition bound",
+        "partition_vs_even": "partition bound / even bound (whole sequences do not divide evenly)",
+    }
+    for k, desc in text.items():
+        m, lo, hi = fac[k]
+        log(f"  {k:18} {m:6.2f}x  ({lo:.2f}-{hi:.2f})  {desc}")
+    cap = capture(fac["mechanism"][0], fac["headroom"][0])
+    log(f"  {'captured':18} " + (f"{cap:6.0%}   of the headroom's time saving" if cap is not None and
+                                  fac["headroom"][0] > 1.05 else "  n/a    (headroom below 1.05: nothing to win)"))
+    exact = all(r["partition"].get("exact") for r in rounds)
+    log(f"(partition bound: {'exact' if exact else 'best found (Karmarkar-Karp + refinement)'} assignment per step; "
+        "transport x engine x mechanism = total)")
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median,
-           "spread": spread}
-    if json_path:
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
-        log(f"wrote {json_path}")
+           "spread": spread, "factors": fac, "captured": cap}
+    _write(json_path, out, log)
+    return out
+
+
+def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_tokens: Sequence[int],
+              world_size: int = 2, repeats: int = 5, predict: bool = True, json_path: str | None = None,
+              log=print) -> dict:
+    """The mechanism and its headroom at every (sequences per rank, max_tokens) point, interleaved
+    over ``repeats`` rounds, beside the calibrated simulator's predictions.
+
+    Returns:
+        ``{"config", "world_size", "repeats", "points": [{"sequences_per_rank", "max_tokens",
+        "headroom", "mechanism", "odc_vs_partition", "partition_vs_even" (each [median, lowest,
+        highest]), "captured", "predicted": {...} or None}]}``.
+    """
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be at least 1")
+    if base.steps < 2:
+        raise ValueError(f"--steps={base.steps} must be at least 2 (the first step is warm-up)")
+    if not sequences_per_rank or not max_tokens or min(sequences_per_rank) < 1:
+        raise ValueError("--sweep needs positive sequences per rank and max_tokens values")
+    if min(max_tokens) < base.max_len:
+        raise ValueError(f"--sweep max_tokens {min(max_tokens)} is below --max-len={base.max_len}: every point trains "
+                         "the same sequences, so every max_tokens must fit the longest")
+    base = replace(base, progress=False, checkpoint_dir=None)
+    points = []
+    for spr, mt in itertools.product(sequences_per_rank, max_tokens):
+        cfg = replace(base, sequences=spr * world_size, max_tokens=mt)
+        TrainData(cfg, world_size)
+        points.append(cfg)
+    rounds: list[list[dict]] = [[] for _ in points]
+    for k in range(repeats):
+        for i, cfg in enumerate(points):
+            tag = f"round {k + 1}/{repeats} {cfg.sequences // world_size:3d} seq/rank max_tokens {cfg.max_tokens:5d}  "
+            rounds[i].append(factors(_round(cfg, world_size, MECHANISM_VARIANTS, log, tag)))
+    machine = None
+    if predict:
+        from posttrain.calibrate import measure_sweep_machine, predict_mechanism
+
+        log("calibrating the simulator on this machine ...", flush=True)
+        machine = measure_sweep_machine(base, points, world_size=world_size, log=log)
+    out_points = []
+    log(f"\nODC's mechanism over a sweep, {world_size} ranks, {base.data or 'profile ' + base.profile}, "
+        f"{base.model} {base.num_layers}x{base.dim}, {base.steps} steps (first excluded), median of {repeats} rounds")
+    log(f"{'seq/rank':>8} {'max_tok':>7} {'headroom':>9} {'(range)':>11} {'mechanism':>10} {'(range)':>11} "
+        f"{'captured':>9} {'odc/part':>9} {'part/even':>10} {'pred head':>10} {'pred mech':>10}")
+    for cfg, rs in zip(points, rounds):
+        fac = {k: list(_med(rs, k)) for k in ("headroom", "mechanism", "odc_vs_partition", "partition_vs_even")}
+        cap = capture(fac["mechanism"][0], fac["headroom"][0])
+        pred = predict_mechanism(cfg, machine, world_size=world_size) if machine else None
+        row = {"sequences_per_rank": cfg.sequences // world_size, "max_tokens": cfg.max_tokens, **fac,
+               "captured": cap, "predicted": pred}
+        out_points.append(row)
+        h, m = fac["headroom"], fac["mechanism"]
+        cap_s = f"{cap:8.0%}" if cap is not None and h[0] > 1.05 else "     n/a"
+        pred_s = (f"{pred['headroom']:9.2f}x {pred['mechanism']:9.2f}x" if pred else f"{'-':>10} {'-':>10}")
+        log(f"{row['sequences_per_rank']:8d} {cfg.max_tokens:7d} {h[0]:8.2f}x {h[1]:5.2f}-{h[2]:<5.2f} {m[0]:9.2f}x "
+            f"{m[1]:5.2f}-{m[2]:<5.2f} {cap_s} {fac['odc_vs_partition'][0]:9.2f} {fac['partition_vs_even'][0]:10.2f} "
+            f"{pred_s}")
+    log("(headroom: partition bound / odc-collective+same_micro; mechanism: odc+diff_micro / "
+        "odc-collective+same_micro; captured: (1 - 1/mechanism) / (1 - 1/headroom), where headroom > 1.05; "
+        "pred: the simulator calibrated on this machine)")
+    out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "points": out_points}
+    _write(json_path, out, log)
     return out

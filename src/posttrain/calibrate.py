@@ -39,7 +39,7 @@ from posttrain.sim import Cluster, LayerCost, SimModel, simulate_dp
 from posttrain.train import (TrainConfig, TrainData, ideal_compute_worker, microbatch_loss, plan_step, summarize,
                              train_worker)
 
-__all__ = ["calibrate_odc", "calibrate_pipeline", "measure_machine"]
+__all__ = ["calibrate_odc", "calibrate_pipeline", "measure_machine", "measure_sweep_machine", "predict_mechanism"]
 
 
 def _plans(cfg: TrainConfig, world_size: int, method: str):
@@ -73,27 +73,40 @@ def _compute_worker(rank: int, world_size: int, cfg: TrainConfig, shapes: list[l
     return seconds
 
 
-def _engine_cost(cfg: TrainConfig, dp: str, world_size: int, log) -> float:
-    """Seconds per layer and microbatch that ``dp`` adds to pure compute (its communication,
-    copies and hooks), from a run on equal-length sequences where no rank waits for another."""
+def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str = "odc") -> dict[str, float]:
+    """What engine ``dp`` (in ``mode``) adds to pure compute, from a run on equal-length sequences
+    where no rank waits for another: seconds per layer and microbatch (communication, copies,
+    hooks) and per step (optimizer step and minibatch sync)."""
     length = max(8, cfg.max_tokens // 2)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "equal.jsonl")
         with open(path, "w") as f:
             for i in range(max(cfg.sequences, 4 * world_size)):
                 f.write(json.dumps({"input_ids": [(i + k) % 97 for k in range(length + 1)]}) + "\n")
-        c = replace(cfg, data=path, dp=dp, balance="same_micro", sequences=max(cfg.sequences, 4 * world_size),
-                    max_len=length + 1, max_tokens=max(cfg.max_tokens, length))
-        run = summarize(run_ranks(train_worker, world_size, c, timeout_s=3600))
+        c = replace(cfg, data=path, dp=dp, odc_mode=mode, balance="same_micro",
+                    sequences=max(cfg.sequences, 4 * world_size), max_len=length + 1,
+                    max_tokens=max(cfg.max_tokens, length))
+        results = run_ranks(train_worker, world_size, c, timeout_s=3600)
+        run = summarize(results)
         per_rank = run_ranks(ideal_compute_worker, world_size, c, timeout_s=3600)
         ideal = statistics.mean(sum(step) / len(step) for step in list(zip(*per_rank))[1:]) / world_size
         data = TrainData(c, world_size)
         cost = FlopsCost.from_config(c.model_config(data.vocab_size))
         mbs = max(plan_step(c, data.minibatch(1), world_size, cost).num_microbatches)
-    extra = max(0.0, run["step_time_s"] - ideal) / (mbs * cfg.num_layers)
-    log(f"  {dp} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
-        f"{mbs} microbatches x {cfg.num_layers} layers -> {extra * 1e3:.3f} ms per layer and microbatch", flush=True)
-    return extra
+    steady = list(zip(*(r["metrics"] for r in results)))[1:]
+    per_step = statistics.median(statistics.mean(r["optimizer_s"] + r["sync_s"] for r in s) for s in steady)
+    extra = max(0.0, run["step_time_s"] - ideal - per_step) / (mbs * cfg.num_layers)
+    log(f"  {c.dp_label} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
+        f"optimizer and sync {per_step * 1e3:.1f} ms, {mbs} microbatches x {cfg.num_layers} layers -> "
+        f"{extra * 1e3:.3f} ms per layer and microbatch", flush=True)
+    return {"per_layer_microbatch": extra, "per_step": per_step, "microbatches": mbs}
+
+
+def _engine_cost(cfg: TrainConfig, dp: str, world_size: int, log) -> float:
+    """Seconds per layer and microbatch that ``dp`` adds to pure compute, its per-step costs spread
+    over the layers and microbatches of the equal-length run."""
+    c = _engine_costs(cfg, dp, world_size, log)
+    return c["per_layer_microbatch"] + c["per_step"] / (c["microbatches"] * cfg.num_layers)
 
 
 def measure_machine(cfg: TrainConfig, *, world_size: int = 2, iters: int = 3, log=print) -> dict:
@@ -126,6 +139,68 @@ def predict_odc(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -> dict
                           op_times=machine["comm"][strat], overlap=False)
         out[f"{strat}+{method}"] = {"time_s": res.time, "utilization": 1 - res.bubble_fraction}
     return out
+
+
+def measure_sweep_machine(base: TrainConfig, points: list[TrainConfig], *, world_size: int = 2, iters: int = 3,
+                          max_shapes: int = 48, log=print) -> dict:
+    """What :func:`predict_mechanism` needs, measured on ``world_size`` processes: a per-layer
+    cost fit over microbatch shapes drawn from every point's same_micro and diff_micro plans (at
+    most ``max_shapes``, the largest always among them), and flat ODC's costs in both modes
+    (per layer and microbatch; per step)."""
+    import random
+
+    shapes = sorted({tuple(sorted(plan.lengths[i] for i in mb.sequence_ids))
+                     for cfg in points for method in ("same_micro", "diff_micro")
+                     for plan in _plans(cfg, world_size, method) for mbs in plan.ranks for mb in mbs if mb.sequence_ids})
+    if len(shapes) > max_shapes:
+        largest = max(shapes, key=sum)
+        shapes = sorted({largest, *random.Random(0).sample(shapes, max_shapes - 1)})
+    seconds = run_ranks(_compute_worker, world_size, base, [list(s) for s in shapes], iters, timeout_s=3600)[0]
+    per_layer = [t / base.num_layers for t in seconds]
+    cost = LayerCost.fit([list(s) for s in shapes], per_layer)
+    pred = [(1 + cost.backward_ratio) * cost.forward(list(s)) for s in shapes]
+    err = statistics.median(abs(p - m) / m for p, m in zip(pred, per_layer))
+    log(f"  layer cost fit over {len(shapes)} microbatch shapes: forward {cost.linear * 1e6:.3f} us/token + "
+        f"{cost.quadratic * 1e9:.4f} ns/token^2 + {cost.overhead * 1e3:.3f} ms; median error {err:.1%}", flush=True)
+    ref = max(points, key=lambda c: c.max_tokens)
+    engine = {mode: _engine_costs(ref, "odc", world_size, log, mode=mode) for mode in ("odc", "collective")}
+    return {"layer_cost": cost, "fit_median_error": err, "shapes": len(shapes), "engine": engine}
+
+
+def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -> dict:
+    """The simulator's headroom and mechanism gain of flat ODC for ``cfg`` (see
+    [Note: where ODC's gain comes from] in :mod:`posttrain.bench`).
+
+    - collective+same_micro: :func:`~posttrain.sim.simulate_dp` with FSDP's per-layer rendezvous;
+    - odc+diff_micro: with ODC's one barrier per minibatch;
+    - partition bound: each step's best whole-sequence assignment under the fitted costs, every
+      rank's share packed as the measured bound packs it, no communication.
+    Both runs use flat ODC's measured per-layer and per-step costs of their mode, and no overlap
+    (on CPU the engine copies synchronously).
+    """
+    from posttrain.balance.exact import min_max_partition
+    from posttrain.train import pack_share
+
+    cost = machine["layer_cost"]
+    cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
+    times = {}
+    for mode, strategy, method in (("collective", "fsdp", "same_micro"), ("odc", "odc", "diff_micro")):
+        eng = machine["engine"][mode]
+        per_op = eng["per_layer_microbatch"] / 3
+        model = SimModel(num_layers=cfg.num_layers, layer_cost=cost, layer_param_bytes=0.0, layer_grad_bytes=0.0,
+                         optimizer_s=eng["per_step"])
+        ops = {"gather": per_op, "reduce": per_op, **({"add": 0.0} if strategy == "odc" else {})}
+        times[mode] = simulate_dp(_plans(cfg, world_size, method), strategy=strategy, model=model, cluster=cluster,
+                                  op_times=ops, overlap=False).time
+    layers = cfg.num_layers * (1 + cost.backward_ratio)
+    partition = 0.0
+    for plan in _plans(cfg, world_size, "diff_micro"):
+        lengths = plan.lengths
+        parts, _ = min_max_partition([layers * cost.forward([n]) for n in lengths], world_size)
+        partition += max(sum(layers * cost.forward([lengths[i] for i in mb])
+                             for mb in pack_share(lengths, part, cfg.max_tokens)) for part in parts)
+    return {"headroom": times["collective"] / partition, "mechanism": times["collective"] / times["odc"],
+            "collective_s": times["collective"], "odc_s": times["odc"], "partition_s": partition}
 
 
 def _measure_real(cfg: TrainConfig, world_size: int, repeats: int, log) -> dict:

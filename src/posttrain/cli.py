@@ -6,6 +6,7 @@
     posttrain train --dp odc --deterministic --activation-checkpointing --world-size 4 --replicas 2
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
     posttrain bench odc --profile long_tail --repeats 5
+    posttrain bench odc --profile longalign --max-len 4096 --sweep --sequences-per-rank 2,4,8
     posttrain bench pipeline --stages 2,4
     posttrain pipeline --schedule group_interleaved --stages 2 --chunks 2 --microbatches 8 --offload 1
     posttrain simulate odc --gpus 32 --lengths longalign --model 7b     # FSDP vs ODC at cluster scale
@@ -100,9 +101,27 @@ def _bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_odc(args: argparse.Namespace) -> int:
-    from posttrain.bench import bench_odc
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} is not a comma-separated list of integers, e.g. 2,4,8") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}={text!r} needs positive integers")
+    return values
 
+
+def _bench_odc(args: argparse.Namespace) -> int:
+    from posttrain.bench import bench_odc, sweep_odc
+
+    if args.sweep:
+        spr = _int_list(args.sequences_per_rank, "--sequences-per-rank")
+        mt = _int_list(args.sweep_max_tokens, "--sweep-max-tokens") if args.sweep_max_tokens else \
+            [args.max_tokens or args.max_len]
+        json_path = args.json if args.json != "out/bench_odc.json" else "out/bench_odc_sweep.json"
+        sweep_odc(_config(args), sequences_per_rank=spr, max_tokens=mt, world_size=args.world_size,
+                  repeats=args.repeats, predict=not args.no_predict, json_path=json_path)
+        return 0
     bench_odc(_config(args), world_size=args.world_size, repeats=args.repeats, json_path=args.json)
     return 0
 
@@ -195,10 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    odc = bench_sub.add_parser("odc", help="FSDP2 vs ODC vs the ideal bound, side by side, 2 ranks")
+    odc = bench_sub.add_parser("odc", help="FSDP2 vs ODC vs the bounds, side by side, and where the gain comes from")
     _add_run_args(odc, steps=8, sequences=16, max_len=1024, dim=128)
     odc.add_argument("--repeats", type=int, default=5, help="interleaved rounds; ratios are medians, with the range over rounds (default 5)")
-    odc.add_argument("--json", default="out/bench_odc.json", help="results file (default out/bench_odc.json)")
+    odc.add_argument("--json", default="out/bench_odc.json",
+                     help="results file (default out/bench_odc.json; with --sweep out/bench_odc_sweep.json)")
+    odc.add_argument("--sweep", action="store_true",
+                     help="measure ODC's mechanism and its headroom over --sequences-per-rank x --sweep-max-tokens, "
+                     "beside the calibrated simulator's predictions")
+    odc.add_argument("--sequences-per-rank", default="2,4,8,16", help="sweep points (default 2,4,8,16)")
+    odc.add_argument("--sweep-max-tokens", default=None, help="sweep points, each at least --max-len "
+                     "(default: --max-tokens)")
+    odc.add_argument("--no-predict", action="store_true", help="sweep without the simulator's predictions")
     odc.set_defaults(func=_bench_odc)
     bp = bench_sub.add_parser("pipeline", help="saved-activation peaks per schedule and offload; our runner vs torch's")
     bp.add_argument("--stages", default="2,4", help="comma-separated pipeline sizes (default 2,4)")
