@@ -18,15 +18,23 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_trains_fsdp_then_odc_and_reports(tmp_path):
-    """A short demo: both runs, a table with the speedup, the same final loss, a timeline PNG."""
+def test_demo_trains_every_variant_and_splits_the_speedup(tmp_path):
+    """A short demo: four runs, a table with speedups, the same final loss everywhere, the three
+    factors (which multiply to the total), a timeline PNG."""
+    from posttrain.demo import VARIANTS
+
     png = tmp_path / "t.png"
     proc = _run("demo", "--steps", "6", "--timeline", str(png))
     assert proc.returncode == 0, proc.stderr
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("FSDP2 +", "ODC +"))}
-    assert set(rows) == {"FSDP2", "ODC"}
-    assert rows["FSDP2"][-1] == "1.00x" and float(rows["ODC"][-1].rstrip("x")) > 0
-    assert rows["FSDP2"][-2] == rows["ODC"][-2]  # same final loss: same gradients
+    lines = proc.stdout.splitlines()
+    rows = {label: ln[len(label):].split() for label, *_ in VARIANTS for ln in lines if ln.startswith(label + " ")}
+    assert set(rows) == {v[0] for v in VARIANTS}
+    assert rows["FSDP2 + same_micro"][-1] == "1.00x"
+    assert len({r[-2] for r in rows.values()}) == 1  # same final loss: same gradients
+    got = {ln.split()[0]: float(ln.split()[1].rstrip("x")) for ln in lines
+           if ln.strip().startswith(("transport ", "engine ", "mechanism "))}
+    total = float(rows["flat ODC + diff_micro"][-1].rstrip("x"))
+    assert got["transport"] * got["engine"] * got["mechanism"] == pytest.approx(total, rel=0.03)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
