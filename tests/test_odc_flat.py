@@ -50,8 +50,8 @@ def train_flat(rank: int, world_size: int, counts: list[int], *, make_model=make
                 (loss_of(model, x) / mb.global_tokens).backward()
         opt.step()
         opt.zero_grad()
-    extra = {"num_params": len(handle.parameters()), "grads_bytes": handle._protocol.grads_bytes,
-             "params_bytes": handle._protocol.params_bytes}
+    extra = {"num_params": len(handle.parameters()), "grads_bytes": handle.buffer_bytes["grads"],
+             "params_bytes": handle.buffer_bytes["params"]}
     state = handle.full_state_dict()
     stats = dict(handle.stats)
     if close:

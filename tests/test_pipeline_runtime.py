@@ -137,10 +137,10 @@ def test_bad_pipeline_configs_are_clear():
 
 def _long_worker(rank, world, cfg):
     from posttrain.pipeline.stages import split_model
-    from posttrain.pipeline.train import _loss, _model
+    from posttrain.pipeline.train import build_pipeline_model, microbatch_loss
 
-    stages = split_model(_model(cfg), cfg.num_stages)
-    runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=_loss)
+    stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
+    runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=microbatch_loss)
     x = [torch.zeros(1, 40, dtype=torch.long)] * 2  # 40 tokens; positions stop at seq_len=32
     runner.step(x, x)
 
@@ -154,10 +154,10 @@ def test_failure_names_rank_stage_action_and_microbatch():
 
 def _ragged_worker(rank, world, cfg, static):
     from posttrain.pipeline.stages import split_model
-    from posttrain.pipeline.train import _loss, _model
+    from posttrain.pipeline.train import build_pipeline_model, microbatch_loss
 
-    stages = split_model(_model(cfg), cfg.num_stages)
-    runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=_loss, static_shapes=static)
+    stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
+    runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=microbatch_loss, static_shapes=static)
     x = [torch.zeros(1, n, dtype=torch.long) for n in (16, 24)]  # two microbatches, two lengths
     return runner.step(x, x).loss
 

@@ -346,6 +346,12 @@ class FlatODC:
         return self._protocol.stats
 
     @property
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's shared regions: ``params`` (exposed shards) and ``grads`` (one
+        accumulator; ``deterministic=True`` keeps one per writer)."""
+        return {"params": self._protocol.params_bytes, "grads": self._protocol.grads_bytes}
+
+    @property
     def on_comm(self) -> Callable[[str, float, float], None] | None:
         """Called as ``on_comm(kind, start, end)`` after every gather and push inside a minibatch."""
         return self._protocol.on_comm

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .._launch import run_ranks
 from .runtime import PipelineRunner
 from .stages import split_model
-from .train import PipelineConfig, _batch, _loss, _model, predicted_peaks, run_pipeline
+from .train import PipelineConfig, build_pipeline_model, microbatch_loss, predicted_peaks, run_pipeline, step_batch
 
 __all__ = ["bench_pipeline"]
 
@@ -63,14 +63,14 @@ def _timing_worker(rank: int, world: int, cfg: PipelineConfig, repeats: int) -> 
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleInterleaved1F1B
 
     sched = cfg.build()
-    model = _model(cfg)
+    model = build_pipeline_model(cfg)
     stages = split_model(model, cfg.num_stages)
     mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
-    ours = PipelineRunner(mine, sched, loss_fn=_loss)
+    ours = PipelineRunner(mine, sched, loss_fn=microbatch_loss)
     tstages = [PipelineStage(mine[s], s, cfg.num_stages, torch.device("cpu")) for s in sorted(mine)]
-    theirs = (Schedule1F1B(tstages[0], cfg.microbatches, loss_fn=_loss) if cfg.num_chunks == 1
-              else ScheduleInterleaved1F1B(tstages, cfg.microbatches, loss_fn=_loss))
-    inputs, targets = _batch(cfg, 0)
+    theirs = (Schedule1F1B(tstages[0], cfg.microbatches, loss_fn=microbatch_loss) if cfg.num_chunks == 1
+              else ScheduleInterleaved1F1B(tstages, cfg.microbatches, loss_fn=microbatch_loss))
+    inputs, targets = step_batch(cfg, 0)
     x, y = torch.cat(inputs), torch.cat(targets)
     params = [p for m in mine.values() for p in m.parameters()]
 

@@ -24,7 +24,10 @@ from .schedules import SCHEDULES, build_schedule
 from .simulate import simulate
 from .stages import split_model
 
-__all__ = ["PipelineConfig", "reference_gradients", "run_pipeline"]
+__all__ = [
+    "PipelineConfig", "build_pipeline_model", "microbatch_loss", "predicted_peaks", "reference_gradients", "run_pipeline",
+    "step_batch",
+]
 
 
 @dataclass(frozen=True)
@@ -99,18 +102,21 @@ class PipelineConfig:
                          max_seq_len=self.seq_len)
 
 
-def _batch(cfg: PipelineConfig, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def step_batch(cfg: PipelineConfig, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inputs and targets of step ``step``, one ``(batch, seq_len)`` pair per microbatch."""
     seqs = synthetic_sequences([cfg.seq_len + 1] * (cfg.batch * cfg.microbatches), vocab_size=cfg.vocab,
                                seed=cfg.seed * 100_003 + step)
     data = torch.stack(seqs).view(cfg.microbatches, cfg.batch, cfg.seq_len + 1)
     return [d[:, :-1] for d in data], [d[:, 1:] for d in data]
 
 
-def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def microbatch_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one microbatch."""
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-def _model(cfg: PipelineConfig):
+def build_pipeline_model(cfg: PipelineConfig):
+    """The unsplit model of ``cfg`` (seeded)."""
     torch.manual_seed(cfg.seed)
     return build_model(cfg.model, cfg.model_config())
 
@@ -125,15 +131,15 @@ def predicted_peaks(cfg: PipelineConfig) -> list[int]:
 def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
     """One rank of :func:`run_pipeline`."""
     sched = cfg.build()
-    model = _model(cfg)
+    model = build_pipeline_model(cfg)
     stages = split_model(model, cfg.num_stages)
     mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
-    runner = PipelineRunner(mine, sched, loss_fn=_loss, offload=cfg.policy())
+    runner = PipelineRunner(mine, sched, loss_fn=microbatch_loss, offload=cfg.policy())
     params = [p for mod in mine.values() for p in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     losses, times, grads, result = [], [], {}, None
     for step in range(cfg.steps):
-        inputs, targets = _batch(cfg, step)
+        inputs, targets = step_batch(cfg, step)
         opt.zero_grad(set_to_none=True)
         result = runner.step(inputs, targets)
         if step == 0 and return_grads:
@@ -165,11 +171,11 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
 
 def reference_gradients(cfg: PipelineConfig) -> tuple[float, dict[str, torch.Tensor]]:
     """Mean microbatch loss and gradients of the first step, in one process without a pipeline."""
-    model = _model(cfg)
-    inputs, targets = _batch(cfg, 0)
+    model = build_pipeline_model(cfg)
+    inputs, targets = step_batch(cfg, 0)
     total = torch.zeros(())
     for x, y in zip(inputs, targets):
-        loss = _loss(model(x), y) / cfg.microbatches
+        loss = microbatch_loss(model(x), y) / cfg.microbatches
         loss.backward()
         total += loss.detach()
     return float(total), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
