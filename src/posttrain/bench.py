@@ -219,15 +219,17 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
 
 
 def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_tokens: Sequence[int],
-              world_size: int = 2, repeats: int = 5, predict: bool = True, json_path: str | None = None,
+              world_size: int = 2, repeats: int = 5, predict: bool = True,
+              predict_world_sizes: Sequence[int] = (2, 4, 8, 16, 32), json_path: str | None = None,
               log=print) -> dict:
     """The mechanism and its headroom at every (sequences per rank, max_tokens) point, interleaved
-    over ``repeats`` rounds, beside the calibrated simulator's predictions.
+    over ``repeats`` rounds, beside the calibrated simulator's predictions; then the simulator's
+    headroom and mechanism at ``predict_world_sizes`` for every point (same sequences per rank).
 
     Returns:
         ``{"config", "world_size", "repeats", "points": [{"sequences_per_rank", "max_tokens",
         "headroom", "mechanism", "odc_vs_partition", "partition_vs_even" (each [median, lowest,
-        highest]), "captured", "predicted": {...} or None}]}``.
+        highest]), "captured", "predicted": {...} or None, "predicted_at": {world size: {...}}}]}``.
     """
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be at least 1")
@@ -276,6 +278,18 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
     log("(headroom: partition bound / odc-collective+same_micro; mechanism: odc+diff_micro / "
         "odc-collective+same_micro; captured: (1 - 1/mechanism) / (1 - 1/headroom), where headroom > 1.05; "
         "pred: the simulator calibrated on this machine)")
+    if machine and predict_world_sizes:
+        log(f"\nthe calibrated simulator at more ranks (same sequences per rank; headroom / mechanism):")
+        log(f"{'seq/rank':>8} {'max_tok':>7} " + " ".join(f"{f'{n} ranks':>15}" for n in predict_world_sizes))
+        for cfg, row in zip(points, out_points):
+            spr = cfg.sequences // world_size
+            row["predicted_at"] = {}
+            cells = []
+            for n in predict_world_sizes:
+                at = predict_mechanism(replace(cfg, sequences=spr * n), machine, world_size=n)
+                row["predicted_at"][n] = at
+                cells.append(f"{at['headroom']:6.2f}/{at['mechanism']:5.2f}x")
+            log(f"{spr:8d} {cfg.max_tokens:7d} " + " ".join(f"{c:>15}" for c in cells))
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "points": out_points}
     _write(json_path, out, log)
     return out
