@@ -21,9 +21,9 @@ def min_max_partition(weights: Sequence[float], k: int, *, max_items_exact: int 
     Branch and bound over items in decreasing weight, each placed on every set whose load differs
     from the sets already tried (sets of equal load are interchangeable), pruned by the best
     found so far and stopped at the lower bound ``max(max weight, total / k)``. Starts from
-    :func:`~posttrain.balance.balanced_partition` (Karmarkar-Karp, LPT and round-robin, each
-    refined), which is also the answer when there are more than ``max_items_exact`` items or the
-    search visits ``node_limit`` nodes without finishing.
+    :func:`~posttrain.balance.balanced_partition` (refined Karmarkar-Karp and LPT starts), which
+    is also the answer when there are more than ``max_items_exact`` items or the
+    search visits ``node_limit`` nodes without finishing (then the result is not proven optimal).
 
     Args:
         weights: non-negative item weights.
