@@ -206,3 +206,14 @@ def test_bench_pipeline_tiny(tmp_path):
     assert all(r["max_grad_diff"] == 0.0 and r["ratio"] > 0 for r in res["timing"])
     proc = _run("bench", "pipeline", "--stages", "two")
     assert proc.returncode == 2 and "comma-separated" in proc.stderr
+
+
+def test_bench_balance_prints_every_method_and_the_targets(tmp_path):
+    out = tmp_path / "b.json"
+    proc = _run("bench", "balance", "--world-sizes", "2,4", "--seeds", "1", "--profiles", "long_tail", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for method in ("round_robin", "local_sort", "same_micro", "diff_micro"):
+        assert f" {method} " in proc.stdout
+    assert "targets" in proc.stdout and out.exists()
+    proc = _run("bench", "balance", "--world-sizes", "2,x")
+    assert proc.returncode == 2 and "--world-sizes" in proc.stderr and "Traceback" not in proc.stderr

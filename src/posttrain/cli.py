@@ -7,6 +7,7 @@
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
     posttrain bench odc --profile long_tail --repeats 5
     posttrain bench odc --profile longalign --max-len 4096 --sweep --sequences-per-rank 2,4,8
+    posttrain bench balance --world-sizes 2,32,1024     # plan time and imbalance per balancing method
     posttrain bench pipeline --stages 2,4
     posttrain pipeline --schedule group_interleaved --stages 2 --chunks 2 --microbatches 8 --offload 1
     posttrain simulate odc --gpus 32 --lengths longalign --model 7b     # FSDP vs ODC at cluster scale
@@ -109,6 +110,22 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"{flag}={text!r} needs positive integers")
     return values
+
+
+def _bench_balance(args: argparse.Namespace) -> int:
+    import json
+
+    from posttrain.bench_balance import bench_balance
+
+    result = bench_balance(world_sizes=_int_list(args.world_sizes, "--world-sizes"),
+                           sequences_per_rank=args.sequences_per_rank,
+                           profiles=[p.strip() for p in args.profiles.split(",") if p.strip()], seeds=args.seeds)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _bench_odc(args: argparse.Namespace) -> int:
@@ -227,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: --max-tokens)")
     odc.add_argument("--no-predict", action="store_true", help="sweep without the simulator's predictions")
     odc.set_defaults(func=_bench_odc)
+    bb = bench_sub.add_parser("balance", help="plan time and imbalance of every balancing method, 2-1024 ranks")
+    bb.add_argument("--world-sizes", default="2,8,32,128,1024", help="comma-separated ranks (default 2,8,32,128,1024)")
+    bb.add_argument("--sequences-per-rank", type=int, default=8, help="sequences per rank (default 8)")
+    bb.add_argument("--profiles", default="longalign,swe_smith,long_tail,uniform,bimodal",
+                    help="comma-separated length profiles (default longalign,swe_smith,long_tail,uniform,bimodal)")
+    bb.add_argument("--seeds", type=int, default=5, help="minibatches per (profile, world size) (default 5)")
+    bb.add_argument("--json", default="out/bench_balance.json", help="results file (default out/bench_balance.json)")
+    bb.set_defaults(func=_bench_balance)
     bp = bench_sub.add_parser("pipeline", help="saved-activation peaks per schedule and offload; our runner vs torch's")
     bp.add_argument("--stages", default="2,4", help="comma-separated pipeline sizes (default 2,4)")
     _add_pipeline_model_args(bp)
