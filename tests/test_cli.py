@@ -114,6 +114,8 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(tmp_pa
             * tp["odc-collective+same_micro"] / tp["odc-fsdp2-collective+same_micro"]
             * tp["odc+diff_micro"] / tp["odc-collective+same_micro"])
     assert set(fac) >= {"total", "transport", "engine", "mechanism", "headroom", "partition_vs_even"}
+    for r in got["rounds"]:  # whole sequences never divide more evenly than all compute does
+        assert r["partition"]["tokens_per_s"] <= 1.25 * r["even"]["tokens_per_s"]
     for line in ("transport", "engine", "mechanism", "headroom", "captured"):
         assert f"  {line}" in proc.stdout
     assert "partition bound" in proc.stdout and "even bound" in proc.stdout

@@ -78,7 +78,8 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     optimal)."""
     tokens = _steady_tokens(cfg, world_size)
     per_rank = run_ranks(ideal_compute_worker, world_size, cfg, timeout_s=3600)
-    even_s = sum(sum(step) / world_size for step in list(zip(*per_rank))[1:])
+    # each rank timed every microbatch of the step; evenly divided, a rank would take 1/world_size of that
+    even_s = sum(sum(step) / len(step) / world_size for step in list(zip(*per_rank))[1:])
     times: dict = {}
     for part in run_ranks(sequence_times_worker, world_size, cfg, timeout_s=3600):
         times.update(part)
