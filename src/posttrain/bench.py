@@ -86,9 +86,11 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     shares, exact = partition_shares(cfg, world_size, times)
     per_rank = run_ranks(partition_bound_worker, world_size, cfg, shares, timeout_s=3600)
     partition_s = sum(max(step) for step in zip(*per_rank))
-    return {"even": {"tokens_per_s": tokens / even_s, "utilization": 1.0, "compute_s": even_s / (cfg.steps - 1)},
+    steps = cfg.steps - 1
+    # compute_s as summarize() reports it: seconds of compute per step, summed over the ranks
+    return {"even": {"tokens_per_s": tokens / even_s, "utilization": 1.0, "compute_s": even_s * world_size / steps},
             "partition": {"tokens_per_s": tokens / partition_s, "utilization": 1.0,
-                          "compute_s": partition_s / (cfg.steps - 1), "exact": exact}}
+                          "compute_s": sum(map(sum, per_rank)) / steps, "exact": exact}}
 
 
 def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainConfig:
