@@ -498,7 +498,7 @@ class FlatODC:
             if shard is None:
                 continue
             flat = torch.empty(shard_numel * self.shard_size, dtype=u.master_dtype)
-            dist.all_gather_into_tensor(flat, shard.detach(), group=self.shard_group)
+            dist.all_gather_single(flat, shard.detach(), group=self.shard_group)
             values += [v.view(p.shape).clone() for v, p in zip(flat[:numel].split([p.numel() for p in params]), params)]
         return values
 
@@ -549,7 +549,7 @@ class FlatODC:
                 # Outside a minibatch (evaluation) the exposures may be stale: a collective.
                 for dst, src in ((full, u.shard), (frozen, u.frozen_shard)):
                     if dst is not None:
-                        dist.all_gather_into_tensor(dst, src.detach().to(u.param_dtype), group=self.shard_group)
+                        dist.all_gather_single(dst, src.detach().to(u.param_dtype), group=self.shard_group)
                 return
             p.before_gather()
             rows = full.view(self.shard_size, u.shard_numel) if full is not None else None

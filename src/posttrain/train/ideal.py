@@ -3,11 +3,16 @@
 - **Even bound** (:func:`ideal_compute_worker`): all the step's compute divided evenly over the
   ranks. Whole sequences cannot always be divided that evenly, so no scheduler reaches it when a
   step holds few sequences of very different lengths.
-- **Partition bound** (:func:`partition_shares`, :func:`partition_bound_worker`): the best
-  assignment of whole sequences to ranks under their measured compute times (exact search for
-  small steps, Karmarkar-Karp and refinement otherwise), each rank running its share packed into
-  microbatches back to back, no communication; the step lasts as long as its slowest rank. What
-  any scheduling of whole sequences could still win over a run is its distance to this bound.
+- **Partition bound** (:func:`partition_candidates`, :func:`partition_bound_worker`): the best
+  assignment of whole sequences to ranks under their measured compute times, each rank running
+  its share packed into microbatches back to back, no communication; the step lasts as long as
+  its slowest rank. What any scheduling of whole sequences could still win over a run is its
+  distance to this bound. A sequence's time measured alone is noisy (+-10% a run here) and
+  includes per-microbatch overhead that packing amortizes, so an assignment optimal for those
+  times need not be the fastest when run: three candidate assignments are run per step (the
+  optimum for the measured times, the optimum for a least-squares fit ``a + b*n + c*n^2`` of
+  them, and ``diff_micro``'s), and the bound is the fastest of them (exact search for small
+  steps, Karmarkar-Karp and refinement otherwise).
 
 Every worker runs on ``world_size`` processes at once, so each measures under the same core and
 memory contention as training.
@@ -29,8 +34,8 @@ from .config import TrainConfig
 from .loop import microbatch_loss, plan_step
 from .minibatches import TrainData
 
-__all__ = ["ideal_compute_worker", "pack_share", "partition_bound_worker", "partition_shares",
-           "sequence_times_worker"]
+__all__ = ["PARTITION_CANDIDATES", "ideal_compute_worker", "pack_share", "partition_bound_worker",
+           "partition_candidates", "sequence_times_worker"]
 
 
 def _model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
@@ -69,7 +74,9 @@ def sequence_times_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict[
     model = _model(cfg, data.vocab_size)
     jobs = [(step, i) for step in range(1, cfg.steps) for i in range(cfg.sequences)]
     seqs = {step: data.minibatch(step) for step in range(1, cfg.steps)}
-    microbatch_loss(model, seqs[1], [0], 1.0).backward()  # warm-up
+    seqs0 = data.minibatch(0)
+    for i in range(rank, cfg.sequences, world_size):
+        microbatch_loss(model, seqs0, [i], 1.0).backward()  # warm-up: step 0, as training's
     out = {}
     dist.barrier()
     for step, i in jobs[rank::world_size]:
@@ -81,16 +88,42 @@ def sequence_times_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict[
     return out
 
 
-def partition_shares(cfg: TrainConfig, world_size: int,
-                     times: dict[tuple[int, int], float]) -> tuple[list[list[list[int]]], bool]:
-    """Per step after the first, the best assignment of its sequences to ranks under ``times``
-    (a :func:`sequence_times_worker` result, merged); and whether every step's is proven optimal."""
-    shares, exact = [], True
-    for step in range(1, cfg.steps):
-        parts, proven = min_max_partition([times[(step, i)] for i in range(cfg.sequences)], world_size)
-        shares.append(parts)
-        exact &= proven
-    return shares, exact
+def _fit_times(points: list[tuple[int, float]]) -> list[float]:
+    """Least-squares coefficients ``(a, b, c)`` of ``seconds = a + b*n + c*n^2``, clamped at zero."""
+    n = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    t = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    scale = float(n.max())
+    x = n / scale
+    design = torch.stack([torch.ones_like(x), x, x * x], dim=1)
+    coef = torch.linalg.lstsq(design, t.unsqueeze(1)).solution.squeeze(1)
+    return [max(0.0, float(coef[0])), max(0.0, float(coef[1])) / scale, max(0.0, float(coef[2])) / scale**2]
+
+
+#: The candidate assignments :func:`partition_candidates` makes, in order.
+PARTITION_CANDIDATES = ("measured", "fitted", "diff_micro")
+
+
+def partition_candidates(cfg: TrainConfig, world_size: int, times: dict[tuple[int, int], float]
+                         ) -> tuple[dict[str, list[list[list[int]]]], bool]:
+    """Per candidate (:data:`PARTITION_CANDIDATES`) and step after the first, sequence ids per rank;
+    and whether every optimum searched was proven. ``times`` is a merged :func:`sequence_times_worker`
+    result."""
+    data = TrainData(cfg, world_size)
+    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
+    steps = range(1, cfg.steps)
+    lengths = {step: [len(s) - 1 for s in data.minibatch(step)] for step in steps}
+    a, b, c = _fit_times([(lengths[k][i], t) for (k, i), t in times.items()])
+    out: dict[str, list[list[list[int]]]] = {name: [] for name in PARTITION_CANDIDATES}
+    exact = True
+    for step in steps:
+        for name, weights in (("measured", [times[(step, i)] for i in range(cfg.sequences)]),
+                              ("fitted", [a + b * n + c * n * n for n in lengths[step]])):
+            parts, proven = min_max_partition(weights, world_size)
+            out[name].append(parts)
+            exact &= proven
+        plan = plan_step(cfg, data.minibatch(step), world_size, cost, method="diff_micro")
+        out["diff_micro"].append([[i for mb in mbs for i in mb.sequence_ids] for mbs in plan.ranks])
+    return out, exact
 
 
 def pack_share(lengths: Sequence[int], ids: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -111,20 +144,27 @@ def pack_share(lengths: Sequence[int], ids: Sequence[int], max_tokens: int) -> l
 
 
 def partition_bound_worker(rank: int, world_size: int, cfg: TrainConfig,
-                           shares: list[list[list[int]]]) -> list[float]:
-    """Per step after the first, this rank's seconds to run its share of ``shares`` packed into
-    microbatches, back to back, with no communication (the step's bound is the ranks' maximum)."""
+                           candidates: dict[str, list[list[list[int]]]]) -> dict[str, list[float]]:
+    """Per candidate and step after the first, this rank's seconds to run its share packed into
+    microbatches, back to back, with no communication (a candidate's step lasts as long as its
+    slowest rank). Step 0's share (``diff_micro``'s) runs first, untimed, as training's does."""
     data = TrainData(cfg, world_size)
     model = _model(cfg, data.vocab_size)
-    microbatch_loss(model, data.minibatch(0), [0], 1.0).backward()  # warm-up
-    out = []
+    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
+    seqs0 = data.minibatch(0)
+    for mb in plan_step(cfg, seqs0, world_size, cost, method="diff_micro").microbatches_for(rank):
+        if mb.sequence_ids:
+            microbatch_loss(model, seqs0, mb.sequence_ids, 1.0).backward()  # warm-up
+    out: dict[str, list[float]] = {name: [] for name in candidates}
     for step in range(1, cfg.steps):
         seqs = data.minibatch(step)
-        mine = pack_share([len(s) - 1 for s in seqs], shares[step - 1][rank], cfg.max_tokens)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for ids in mine:
-            microbatch_loss(model, seqs, ids, 1.0).backward()
-        out.append(time.perf_counter() - t0)
+        lengths = [len(s) - 1 for s in seqs]
+        for name, shares in candidates.items():
+            mine = pack_share(lengths, shares[step - 1][rank], cfg.max_tokens)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for ids in mine:
+                microbatch_loss(model, seqs, ids, 1.0).backward()
+            out[name].append(time.perf_counter() - t0)
     model.zero_grad()
     return out
