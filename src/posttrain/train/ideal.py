@@ -11,8 +11,9 @@
   includes per-microbatch overhead that packing amortizes, so an assignment optimal for those
   times need not be the fastest when run: three candidate assignments are run per step (the
   optimum for the measured times, the optimum for a least-squares fit ``a + b*n + c*n^2`` of
-  them, and ``diff_micro``'s), and the bound is the fastest of them (exact search for small
-  steps, Karmarkar-Karp and refinement otherwise).
+  them, and ``diff_micro``'s; exact search for small steps, Karmarkar-Karp and refinement
+  otherwise), the fastest is chosen per step, and the chosen ones are run again to be timed (a
+  minimum over noisy runs would favour noise).
 
 Every worker runs on ``world_size`` processes at once, so each measures under the same core and
 memory contention as training.
