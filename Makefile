@@ -1,10 +1,12 @@
 # posttrain: one venv (.venv), pinned by requirements/lock.txt. torch is the local CPU wheel
 # (pip's find-links on this machine kind); never let pip resolve an unpinned torch.
+# Targets are named after the commands they run: `make bench-odc` runs `posttrain bench odc`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
+BENCHES := odc transport overhead balance pipeline
 
-.PHONY: setup test demo bench-odc bench-train bench-pipeline clean
+.PHONY: setup test lint demo results clean $(addprefix bench-,$(BENCHES))
 
 setup: $(VENV)/.installed
 
@@ -14,20 +16,20 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 	$(PIP) -e ".[test]"
 	touch $@
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
 
 demo: setup
 	$(PY) -m posttrain demo
 
-bench-odc: setup
-	$(PY) benchmarks/odc_transport.py
+$(addprefix bench-,$(BENCHES)): bench-%: setup
+	$(PY) -m posttrain bench $*
 
-bench-train: setup
-	$(PY) -m posttrain bench odc
-
-bench-pipeline: setup
-	$(PY) -m posttrain bench pipeline
+results: setup
+	$(PY) -m posttrain results
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -6,6 +6,7 @@ violates its contract (equal counts, never worse than its baseline), or a cost m
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -13,9 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.balance import (
-    METHODS, CalibratedCost, FlopsCost, QuadraticCost, TokenCost, balanced_partition,
-    greedy, karmarkar_karp, measure_step_times, plan_minibatch, refine, round_robin, spread,
+    METHODS,
+    CalibratedCost,
+    FlopsCost,
+    QuadraticCost,
+    TokenCost,
+    balanced_partition,
+    greedy,
+    karmarkar_karp,
+    measure_step_times,
+    plan_minibatch,
+    refine,
+    round_robin,
+    spread,
 )
+from posttrain.balance.exact import min_max_partition
 from posttrain.models import GPTConfig
 
 MAX_TOKENS = 512
@@ -249,17 +262,50 @@ def test_plans_are_deterministic(method):
 
 def test_bench_balance_reports_rows_and_targets(tmp_path):
     """The benchmark returns one row per (profile, world size, method) and marks targets
-    without data as n/a; the command line writes the same as JSON. A failure pinpoints
-    posttrain.bench_balance, not the balancer."""
-    import json
+    without data as n/a. A failure pinpoints posttrain.lab.bench.balance, not the balancer
+    (the command line is tested in test_cli.py)."""
+    from posttrain.lab.bench.balance import bench_balance
 
-    from posttrain.bench_balance import bench_balance, main
     out = bench_balance(world_sizes=(2, 8), profiles=("long_tail",), seeds=1, log=None)
     assert [(r["world_size"], r["method"]) for r in out["rows"]] == [(w, m) for w in (2, 8) for m in METHODS]
     assert all(t["met"] is None for t in out["targets"])
     same = next(r for r in out["rows"] if r["method"] == "same_micro")
     assert same["fsdp_step_over_bound_median"] >= 1.0
-    assert main(["--world-sizes", "2", "--profiles", "uniform", "--seeds", "1", "--json", str(tmp_path / "b.json")]) == 0
-    assert json.loads((tmp_path / "b.json").read_text())["rows"][0]["profile"] == "uniform"
-    with pytest.raises(SystemExit):
-        main(["--world-sizes", "2,x"])
+
+
+# --- the exact min-max partition behind the partition bound: a failure pinpoints a search that
+# misses the optimum, loses or duplicates an item, or claims optimality it did not prove.
+
+def _brute(weights, k):
+    best = None
+    for assign in itertools.product(range(k), repeat=len(weights)):
+        loads = [0.0] * k
+        for i, s in enumerate(assign):
+            loads[s] += weights[i]
+        best = max(loads) if best is None else min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_min_max_partition_is_optimal_on_small_cases(seed):
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 8), rng.randint(1, 4)
+    weights = [rng.choice([rng.random() * 100, float(rng.randint(1, 5))]) for _ in range(n)]
+    parts, exact = min_max_partition(weights, k)
+    assert exact and len(parts) == k
+    assert sorted(i for p in parts for i in p) == list(range(n))
+    assert max(sum(weights[i] for i in p) for p in parts) == pytest.approx(_brute(weights, k))
+
+
+def test_min_max_partition_beats_greedy_where_greedy_is_not_optimal():
+    """3, 3, 2, 2, 2 into 2 sets: longest-first greedy gives 7 (3+2+2 | 3+2), the optimum is 6 (3+3 | 2+2+2)."""
+    parts, exact = min_max_partition([3, 3, 2, 2, 2], 2)
+    assert exact and max(sum([3, 3, 2, 2, 2][i] for i in p) for p in parts) == 6
+
+
+def test_large_cases_fall_back_to_the_heuristic_and_say_so():
+    rng = random.Random(0)
+    weights = [rng.lognormvariate(7, 1) for _ in range(40)]
+    parts, exact = min_max_partition(weights, 4, max_items_exact=24)
+    assert sorted(i for p in parts for i in p) == list(range(40))
+    assert not exact or max(sum(weights[i] for i in p) for p in parts) <= sum(weights) / 4 * (1 + 1e-9)

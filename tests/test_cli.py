@@ -21,7 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_demo_trains_every_variant_and_splits_the_speedup(tmp_path):
     """A short demo: four runs, a table with speedups, the same final loss everywhere, the three
     factors (which multiply to the total), a timeline PNG."""
-    from posttrain.demo import VARIANTS
+    from posttrain.lab.demo import VARIANTS
 
     png = tmp_path / "t.png"
     proc = _run("demo", "--steps", "6", "--timeline", str(png))
@@ -50,19 +50,24 @@ def test_unknown_command_lists_choices():
     assert proc.returncode != 0 and "demo" in proc.stderr
 
 
-def test_train_fsdp_writes_metrics_and_timeline(tmp_path):
-    """`posttrain train` with FSDP2 and same_micro: step lines, a CSV row per rank and step, a PNG."""
+def test_train_fsdp_writes_metrics_timeline_and_trace(tmp_path):
+    """`posttrain train` with FSDP2 and same_micro: step lines, a CSV row per rank and step, a PNG,
+    and a Chrome trace of the last step with both ranks' compute and communication."""
     import csv
+    import json
 
-    metrics, png = tmp_path / "m.csv", tmp_path / "t.png"
+    metrics, png, trace = tmp_path / "m.csv", tmp_path / "t.png", tmp_path / "t.json"
     proc = _run("train", "--dp", "fsdp", "--balance", "same_micro", "--steps", "3", "--sequences", "6",
-                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics), "--timeline", str(png))
+                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics), "--timeline", str(png),
+                "--trace", str(trace))
     assert proc.returncode == 0, proc.stderr
     assert sum(line.startswith("step") for line in proc.stdout.splitlines()) == 3
     rows = list(csv.DictReader(metrics.open()))
     assert len(rows) == 6 and {r["rank"] for r in rows} == {"0", "1"}
     assert all(float(r["step_time_s"]) > 0 and float(r["comm_s"]) > 0 for r in rows)
     assert png.stat().st_size > 10_000
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {(e["cat"], e["tid"] // 4) for e in events} >= {("compute", 0), ("compute", 1), ("comm", 0), ("comm", 1)}
 
 
 def test_train_under_torchrun(tmp_path):
@@ -140,11 +145,7 @@ def test_bench_odc_sweep_reports_every_point_with_predictions(tmp_path):
 
 @pytest.mark.parametrize("world_size", ["1", "2"])
 def test_odc_overhead_benchmark_reports_every_rank(world_size):
-    import pathlib
-
-    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "odc_overhead.py"
-    proc = subprocess.run([sys.executable, str(script), "--dim", "32", "--world-size", world_size],
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    proc = _run("bench", "overhead", "--dim", "32", "--world-size", world_size)
     assert proc.returncode == 0, proc.stderr
     for rank in range(int(world_size)):
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank {rank}:")]
@@ -172,7 +173,7 @@ def test_train_bad_choice_and_budget():
 
 def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(tmp_path):
     png = tmp_path / "p.png"
-    proc = _run("pipeline", "--schedule", "group_interleaved", "--stages", "2", "--chunks", "2", "--group-size", "1",
+    proc = _run("pipeline", "--schedule", "group_interleaved", "--ranks", "2", "--chunks", "2", "--group-size", "1",
                 "--microbatches", "4", "--offload", "1", "--steps", "2", "--dim", "32", "--layers", "4",
                 "--seq-len", "32", "--chart", str(png))
     assert proc.returncode == 0, proc.stderr
@@ -184,17 +185,18 @@ def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(tmp_p
 
 
 def test_pipeline_bad_input_is_a_clear_error():
-    proc = _run("pipeline", "--schedule", "interleaved_1f1b", "--stages", "4", "--chunks", "2", "--microbatches", "2")
+    proc = _run("pipeline", "--schedule", "interleaved_1f1b", "--ranks", "4", "--chunks", "2", "--microbatches", "2")
     assert proc.returncode == 2 and "needs at least 4 microbatches" in proc.stderr and "Traceback" not in proc.stderr
     proc = _run("pipeline", "--schedule", "pipedream")
     assert proc.returncode == 2 and "gpipe" in proc.stderr and "zbv" in proc.stderr
-    proc = _run("pipeline", "--stages", "2", "--layers", "1")
+    proc = _run("pipeline", "--stages", "2", "--layers", "1")  # the old spelling of --ranks still works
+    assert "--stages is deprecated; use --ranks" in proc.stderr
     assert proc.returncode == 2 and "cannot be cut into 2 stages" in proc.stderr
 
 
 def test_bench_pipeline_tiny(tmp_path):
     out = tmp_path / "b.json"
-    proc = _run("bench", "pipeline", "--stages", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
+    proc = _run("bench", "pipeline", "--ranks", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
                 "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     import json
@@ -206,8 +208,17 @@ def test_bench_pipeline_tiny(tmp_path):
     assert all(r["peak_units"] == r["predicted_units"] for r in res["memory"])
     assert [r["schedule"] for r in res["timing"]] == ["1f1b", "interleaved_1f1b"]
     assert all(r["max_grad_diff"] == 0.0 and r["ratio"] > 0 for r in res["timing"])
-    proc = _run("bench", "pipeline", "--stages", "two")
+    proc = _run("bench", "pipeline", "--ranks", "two")
     assert proc.returncode == 2 and "comma-separated" in proc.stderr
+
+
+def test_bench_transport_prints_both_ratios(tmp_path):
+    out = tmp_path / "t.json"
+    proc = _run("bench", "transport", "--sizes-mib", "0.25", "--iters", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "shm gather" in proc.stdout and out.exists()
+    proc = _run("bench", "transport", "--iters", "0")
+    assert proc.returncode == 2 and "--iters=0" in proc.stderr
 
 
 def test_bench_balance_prints_every_method_and_the_targets(tmp_path):

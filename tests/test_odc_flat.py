@@ -14,11 +14,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile
 
 import posttrain.odc as odc_mod
-from posttrain._launch import run_ranks
+from odc_helpers import (
+    LR,
+    STEPS,
+    assert_states_close,
+    loss_of,
+    make_gpt,
+    step_data,
+    tiny_llama,
+    tiny_qwen2_tied,
+    train_fsdp,
+    train_reference,
+)
+from posttrain.launch import run_ranks
 from posttrain.models import checkpoint_blocks
-
-from odc_helpers import (LR, STEPS, assert_states_close, loss_of, make_gpt, step_data, tiny_llama, tiny_qwen2_tied,
-                         train_fsdp, train_reference)
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -43,7 +52,7 @@ def train_flat(rank: int, world_size: int, counts: list[int], *, make_model=make
     opt = torch.optim.SGD(handle.parameters(), lr=LR, momentum=0.9)
     for step in range(steps):
         data, total = step_data(step, counts)
-        mine = data[rank] if mesh_shape is None else data[rank]
+        mine = data[rank]
         with handle.minibatch(num_tokens=sum(x.shape[1] - 1 for x in mine)) as mb:
             assert mb.global_tokens == total
             for x in mine:
@@ -86,7 +95,7 @@ def test_flat_finds_the_blocks_of_a_transformers_model_and_matches_the_reference
     pytest.importorskip("transformers")
     counts = [2, 1]
     want = train_reference(counts, make_model=tiny_llama)
-    for state, stats, _ in run_ranks(train_flat, 2, counts, make_model=tiny_llama):
+    for state, _stats, _ in run_ranks(train_flat, 2, counts, make_model=tiny_llama):
         assert_states_close(state, want, rtol=1e-4, atol=1e-5)
     # 2 decoder layers and the root: 3 pushes per microbatch on rank 0
     assert run_ranks(train_flat, 2, counts, make_model=tiny_llama, steps=1)[0][1]["pushes"] == 2 * 3
@@ -221,7 +230,7 @@ def test_flat_activation_checkpointing_matches_the_reference(model):
     make = make_gpt if model == "gpt" else tiny_llama
     counts = [2, 1]
     want = train_reference(counts, make_model=make)
-    for state, stats, _ in run_ranks(train_flat, 2, counts, make_model=make, ac=True):
+    for state, _stats, _ in run_ranks(train_flat, 2, counts, make_model=make, ac=True):
         assert_states_close(state, want, rtol=1e-4, atol=1e-5)
 
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from posttrain._launch import run_ranks
-
 from odc_helpers import assert_states_close, tiny_llama, train_fsdp, train_odc, train_reference
+from posttrain.launch import run_ranks
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -25,7 +24,7 @@ FP32 = {"rtol": 1e-5, "atol": 1e-6}
 def test_parity_with_single_process_reference(counts):
     """Unequal microbatch counts (a rank with none included) give the reference's parameters."""
     want = train_reference(counts)
-    for state, stats in run_ranks(train_odc, len(counts), counts):
+    for state, _stats in run_ranks(train_odc, len(counts), counts):
         assert_states_close(state, want, **FP32)
 
 
@@ -91,7 +90,7 @@ def test_collective_mode_matches_reference():
     """mode='collective' (a barrier at every gather/reduce) is numerically the same as ODC."""
     counts = [2, 2]
     want = train_reference(counts)
-    for state, stats in run_ranks(train_odc, 2, counts, mode="collective"):
+    for state, _stats in run_ranks(train_odc, 2, counts, mode="collective"):
         assert_states_close(state, want, **FP32)
 
 

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from posttrain._launch import run_ranks
+from posttrain.launch import run_ranks
 from posttrain.odc import PeerFailedError, ShmTransport
 from posttrain.odc._transport import STRIPE_BYTES
 

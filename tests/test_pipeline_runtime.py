@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from posttrain._launch import RanksFailedError, run_ranks
+from posttrain.launch import RanksFailedError, run_ranks
 from posttrain.pipeline import OffloadPolicy, build_schedule
+from posttrain.pipeline._ir import parse_schedule
 from posttrain.pipeline.offload import ActivationStore
 from posttrain.pipeline.runtime import PipelineRunner, execution_order, to_torch_actions
-from posttrain.pipeline.train import PipelineConfig, predicted_peaks, reference_gradients, run_pipeline
-from posttrain.pipeline._ir import parse_schedule
+from posttrain.train.pipeline import PipelineConfig, predicted_peaks, reference_gradients, run_pipeline
 
 # every schedule x offload policy (none / half / full where half differs from none) at 2 and 4 ranks
 _CASES = []
@@ -29,9 +29,9 @@ _GROUP = {"group_interleaved": lambda r: 1, "interleaved_zb": lambda r: 1, "grou
 @pytest.mark.parametrize("ranks,schedule,chunks,offload", _CASES,
                          ids=[f"{r}r-{s}-{o}" for r, s, _, o in _CASES])
 def test_gradients_match_one_process_and_memory_matches_schedule(ranks, schedule, chunks, offload):
-    cfg = PipelineConfig(schedule=schedule, stages=ranks, chunks=1 if schedule == "zbv" else chunks,
-                         microbatches=2 * ranks, group_size=_GROUP.get(schedule, lambda r: None)(ranks),
-                         offload=offload, layers=ranks * chunks, dim=32, seq_len=32, steps=1)
+    cfg = PipelineConfig(schedule=schedule, num_ranks=ranks, chunks=1 if schedule == "zbv" else chunks,
+                         num_microbatches=2 * ranks, group_size=_GROUP.get(schedule, lambda r: None)(ranks),
+                         offload=offload, num_layers=ranks * chunks, dim=32, seq_len=32, steps=1)
     outs = run_pipeline(cfg, return_grads=True, timeout_s=120)
     ref_loss, ref_grads = reference_gradients(cfg)
     grads = {}
@@ -51,8 +51,8 @@ def test_gradients_match_one_process_and_memory_matches_schedule(ranks, schedule
 
 
 def test_llama_stages_match_one_process():
-    cfg = PipelineConfig(schedule="interleaved_1f1b", stages=2, chunks=2, microbatches=4, offload="1",
-                         model="llama", layers=4, dim=32, seq_len=16, steps=1)
+    cfg = PipelineConfig(schedule="interleaved_1f1b", num_ranks=2, chunks=2, num_microbatches=4, offload="1",
+                         model="llama", num_layers=4, dim=32, seq_len=16, steps=1)
     outs = run_pipeline(cfg, return_grads=True, timeout_s=120)
     _, ref = reference_gradients(cfg)
     got = {k: v for o in outs for k, v in o["grads"].items()}
@@ -63,7 +63,7 @@ def test_llama_stages_match_one_process():
 
 
 def test_training_loss_falls():
-    outs = run_pipeline(PipelineConfig(schedule="1f1b", stages=2, microbatches=4, offload="full", steps=12,
+    outs = run_pipeline(PipelineConfig(schedule="1f1b", num_ranks=2, num_microbatches=4, offload="full", steps=12,
                                        lr=1e-2, dim=32, seq_len=32), timeout_s=120)
     losses = [x for o in outs for x in o["losses"] if x is not None]
     assert losses[-1] < 0.8 * losses[0]
@@ -73,7 +73,7 @@ def test_training_loss_falls():
 def test_interleaved_offload_of_half_the_chunks_cuts_the_peak_about_in_half(chunks):
     """At 8 ranks. At 2-4 ranks the ratio is 0.56-0.64: the forward in progress and the reloads in
     flight (up to 3 chunk-microbatches) stay resident whatever the policy, and weigh more there."""
-    base = PipelineConfig(schedule="interleaved_1f1b", stages=8, chunks=chunks, microbatches=16, layers=8 * chunks)
+    base = PipelineConfig(schedule="interleaved_1f1b", num_ranks=8, chunks=chunks, num_microbatches=16, num_layers=8 * chunks)
     none = max(predicted_peaks(base))
     half = max(predicted_peaks(PipelineConfig(**{**base.__dict__, "offload": str(chunks // 2)})))
     assert 0.45 <= half / none <= 0.55, (none, half)
@@ -83,8 +83,8 @@ def test_at_8_ranks_group_interleaved_offload_of_half_cuts_more_than_half_interl
     """Measured by the runtime on 8 processes (tiny model), in chunk-microbatches: group size 4
     goes 16 -> 7 (more than half), interleaved 1F1B 23 -> 11 (about half)."""
     def peaks(g, off):
-        cfg = PipelineConfig(schedule="group_interleaved", stages=8, chunks=2, group_size=g, microbatches=16,
-                             layers=16, dim=16, heads=2, seq_len=16, steps=1, offload=off)
+        cfg = PipelineConfig(schedule="group_interleaved", num_ranks=8, chunks=2, group_size=g, num_microbatches=16,
+                             num_layers=16, dim=16, num_heads=2, seq_len=16, steps=1, offload=off)
         res = run_pipeline(cfg, timeout_s=120)
         measured = max(r["result"]["peak_units"] for r in res)
         assert measured == max(predicted_peaks(cfg))
@@ -97,7 +97,7 @@ def test_at_8_ranks_group_interleaved_offload_of_half_cuts_more_than_half_interl
 @pytest.mark.parametrize("schedule,chunks,group,microbatches,expected", [
     # the modulo construction at group size 1: interleaved 1F1B holds 23
     ("interleaved_zb", 2, 1, 16, {"none": 10, "1": 5}),
-    # the slot construction at the paper's v=2 g=4, v=2 g=1 and v=4 g=2 (design/pipeoffload.md:
+    # the slot construction at the paper's v=2 g=4, v=2 g=1 and v=4 g=2 (docs/pipeline.md:
     # 12, 6 | 13, 5, 2 | 22, 14, 8, 4; full offload 2 where the paper counts 3 at g=4 and v=4)
     ("group_interleaved_zb", 2, 4, 32, {"none": 12, "1": 6}),
     ("group_interleaved_zb", 2, 1, 32, {"none": 13, "1": 5, "full": 2}),
@@ -108,8 +108,8 @@ def test_at_8_ranks_split_backward_group_interleaved_memory_is_measured_as_predi
     """On 8 processes, with 0, 1, ... chunks offloaded, in chunk-microbatches."""
     got = {}
     for off in expected:
-        cfg = PipelineConfig(schedule=schedule, stages=8, chunks=chunks, group_size=group, microbatches=microbatches,
-                             layers=8 * chunks, dim=16, heads=2, seq_len=16, steps=1, offload=off)
+        cfg = PipelineConfig(schedule=schedule, num_ranks=8, chunks=chunks, group_size=group, num_microbatches=microbatches,
+                             num_layers=8 * chunks, dim=16, num_heads=2, seq_len=16, steps=1, offload=off)
         measured = [r["result"]["peak_units"] for r in run_pipeline(cfg, timeout_s=120)]
         assert measured == predicted_peaks(cfg)
         got[off] = max(measured)
@@ -128,16 +128,16 @@ def test_bad_pipeline_configs_are_clear():
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'; valid: gpipe, 1f1b"):
         PipelineConfig(schedule="pipedream")
     with pytest.raises(ValueError, match="cannot be cut into 8 stages"):
-        PipelineConfig(schedule="interleaved_1f1b", stages=4, chunks=2, layers=4)
+        PipelineConfig(schedule="interleaved_1f1b", num_ranks=4, chunks=2, num_layers=4)
     with pytest.raises(ValueError, match="needs at least 4 microbatches"):
-        PipelineConfig(schedule="interleaved_1f1b", stages=4, chunks=2, layers=8, microbatches=2).build()
+        PipelineConfig(schedule="interleaved_1f1b", num_ranks=4, chunks=2, num_layers=8, num_microbatches=2).build()
     with pytest.raises(ValueError, match="between 0 and the 2 chunks"):
         PipelineConfig(schedule="interleaved_1f1b", chunks=2, offload="3")
 
 
 def _long_worker(rank, world, cfg):
     from posttrain.pipeline.stages import split_model
-    from posttrain.pipeline.train import build_pipeline_model, microbatch_loss
+    from posttrain.train.pipeline import build_pipeline_model, microbatch_loss
 
     stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
     runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=microbatch_loss)
@@ -146,7 +146,7 @@ def _long_worker(rank, world, cfg):
 
 
 def test_failure_names_rank_stage_action_and_microbatch():
-    cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=2, seq_len=32, steps=1)
+    cfg = PipelineConfig(schedule="1f1b", num_ranks=2, num_microbatches=2, seq_len=32, steps=1)
     with pytest.raises(RanksFailedError) as e:
         run_ranks(_long_worker, 2, cfg, timeout_s=60)
     assert "rank 0, stage 0, action 0F0 (F), microbatch 0: ValueError: sequence length 40" in e.value.errors[0]
@@ -154,7 +154,7 @@ def test_failure_names_rank_stage_action_and_microbatch():
 
 def _ragged_worker(rank, world, cfg, static):
     from posttrain.pipeline.stages import split_model
-    from posttrain.pipeline.train import build_pipeline_model, microbatch_loss
+    from posttrain.train.pipeline import build_pipeline_model, microbatch_loss
 
     stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
     runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=microbatch_loss, static_shapes=static)
@@ -163,7 +163,7 @@ def _ragged_worker(rank, world, cfg, static):
 
 
 def test_microbatches_of_different_shapes_need_static_shapes_off():
-    cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=2, seq_len=32, steps=1)
+    cfg = PipelineConfig(schedule="1f1b", num_ranks=2, num_microbatches=2, seq_len=32, steps=1)
     assert run_ranks(_ragged_worker, 2, cfg, False, timeout_s=60)[1] > 0
     with pytest.raises(RanksFailedError) as e:
         run_ranks(_ragged_worker, 2, cfg, True, timeout_s=60)

@@ -4,12 +4,21 @@ matches the schedule's promise, or a validator that accepts a broken schedule.""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.pipeline import (
-    KINDS, SCHEDULES, Action, ScheduleError, StageLayout, build_schedule, parse_schedule, simulate,
+    KINDS,
+    SCHEDULES,
+    Action,
+    ScheduleError,
+    StageLayout,
+    build_schedule,
+    parse_schedule,
+    simulate,
 )
 from posttrain.pipeline.schedules import _strict_interleaved
 
@@ -93,7 +102,7 @@ def test_interleaved_zb_at_group_size_one_spreads_memory_at_interleaved_speed():
 
 def test_group_interleaved_zb_reproduces_the_papers_unit_clock_figures():
     kw = dict(num_ranks=8, num_microbatches=32)
-    # design/pipeoffload.md: makespans 206 / 210 / 240 and peaks 16 / 12 / 13 for v=2, g=8 / 4 / 1
+    # docs/pipeline.md: makespans 206 / 210 / 240 and peaks 16 / 12 / 13 for v=2, g=8 / 4 / 1
     for g, peak, makespan, block in ((8, 16, 206, 237), (4, 12, 210, 225), (1, 13, 215, 240)):
         s = build_schedule("group_interleaved_zb", num_chunks=2, group_size=g, **kw)
         assert max(s.predicted_peaks) == peak
@@ -226,7 +235,7 @@ def test_offload_lowering_golden_and_memory():
             assert sim.makespan == sched.simulate().makespan  # free copies cost no time
             peaks.append(sim.peaks())
         assert peaks[0] == list(sched.predicted_peaks)
-        for fewer, more in zip(peaks, peaks[1:]):  # each chunk offloaded lowers or keeps every rank's peak
+        for fewer, more in itertools.pairwise(peaks):  # each chunk offloaded lowers or keeps every rank's peak
             assert all(b <= a for a, b in zip(fewer, more)), (name, peaks)
         assert max(peaks[-1]) <= 3  # full offload: a constant few, not growing with stages
 

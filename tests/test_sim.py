@@ -12,13 +12,13 @@ import math
 import pytest
 
 from posttrain.balance import plan_minibatch
+from posttrain.lab.paper import design_copy_peak, format_pipeoffload_table, pipeoffload_table
+from posttrain.lab.plots import plot_dp_timelines
+from posttrain.pipeline import build_schedule
 from posttrain.sim import Cluster, LayerCost, SimModel, draw_lengths, load_lengths, simulate_dp, simulate_minibatch
 from posttrain.sim._engine import Engine, Link, Rendezvous
-from posttrain.pipeline import build_schedule
-from posttrain.sim.pipeline import (
-    PipelineWorkload, design_copy_peak, format_pipeoffload_table, pipeoffload_table, simulate_pipeline,
-)
-from posttrain.sim.trace import chrome_trace, plot_dp_timelines, write_chrome_trace
+from posttrain.sim.pipeline import PipelineWorkload, simulate_pipeline
+from posttrain.spans import chrome_trace, write_chrome_trace
 
 FREE = Cluster(num_gpus=4, gpus_per_node=4, intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0,
                inter_latency=0.0, accumulate_bandwidth=1e30)
@@ -246,7 +246,7 @@ def test_bad_cluster_is_a_clear_error(kwargs, match):
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="unknown length profile 'nope'.*longalign"):
+    with pytest.raises(ValueError, match=r"unknown length profile 'nope'.*longalign"):
         draw_lengths("nope", 4)
     with pytest.raises(ValueError, match="unknown model"):
         SimModel.preset("70b")
@@ -256,7 +256,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         simulate_minibatch([[[1]], [[1]]], strategy="odc", model=_model(), cluster=FREE)
     with pytest.raises(ValueError, match="unknown strategy"):
         simulate_minibatch([[[1]]] * 4, strategy="ddp", model=_model(), cluster=FREE)
-    with pytest.raises(ValueError, match="valid: .*1f1b"):
+    with pytest.raises(ValueError, match=r"valid: .*1f1b"):
         simulate_pipeline("nope", num_ranks=2, num_microbatches=4)
     bad = tmp_path / "l.txt"
     bad.write_text("12 x 5")
@@ -279,18 +279,19 @@ def test_chrome_trace_and_png(tmp_path):
     cl = Cluster(num_gpus=2, gpus_per_node=2)
     runs = [simulate_minibatch(mbs, strategy=s, model=_model(2, param_bytes=1e9), cluster=cl, trace=True)
             for s in ("fsdp", "odc")]
-    trace = chrome_trace(runs)
+    trace = chrome_trace({r.strategy: r.spans for r in runs})
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["cat"] for e in xs} >= {"compute", "comm", "wait"} and all(e["dur"] >= 0 for e in xs)
     assert len([e for e in xs if e["cat"] == "compute" and e["pid"] == 1]) == 2 * 2 * 2 * 2
     path = tmp_path / "t.json"
-    write_chrome_trace(runs, str(path))
+    write_chrome_trace({r.strategy: r.spans for r in runs}, str(path))
     assert json.loads(path.read_text())["traceEvents"]
     png = tmp_path / "t.png"
     plot_dp_timelines(runs, str(png))
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="trace=True"):
-        write_chrome_trace([simulate_minibatch(mbs, strategy="odc", model=_model(2), cluster=cl)], str(path))
+        untraced = simulate_minibatch(mbs, strategy="odc", model=_model(2), cluster=cl)
+        write_chrome_trace({untraced.strategy: untraced.spans}, str(path))
 
 
 def test_cluster_one_sided_time_splits_local_and_remote_peers():

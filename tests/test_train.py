@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from posttrain._launch import run_ranks
-from posttrain.train import TrainConfig, TrainData, run_training, summarize, train_worker, write_metrics
+from posttrain.launch import run_ranks
+from posttrain.train.dp import TrainConfig, TrainData, run_training, summarize, train_worker, write_metrics
 
 # SGD: a gradient off by a constant factor changes the curve (Adam would normalize it away).
 BASE = TrainConfig(steps=3, sequences=6, max_len=48, max_tokens=64, dim=32, num_layers=2, optimizer="sgd", lr=0.5)

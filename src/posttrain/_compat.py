@@ -1,10 +1,13 @@
-"""The one place that reads private FSDP2 state (torch 2.13).
+"""The one place that reads private torch names (torch 2.13): FSDP2 state and pipelining internals.
 
 ODC must expose each FSDP module's all-gather input *before* any rank gathers it, so it
 needs the per-parameter padded shard data and dtypes that FSDP2 keeps on its param group. The
 ``AllGather`` / ``ReduceScatter`` ABCs that ``set_custom_all_gather`` / ``set_custom_reduce_scatter``
 take are not re-exported by ``torch.distributed.fsdp`` either. Everything else goes through public
-``FSDPModule`` methods. If torch moves these names, the
+``FSDPModule`` methods. The pipeline runtime uses torch's split-backward functions
+(``stage_backward_input`` / ``stage_backward_weight``) and its action type, which pipelining does
+not re-export either; flat ODC walks module inputs and outputs with torch's pytree helpers. If
+torch moves these names, the
 version check below fails with a clear message instead of ODC gathering garbage (and the
 first gather of every module is also checked against FSDP2's own input, see ``_comm.py``).
 """
@@ -17,6 +20,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining.schedules import _Action as TorchAction
+from torch.distributed.pipelining.schedules import _ComputationType as TorchComputationType
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 #: (major, minor) versions whose FSDP2 internals this module was written and tested against.
 SUPPORTED_TORCH = ((2, 13),)
@@ -31,7 +38,10 @@ def check_torch_version() -> None:
         )
 
 
-__all__ = ["AllGather", "ReduceScatter", "ShardedParamInfo", "check_torch_version", "sharded_params"]
+__all__ = [
+    "AllGather", "ReduceScatter", "ShardedParamInfo", "TorchAction", "TorchComputationType", "check_torch_version",
+    "sharded_params", "stage_backward_input", "stage_backward_weight", "tree_flatten", "tree_map_only", "tree_unflatten",
+]
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,39 @@
 See [Note: balancing methods] in ``plan.py``.
 """
 
-from .cost import CalibratedCost, CostModel, FlopsCost, QuadraticCost, TokenCost, measure_step_times
+from .cost import (
+                   CalibratedCost,
+                   CostModel,
+                   FlopsCost,
+                   ModelShape,
+                   QuadraticCost,
+                   TokenCost,
+                   fit_least_squares,
+                   measure_step_times,
+)
 from .packing import PackedMicrobatch, pack_sequences
 from .partition import balanced_partition, greedy, karmarkar_karp, refine, round_robin, spread
 from .plan import METHODS, Microbatch, Plan, plan_minibatch
 
 __all__ = [
-    "METHODS", "CalibratedCost", "CostModel", "FlopsCost", "Microbatch", "PackedMicrobatch", "Plan",
-    "QuadraticCost", "pack_sequences",
-    "TokenCost", "balanced_partition", "greedy", "karmarkar_karp", "measure_step_times",
-    "plan_minibatch", "refine", "round_robin", "spread",
+                   "METHODS",
+                   "CalibratedCost",
+                   "CostModel",
+                   "FlopsCost",
+                   "Microbatch",
+                   "ModelShape",
+                   "PackedMicrobatch",
+                   "Plan",
+                   "QuadraticCost",
+                   "TokenCost",
+                   "balanced_partition",
+                   "fit_least_squares",
+                   "greedy",
+                   "karmarkar_karp",
+                   "measure_step_times",
+                   "pack_sequences",
+                   "plan_minibatch",
+                   "refine",
+                   "round_robin",
+                   "spread",
 ]

@@ -1,8 +1,9 @@
 """Cost models: predicted compute time (arbitrary units) of one sequence of a given length.
 
 A cost model is any callable ``length -> float``; the balancer only compares costs. The
-quadratic fit and the FLOPs model follow ``design/odc.md`` (from the ODC reference's
-``packing.py``); :class:`CalibratedCost` fits the same shape to timings measured here.
+quadratic fit and the FLOPs model follow the ODC reference's ``packing.py``;
+:class:`CalibratedCost` fits the same shape to timings measured here. :class:`ModelShape` is the
+one FLOPs model and :func:`fit_least_squares` the one fit of the package.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["CalibratedCost", "CostModel", "FlopsCost", "QuadraticCost", "TokenCost", "measure_step_times"]
+__all__ = [
+    "CalibratedCost", "CostModel", "FlopsCost", "ModelShape", "QuadraticCost", "TokenCost", "fit_least_squares",
+    "measure_step_times",
+]
 
 
 class CostModel(Protocol):
@@ -50,47 +54,115 @@ class QuadraticCost:
 
 
 @dataclass(frozen=True)
-class FlopsCost:
-    """Training FLOPs of one sequence: ``6 * linear_params * n + 6 * num_layers * dim * n**2``.
-
-    The first term is forward+backward through every linear layer for each token; the second is
-    causal attention's scores and weighted sum (``2 n^2 d`` forward per layer, halved by the
-    causal mask, three times that for forward+backward).
+class ModelShape:
+    """A decoder-only transformer's shape: what its FLOPs per token and per sequence depend on.
+    The one FLOPs model of the package: the balancer's :class:`FlopsCost` and the simulator's
+    presets (:meth:`posttrain.sim.SimModel.preset`) both use it.
 
     Attributes:
-        linear_params: parameters that every token passes through (not the embeddings).
         num_layers: transformer blocks.
-        dim: hidden size.
+        hidden: hidden size.
+        intermediate: MLP width.
+        heads: attention heads.
+        kv_heads: key/value heads (grouped-query attention).
+        vocab: vocabulary size (the LM head's width).
+        gated: a gated MLP (SwiGLU: three matrices) rather than two (GELU).
     """
 
-    linear_params: int
     num_layers: int
-    dim: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    gated: bool = True
 
     def __post_init__(self) -> None:
-        if min(self.linear_params, self.num_layers, self.dim) < 1:
-            raise ValueError(f"FlopsCost fields must be positive, got {self}")
+        for name in ("num_layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name}={getattr(self, name)} must be at least 1")
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a :class:`posttrain.models.GPTConfig` or a ``transformers`` Llama-style config."""
+        if hasattr(config, "hidden_size"):  # transformers
+            heads = config.num_attention_heads
+            return cls(num_layers=config.num_hidden_layers, hidden=config.hidden_size,
+                       intermediate=config.intermediate_size, heads=heads,
+                       kv_heads=getattr(config, "num_key_value_heads", None) or heads, vocab=config.vocab_size,
+                       gated=True)
+        if hasattr(config, "dim"):  # posttrain GPT: 4x GELU MLP, full multi-head attention
+            return cls(num_layers=config.num_layers, hidden=config.dim, intermediate=4 * config.dim,
+                       heads=config.num_heads, kv_heads=config.num_heads, vocab=config.vocab_size, gated=False)
+        raise TypeError(f"cannot read a model shape from {type(config).__name__}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one block that every token passes through (attention and MLP matrices)."""
+        attn = self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads) + self.heads * self.head_dim * self.hidden
+        return attn + (3 if self.gated else 2) * self.hidden * self.intermediate
+
+    @property
+    def linear_params(self) -> int:
+        """Weights every token passes through: every block and the LM head (not the embeddings)."""
+        return self.num_layers * self.layer_params + self.hidden * self.vocab
+
+    @property
+    def params(self) -> int:
+        """Blocks, embeddings and head (untied)."""
+        return self.num_layers * self.layer_params + 2 * self.vocab * self.hidden
+
+    def training_flops(self, length: int) -> float:
+        """Forward and backward FLOPs of one sequence: ``6 * linear_params * n`` for the matrices and
+        ``6 * num_layers * hidden * n**2`` for causal attention (``2 n^2 d`` forward per layer, scores
+        and weighted sum halved by the mask; backward twice the forward)."""
+        return 6.0 * self.linear_params * length + 6.0 * self.num_layers * self.hidden * length * length
+
+
+@dataclass(frozen=True)
+class FlopsCost:
+    """Cost = training FLOPs of one sequence of a model shape (:meth:`ModelShape.training_flops`).
+
+    Attributes:
+        shape: the model's shape.
+    """
+
+    shape: ModelShape
 
     @classmethod
     def from_config(cls, config) -> FlopsCost:
         """From a :class:`posttrain.models.GPTConfig` or a ``transformers`` Llama-style config."""
-        if hasattr(config, "hidden_size"):  # transformers
-            d, n_layers = config.hidden_size, config.num_hidden_layers
-            heads = config.num_attention_heads
-            kv = getattr(config, "num_key_value_heads", None) or heads
-            head_dim = getattr(config, "head_dim", None) or d // heads
-            attn = d * head_dim * (heads + 2 * kv) + heads * head_dim * d
-            mlp = 3 * d * config.intermediate_size
-            head = d * config.vocab_size
-        elif hasattr(config, "dim"):  # posttrain GPT
-            d, n_layers = config.dim, config.num_layers
-            attn, mlp, head = 4 * d * d, 8 * d * d, d * config.vocab_size
-        else:
-            raise TypeError(f"cannot read a model shape from {type(config).__name__}")
-        return cls(linear_params=n_layers * (attn + mlp) + head, num_layers=n_layers, dim=d)
+        return cls(ModelShape.from_config(config))
+
+    @property
+    def linear_params(self) -> int:
+        return self.shape.linear_params
 
     def __call__(self, length: int) -> float:
-        return 6.0 * self.linear_params * length + 6.0 * self.num_layers * self.dim * length * length
+        return self.shape.training_flops(length)
+
+
+def fit_least_squares(rows: Sequence[Sequence[float]], values: Sequence[float]) -> list[float]:
+    """Non-negative coefficients ``c`` minimizing ``|rows @ c - values|`` (columns scaled first so
+    that lengths and squared lengths condition alike; a coefficient fitted negative is clamped to
+    zero: a cost never falls as its inputs grow). The one least-squares fit of the package.
+
+    Raises:
+        ValueError: fewer independent rows than columns.
+    """
+    a = torch.tensor([list(r) for r in rows], dtype=torch.float64)
+    y = torch.tensor(list(values), dtype=torch.float64)
+    if a.ndim != 2 or a.shape[0] != y.shape[0]:
+        raise ValueError(f"{a.shape[0]} rows but {y.shape[0]} values")
+    if int(torch.linalg.matrix_rank(a)) < a.shape[1]:
+        raise ValueError(f"the fit needs {a.shape[1]} or more independent measurements (different shapes)")
+    scale = a.abs().amax(dim=0).clamp_min(1e-300)
+    coef = torch.linalg.lstsq(a / scale, y.unsqueeze(1)).solution.squeeze(1) / scale
+    return [max(0.0, float(c)) for c in coef]
 
 
 @dataclass(frozen=True)
@@ -111,13 +183,8 @@ class CalibratedCost:
             raise ValueError(f"{len(lengths)} lengths but {len(seconds)} timings")
         if len(set(lengths)) < 3:
             raise ValueError("calibration needs timings at 3 or more distinct lengths")
-        n = torch.tensor(lengths, dtype=torch.float64)
-        scale = float(n.max())
-        x = n / scale
-        design = torch.stack([x * x, x, torch.ones_like(x)], dim=1)
-        coef = torch.linalg.lstsq(design, torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)).solution
-        a, b, c = (max(0.0, float(v)) for v in coef.squeeze(1))
-        return cls(a=a / scale**2, b=b / scale, c=c)
+        a, b, c = fit_least_squares([[n * n, n, 1.0] for n in lengths], seconds)
+        return cls(a=a, b=b, c=c)
 
     def __call__(self, length: int) -> float:
         return self.a * length * length + self.b * length + self.c

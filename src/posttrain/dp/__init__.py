@@ -17,6 +17,7 @@ from .odc_flat import FlatODCEngine  # registers odc
 from .registry import DP_ALIASES, build_engine, engine_class, engine_names, register_engine, resolve_dp
 
 __all__ = [
-    "DP_ALIASES", "CommHook", "DataParallelEngine", "EngineConfig", "FSDP2Engine", "FlatODCEngine",
-    "MinibatchInfo", "ODCOnFSDP2Engine", "build_engine", "engine_class", "engine_names", "ensure_optimizer_state", "register_engine", "resolve_dp",
+    "DP_ALIASES", "CommHook", "DataParallelEngine", "EngineConfig", "FSDP2Engine", "FlatODCEngine", "MinibatchInfo",
+    "ODCOnFSDP2Engine", "build_engine", "engine_class", "engine_names", "ensure_optimizer_state", "register_engine",
+    "resolve_dp",
 ]

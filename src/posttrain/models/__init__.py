@@ -10,7 +10,14 @@ from .gpt import GPT, GPTConfig, token_loss_sum
 from .llama import LlamaLM, llama_config
 
 __all__ = [
-    "MODELS", "GPT", "GPTConfig", "LlamaLM", "build_model", "checkpoint_blocks", "find_blocks", "llama_config",
+    "GPT",
+    "MODELS",
+    "GPTConfig",
+    "LlamaLM",
+    "build_model",
+    "checkpoint_blocks",
+    "find_blocks",
+    "llama_config",
     "token_loss_sum",
 ]
 

@@ -45,8 +45,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from posttrain._compat import tree_flatten, tree_map_only, tree_unflatten
 from posttrain.models.blocks import find_blocks
 
 from ._protocol import Minibatch, MinibatchProtocol
@@ -475,7 +475,7 @@ class FlatODC:
     def __del__(self) -> None:
         try:
             self._free()
-        except Exception:  # noqa: BLE001 - interpreter teardown
+        except Exception:
             pass
 
     # ---------------------------------------------------------------- helpers

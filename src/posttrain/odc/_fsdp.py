@@ -132,7 +132,7 @@ class ODC:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter teardown
+        except Exception:
             pass
 
     # ------------------------------------------------------------------ setup

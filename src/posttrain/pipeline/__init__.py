@@ -9,12 +9,12 @@ saved activations offloaded per :class:`OffloadPolicy` (:class:`ActivationStore`
 """
 
 from ._ir import COMPUTE_KINDS, KINDS, Action, format_schedule, parse_schedule
+from .deps import Durations, ScheduleError, SimResult, simulate
 from .layout import StageLayout
 from .offload import ActivationStore
 from .passes import OffloadPolicy, add_offload, add_send_recv
 from .runtime import PipelineActionError, PipelineRunner, StepResult, execution_order, to_torch_actions
 from .schedules import SCHEDULES, Schedule, build_schedule
-from .simulate import Durations, ScheduleError, SimResult, simulate
 from .stages import split_model
 
 __all__ = [

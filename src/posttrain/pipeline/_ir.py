@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Action", "COMPUTE_KINDS", "KINDS", "format_schedule", "parse_schedule"]
+__all__ = ["COMPUTE_KINDS", "KINDS", "Action", "format_schedule", "parse_schedule"]
 
 Kind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OFFLOAD", "RELOAD"]
 COMPUTE_KINDS = ("F", "B", "I", "W")

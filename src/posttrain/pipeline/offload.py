@@ -31,10 +31,9 @@ change as ``(seq, perf_counter time, stage, resident bytes of that stage)`` so r
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-
-import time
 
 import torch
 
@@ -202,7 +201,7 @@ class ActivationStore:
                     dev[k].copy_(host, non_blocking=True)
                 entry.event = torch.cuda.Event()
                 entry.event.record(self._stream)
-            for k, host in entry.storages.items():  # back to the pool once the copy has read them
+            for host in entry.storages.values():  # back to the pool once the copy has read them
                 self._pool[host.numel()].append(host)
             entry.state = "reloading"
         else:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._ir import Action
+from .deps import Durations, simulate
 from .layout import StageLayout
-from .simulate import Durations, simulate
 
 __all__ = ["OffloadPolicy", "add_offload", "add_send_recv"]
 
@@ -81,8 +81,9 @@ def add_send_recv(schedule: dict[int, list[Action]], layout: StageLayout) -> dic
 
 
 def add_offload(schedule: dict[int, list[Action]], layout: StageLayout, num_microbatches: int,
-                policy: OffloadPolicy, *, durations: Durations = Durations()) -> dict[int, list[Action]]:
+                policy: OffloadPolicy, *, durations: Durations | None = None) -> dict[int, list[Action]]:
     """The schedule with ``OFFLOAD``/``RELOAD`` per ``policy`` (see the module docstring)."""
+    durations = durations or Durations()
     if policy.chunks > layout.num_chunks:
         raise ValueError(f"offload chunks={policy.chunks} exceeds the {layout.num_chunks} chunks per rank")
     if policy.chunks == 0:

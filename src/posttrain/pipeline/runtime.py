@@ -9,7 +9,7 @@ rank-local ``{stage: module}`` dict, and gloo (CPU) or NCCL (GPU) ``isend``/``re
 It uses torch's split-backward functions (``stage_backward_input`` / ``stage_backward_weight``
 from ``torch.distributed.pipelining``) for ``I`` and ``W``, so split backward costs what it
 costs in torch. :func:`to_torch_actions` converts our compute schedules to torch's action lists
-(``_Action``). ``posttrain bench pipeline`` (:mod:`posttrain.pipeline.bench`) times this runner
+(``_Action``). ``posttrain bench pipeline`` (:mod:`posttrain.lab.bench.pipeline`) times this runner
 against torch's own ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` on the same stages.
 
 Execution order (the simulator's semantics, ``simulate.py``): a copy (``OFFLOAD``/``RELOAD``) is
@@ -19,8 +19,8 @@ asynchronous (waited at the end of the step). The first tensor crossing each sta
 preceded by a small header (shape, dtype); after that, receives are posted two compute actions
 early (torch's runtime posts them early too; posting them only when needed cost about 10% on the
 interleaved benchmark). Microbatches of different shapes need ``static_shapes=False`` (a header
-with every message, each received when needed); a shape change without it is a clear error. Any failure is raised as :class:`PipelineActionError` naming rank, stage, action and
-microbatch.
+with every message, each received when needed); a shape change without it is a clear error. Any
+failure is raised as :class:`PipelineActionError` naming rank, stage, action and microbatch.
 
 Loss: the last stage computes ``loss_fn(logits, target) / num_microbatches`` per microbatch, so
 the gradients equal one backward of the mean microbatch loss on the whole model.
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from posttrain._compat import TorchAction, TorchComputationType, stage_backward_input, stage_backward_weight
 
 from ._ir import Action
 from .offload import ActivationStore
@@ -112,7 +113,7 @@ def to_torch_actions(actions: dict[int, list[Action]]):
     Raises:
         ValueError: the schedule has ``OFFLOAD``/``RELOAD``, which torch's runtime cannot run.
     """
-    from torch.distributed.pipelining.schedules import _Action, _ComputationType as C
+    C = TorchComputationType
 
     kinds = {"F": C.FORWARD, "B": C.FULL_BACKWARD, "I": C.BACKWARD_INPUT, "W": C.BACKWARD_WEIGHT,
              "SEND_F": C.SEND_F, "RECV_F": C.RECV_F, "SEND_B": C.SEND_B, "RECV_B": C.RECV_B}
@@ -122,7 +123,7 @@ def to_torch_actions(actions: dict[int, list[Action]]):
         if bad:
             raise ValueError(f"torch's pipelining runtime has no action for {bad[0]} (rank {rank}); "
                              f"run offload schedules with posttrain's PipelineRunner")
-        out[rank] = [_Action(a.stage, kinds[a.kind], a.microbatch) for a in acts]
+        out[rank] = [TorchAction(a.stage, kinds[a.kind], a.microbatch) for a in acts]
     return out
 
 

@@ -1,66 +1,43 @@
-"""Schedule generators: pure functions ``(num_ranks, num_microbatches, ...) -> Schedule``.
+"""Pipeline schedule generators: ``(num_ranks, num_microbatches, ...) -> {rank: [Action]}``.
 
-Every generator here is one rule, run on a unit clock (``F = I = W = 1``, ``B = 2``): each rank
-keeps ordered queues of forwards and backwards; when it is free it runs, in this priority,
+Each generator returns a :class:`Schedule`: compute actions (``F``, ``B``, or ``I`` + ``W`` when
+the backward is split) in a valid per-rank order, plus the memory it needs (peak resident
+chunk-microbatches per rank, from the shared dependency model). Communication and offload are
+added later by :mod:`posttrain.pipeline.passes`. A *stage* is one model chunk on one rank (see
+:class:`StageLayout`); a rank runs ``num_chunks`` stages. docs/pipeline.md describes the
+group-interleaved constructions; tests pin their action orders and figures.
 
-1. the next backward (``B``, or ``I`` when split) whose inputs are ready;
-2. the next forward whose input is ready, if fewer than ``cap(rank)`` chunk-microbatches are in
-   flight (forward started, backward not finished);
-3. a pending ``W`` (split schedules fill bubbles with them);
+Most generators are one greedy rule on a unit clock (``F = I = W = 1``, ``B = 2``): each rank
+keeps ordered queues of forwards and backwards; when free it runs, in this priority, the next
+backward (``B``, or ``I`` when split) whose inputs are ready; the next forward whose input is
+ready, if fewer than ``cap(rank)`` chunk-microbatches are in flight; a pending ``W``; else it
+waits. The queues and caps define the family:
 
-and otherwise waits. The queues and caps define the schedule family:
-
-- ``gpipe``: all forwards, then all backwards (cap = m).
+- ``gpipe``: all forwards, then all backwards (cap ``m``).
 - ``1f1b`` (Narayanan et al., PipeDream-Flush): cap ``p - r`` on rank ``r``.
-- ``interleaved_1f1b`` (Narayanan et al., SC'21): ``v`` chunks per rank in a loop; microbatches
-  in groups of ``p``, each group through chunk 0, then chunk 1, ... This one is not the greedy
-  rule but Megatron-LM's construction written out (``2(p-r-1) + (v-1)p + 1`` warm-up forwards,
-  then strict backward/forward alternation): the greedy rule, which runs a ready backward first,
-  took 5-18% longer (p=8, m=32, v=2: 252 units against 213), and this order is exactly torch's
-  ``ScheduleInterleaved1F1B``, so the two runtimes can be compared action for action.
-- ``group_interleaved`` (Qi et al., "Pipeline Parallelism with Controllable Memory", the family
-  PipeOffload uses): groups of ``g`` microbatches; ``g = p`` is ``interleaved_1f1b`` above. For
-  ``g < p`` the greedy rule with cap ``2(p-r-1) + (v-1)g + 1``: smaller ``g`` keeps fewer
-  microbatches of each chunk alive. Known limit of this construction: each rank follows the
-  group order strictly, so a rank waits for a group to come round the loop and bubbles grow as
-  ``g`` shrinks (p=8, m=32, v=2: makespan 253 units at g=4, 637 at g=1, where the paper's schedule
-  stays within 240). Megatron's strict alternation with a ``g``-sized warm-up deadlocks for
-  ``g < p``. ``interleaved_zb`` below drops the strict order and has few bubbles instead.
-- ``group_interleaved_zb``: the same family with split backward, on fixed slots: every rank runs
-  ``I``, ``W``, ``F`` in turn, one unit each, the odd ranks one unit later than the even ones. One
-  block of ``g`` microbatches is laid out stage by stage, each action in the first unit of its
-  kind (``W`` right after its ``I``) that is at or after its input and not yet taken in any
-  period of ``3vg`` units; the block repeats every period, and each rank runs its actions in block
-  order as soon as their inputs are ready. For ``g >= p/2`` (checked for every ``p <= 8``) this is
-  exactly the fixed order of Megatron-LM's schedule with split backward: ``(p-r-1) + (v-1)g + 1``
-  forwards in group order, then ``I``, its ``W`` and the next forward in turn (that order
-  deadlocks below ``p/2``: a rank's forward of chunk ``c`` needs the last rank's forward of chunk
-  ``c - 1``, which it runs only after a backward that waits on the first rank; the slots keep the
-  turn and let a later microbatch's forward take it). On the paper's clock (p=8, m=32) it gives
-  the reference scheduler's figures in design/pipeoffload.md but two full-offload peaks (v=2:
-  g=8 16, 8, 2; g=4 12, 6, 2 where the paper has 12, 6, 3; g=1 13, 5, 2; v=4, g=2: 22, 14, 8, 4,
-  2 where the paper has 22, 14, 8, 4, 3) and the makespans: 206 at g=8 and 210 at g=4 as run,
-  and at g=1 the paper's 240 is the block's own timing (:attr:`Schedule.block_makespan`), which
-  this runtime squeezes to 215 by starting each action as soon as it can.
-- ``interleaved_zb``: the same family built another way, as a modulo schedule (the "building
-  block" of Qi et al., "Pipeline Parallelism with Controllable Memory"): one block of ``g``
-  microbatches is laid out once on a unit clock and repeated every ``3vg`` units (each rank's
-  whole share of the block: ``v`` chunks times F, I, W), so after the first block there is no
-  bubble. Backward is split; each microbatch's F chain down the stages and I chain back up is
-  placed at the first start where every one of its ``2pv`` actions lands on a unit that its rank
-  has free in every period (no wait at any hop: lifespans are the shortest possible), else action
-  by action in the first free unit; each W takes the first free unit after its I. The result, on
-  the paper's clock (p=8, m=32, v=2): ``g = 8`` gives the reference scheduler's makespan 206 and
-  peak 16 exactly; ``g = 1`` gives makespan 219 and peak 10, against 240 and 13 for the paper's
-  group-interleaved schedule and 213 and 23 for ``interleaved_1f1b``. Its cost: a W waits for a
-  free unit (up to ``3vg - 1`` units after its I), and a reloaded chunk-microbatch stays resident
-  until its W, so offload saves less than linear here (``g = 1``: 10 -> 5 with half offloaded).
+- ``interleaved_1f1b`` (Narayanan et al., SC 2021): ``v`` chunks per rank; not the greedy rule but
+  Megatron-LM's construction written out (``2(p-r-1) + (v-1)p + 1`` warm-up forwards, then strict
+  backward/forward alternation), action for action torch's ``ScheduleInterleaved1F1B``.
+- ``group_interleaved`` (the family PipeOffload uses): groups of ``g`` microbatches, each through
+  chunk 0, then chunk 1, ...; ``g = p`` is ``interleaved_1f1b``; for ``g < p`` the greedy rule with
+  cap ``2(p-r-1) + (v-1)g + 1`` and the group order followed strictly (bubbles grow as ``g``
+  shrinks).
+- ``group_interleaved_zb``: group-interleaved with the backward split, on fixed ``I``/``W``/``F``
+  slots: every rank runs them in turn (the odd ranks one unit later); one block of ``g``
+  microbatches is laid out stage by stage in the first free slot of each kind at or after its
+  input and repeats every ``3vg`` units. For ``g >= p/2`` it is Megatron's order with the backward
+  split; below, where that order deadlocks, the slots let a later forward take the turn.
+  :attr:`Schedule.block_times` gives the block's own timing.
+- ``interleaved_zb``: the same family as a modulo schedule (the building block of Qi et al.,
+  "Pipeline Parallelism with Controllable Memory"): one block of ``g`` microbatches laid out once
+  on a unit clock, each microbatch's F chain down and I chain up placed without waits where that
+  fits, repeated every ``3vg`` units; a ``W`` takes the first free unit after its ``I``.
 - ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order and memory
   with the backward split into ``I`` and ``W``; ``W`` fills the bubbles.
 - ``zbv``: V-shape placement (rank 0 holds the first and the last stage), split backward,
   cap ``2p`` (1F1B's activation memory, counted in half-size chunks); deeper stages first.
 
-The rule is validated by :func:`posttrain.pipeline.simulate` and the peak in-flight count it
+Every schedule is validated by :mod:`posttrain.pipeline.deps`, and the peak in-flight count it
 produces is the schedule's stated memory need (:attr:`Schedule.predicted_peaks`).
 """
 
@@ -70,8 +47,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from ._ir import Action, format_schedule
+from .deps import SimResult, simulate
 from .layout import StageLayout
-from .simulate import SimResult, simulate
 
 __all__ = ["SCHEDULES", "Schedule", "build_schedule"]
 

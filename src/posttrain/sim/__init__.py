@@ -5,16 +5,16 @@
   :mod:`posttrain.balance`. See [Note: what the DP simulation models] in ``dp.py``.
 - Pipeline (:func:`simulate_pipeline`): schedules from :mod:`posttrain.pipeline` with
   F/B/W durations, activation bytes, a host link and an offload policy.
-- Timelines as Chrome trace JSON and PNG (:mod:`posttrain.sim.trace`), the scale table,
-  calibration against this machine, and the planner (``posttrain plan``).
+- Timelines as :class:`posttrain.spans.Span` lists (Chrome trace: :func:`posttrain.spans.write_chrome_trace`),
+  and the planner (``posttrain plan``).
 """
 
 from .cluster import Cluster
 from .costs import MODEL_SHAPES, LayerCost, ModelShape, SimModel
-from .dp import STRATEGIES, DPResult, Span, plan_lengths, simulate_dp, simulate_minibatch
+from .dp import STRATEGIES, DPResult, plan_lengths, simulate_dp, simulate_minibatch
 from .lengths import LENGTH_PROFILES, draw_lengths, load_lengths
 
 __all__ = [
     "LENGTH_PROFILES", "MODEL_SHAPES", "STRATEGIES", "Cluster", "DPResult", "LayerCost", "ModelShape", "SimModel",
-    "Span", "draw_lengths", "load_lengths", "plan_lengths", "simulate_dp", "simulate_minibatch",
+    "draw_lengths", "load_lengths", "plan_lengths", "simulate_dp", "simulate_minibatch",
 ]

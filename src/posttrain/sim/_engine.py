@@ -18,7 +18,7 @@ __all__ = ["Engine", "Event", "Link", "Rendezvous"]
 
 
 class Event:
-    __slots__ = ("engine", "fired", "_callbacks")
+    __slots__ = ("_callbacks", "engine", "fired")
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -95,7 +95,7 @@ class Engine:
 class Link:
     """A FIFO server: each transfer starts when the previous one has finished."""
 
-    __slots__ = ("engine", "free_at", "busy")
+    __slots__ = ("busy", "engine", "free_at")
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -114,7 +114,7 @@ class Link:
 class Rendezvous:
     """Fires when ``n`` parties have arrived (at the last arrival's time)."""
 
-    __slots__ = ("engine", "n", "arrived", "done")
+    __slots__ = ("arrived", "done", "engine", "n")
 
     def __init__(self, engine: Engine, n: int) -> None:
         self.engine = engine

@@ -19,31 +19,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from posttrain.balance.cost import ModelShape, fit_least_squares
 
 __all__ = ["MODEL_SHAPES", "LayerCost", "ModelShape", "SimModel"]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer's shape (grouped-query attention, gated MLP)."""
-
-    num_layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int
-
-    @property
-    def layer_params(self) -> int:
-        head_dim = self.hidden // self.heads
-        attn = self.hidden * head_dim * (self.heads + 2 * self.kv_heads) + self.heads * head_dim * self.hidden
-        return attn + 3 * self.hidden * self.intermediate
-
-    @property
-    def params(self) -> int:
-        return self.num_layers * self.layer_params + 2 * self.vocab * self.hidden
 
 
 MODEL_SHAPES = {
@@ -97,12 +75,11 @@ class LayerCost:
         clamped at zero (a cost never falls with length)."""
         if len(microbatches) != len(seconds):
             raise ValueError(f"{len(microbatches)} microbatches but {len(seconds)} timings")
-        rows = np.array([[sum(mb), sum(n * n for n in mb), 1.0] for mb in microbatches], dtype=np.float64)
-        if np.linalg.matrix_rank(rows) < 3:
-            raise ValueError("calibration needs 3 or more microbatches of different token counts and shapes")
-        scale = rows.max(axis=0)
-        coef, *_ = np.linalg.lstsq(rows / scale, np.asarray(seconds, dtype=np.float64), rcond=None)
-        lin, quad, over = (max(0.0, float(c)) / s / (1 + backward_ratio) for c, s in zip(coef, scale))
+        rows = [[sum(mb), sum(n * n for n in mb), 1.0] for mb in microbatches]
+        try:
+            lin, quad, over = (c / (1 + backward_ratio) for c in fit_least_squares(rows, seconds))
+        except ValueError:
+            raise ValueError("calibration needs 3 or more microbatches of different token counts and shapes") from None
         return cls(linear=lin, quadratic=quad, overhead=over, backward_ratio=backward_ratio)
 
 
@@ -154,8 +131,7 @@ class SimModel:
         if not achieved_flops > 0:
             raise ValueError(f"achieved_flops={achieved_flops} must be positive (--achieved-tflops)")
         shape = MODEL_SHAPES[name]
-        head_share = shape.vocab * shape.hidden / shape.num_layers
-        lin = 2.0 * (shape.layer_params + head_share) / achieved_flops
+        lin = 2.0 * shape.linear_params / shape.num_layers / achieved_flops  # the head spread over the layers
         quad = 2.0 * shape.hidden / achieved_flops
         per_layer = shape.params / shape.num_layers
         # Adam on the rank's shard is memory-bound and tiny next to a minibatch; left at 0.

@@ -36,27 +36,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from posttrain.balance import Plan
+from posttrain.spans import Span
 
 from ._engine import Engine, Link, Rendezvous
 from .cluster import Cluster
 from .costs import SimModel
 
-__all__ = ["DPResult", "STRATEGIES", "Span", "plan_lengths", "simulate_dp", "simulate_minibatch"]
+__all__ = ["STRATEGIES", "DPResult", "plan_lengths", "simulate_dp", "simulate_minibatch"]
 
 STRATEGIES = ("fsdp", "odc")
 Strategy = Literal["fsdp", "odc"]
 _DUMMY = (1,)
-
-
-@dataclass(frozen=True)
-class Span:
-    """One interval on a rank's timeline (``lane``: ``compute``, ``comm``, ``wait``)."""
-
-    rank: int
-    lane: str
-    name: str
-    start: float
-    end: float
 
 
 @dataclass

@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from posttrain.balance import plan_minibatch
-
-from .cluster import Cluster
-from .costs import SimModel
-from .dp import simulate_dp
-from .lengths import draw_lengths, profile_max_len
+from posttrain.sim.cluster import Cluster
+from posttrain.sim.costs import SimModel
+from posttrain.sim.dp import simulate_dp
+from posttrain.sim.lengths import draw_lengths, profile_max_len
 
 __all__ = ["COLUMNS", "format_table", "scale_table"]
 
@@ -28,10 +27,11 @@ COLUMNS = ("round_robin", "local_sort", "same_micro", "diff_micro", "diff_micro 
 
 def scale_table(*, gpus: Sequence[int] = (8, 16, 32, 64, 128, 256), profiles: Sequence[str] = ("longalign", "swe_smith"),
                 models: Sequence[str] = ("1.5b", "7b"), sequences_per_gpu: int = 8, minibatches: int = 2,
-                max_tokens: int | None = None, cluster: Cluster = Cluster(), seed: int = 0,
+                max_tokens: int | None = None, cluster: Cluster | None = None, seed: int = 0,
                 progress: Callable[[str], None] | None = None) -> list[dict]:
     """One row per (model, profile, GPU count): ``{"model", "profile", "gpus", column: speedup,
     "fsdp_bubble", "odc_bubble"}`` (bubbles of FSDP+same_micro and ODC+diff_micro, flat)."""
+    cluster = cluster or Cluster()
     if sequences_per_gpu < 1:
         raise ValueError(f"sequences_per_gpu={sequences_per_gpu} must be at least 1")
     if minibatches < 1:

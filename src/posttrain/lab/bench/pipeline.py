@@ -1,6 +1,6 @@
 """``posttrain bench pipeline``: activation memory per schedule and offload policy, and our runner vs torch's.
 
-Part 1 runs :func:`~posttrain.pipeline.train.run_pipeline` for 2 and 4 stages across 1F1B,
+Part 1 runs :func:`~posttrain.train.pipeline.run_pipeline` for 2 and 4 stages across 1F1B,
 interleaved 1F1B and group-interleaved (2 chunks per rank, group size 1) with offload none, half
 (1 of 2 chunks) and full, and prints each run's largest per-rank peak of saved activations
 (measured by the saved-tensor hooks, MiB and chunk-microbatches) and its ratio to the same
@@ -24,10 +24,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .._launch import run_ranks
-from .runtime import PipelineRunner
-from .stages import split_model
-from .train import PipelineConfig, build_pipeline_model, microbatch_loss, predicted_peaks, run_pipeline, step_batch
+from posttrain.launch import run_ranks
+from posttrain.pipeline import PipelineRunner
+from posttrain.pipeline.stages import split_model
+from posttrain.train.pipeline import (
+    PipelineConfig,
+    build_pipeline_model,
+    microbatch_loss,
+    predicted_peaks,
+    run_pipeline,
+    step_batch,
+)
 
 __all__ = ["bench_pipeline"]
 
@@ -36,20 +43,20 @@ MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_in
                     ("group_interleaved_zb", 2, 1), ("interleaved_zb", 2, 1))
 
 
-def _memory_rows(base: PipelineConfig, stage_counts, out) -> list[dict]:
+def _memory_rows(base: PipelineConfig, rank_counts, out) -> list[dict]:
     rows = []
-    for p in stage_counts:
+    for p in rank_counts:
         for name, chunks, group in MEMORY_SCHEDULES:
             offloads = ("none", "full") if chunks == 1 else ("none", "1", "full")
             base_peak = None
             for off in offloads:
-                cfg = replace(base, schedule=name, stages=p, chunks=chunks, group_size=group, offload=off, steps=1,
-                              microbatches=2 * p, layers=max(base.layers, p * chunks))
+                cfg = replace(base, schedule=name, num_ranks=p, chunks=chunks, group_size=group, offload=off, steps=1,
+                              num_microbatches=2 * p, num_layers=max(base.num_layers, p * chunks))
                 res = run_pipeline(cfg)
                 peak_mib = max(sum(r["result"]["peak_bytes"].values()) for r in res) / 2**20
                 units = max(r["result"]["peak_units"] for r in res)
                 base_peak = base_peak or peak_mib
-                row = {"stages": p, "schedule": name, "chunks": chunks, "group_size": group, "offload": off,
+                row = {"ranks": p, "schedule": name, "chunks": chunks, "group_size": group, "offload": off,
                        "peak_mib": peak_mib, "peak_units": units, "predicted_units": max(predicted_peaks(cfg)),
                        "vs_none": peak_mib / base_peak}
                 rows.append(row)
@@ -68,8 +75,8 @@ def _timing_worker(rank: int, world: int, cfg: PipelineConfig, repeats: int) -> 
     mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
     ours = PipelineRunner(mine, sched, loss_fn=microbatch_loss)
     tstages = [PipelineStage(mine[s], s, cfg.num_stages, torch.device("cpu")) for s in sorted(mine)]
-    theirs = (Schedule1F1B(tstages[0], cfg.microbatches, loss_fn=microbatch_loss) if cfg.num_chunks == 1
-              else ScheduleInterleaved1F1B(tstages, cfg.microbatches, loss_fn=microbatch_loss))
+    theirs = (Schedule1F1B(tstages[0], cfg.num_microbatches, loss_fn=microbatch_loss) if cfg.num_chunks == 1
+              else ScheduleInterleaved1F1B(tstages, cfg.num_microbatches, loss_fn=microbatch_loss))
     inputs, targets = step_batch(cfg, 0)
     x, y = torch.cat(inputs), torch.cat(targets)
     params = [p for m in mine.values() for p in m.parameters()]
@@ -106,29 +113,29 @@ def _timing_worker(rank: int, world: int, cfg: PipelineConfig, repeats: int) -> 
     return {"times": times, "max_grad_diff": max_diff}
 
 
-def bench_pipeline(base: PipelineConfig, *, stage_counts=(2, 4), repeats: int = 7,
+def bench_pipeline(base: PipelineConfig, *, rank_counts=(2, 4), repeats: int = 7,
                    json_path: str | None = "out/bench_pipeline.json", out=print) -> dict:
     """Run both parts (see the module docstring); returns and optionally writes the results."""
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be at least 1")
     out("Saved-activation peak per rank (largest rank), measured by the hooks; vs_none: MiB ratio to no offload")
-    out(f"{'stages':>6} {'schedule':>20} {'offload':>7} {'peak MiB':>9} {'units':>6} {'predicted':>9} {'vs_none':>7}")
-    memory = _memory_rows(base, stage_counts, out)
+    out(f"{'ranks':>6} {'schedule':>20} {'offload':>7} {'peak MiB':>9} {'units':>6} {'predicted':>9} {'vs_none':>7}")
+    memory = _memory_rows(base, rank_counts, out)
     out("")
     out("Step time, our runner (no offload) vs torch.distributed.pipelining on the same stages "
         f"(median of {repeats} alternating steps)")
-    out(f"{'stages':>6} {'schedule':>18} {'torch s':>8} {'ours s':>8} {'torch/ours':>10} {'max |grad diff|':>15}")
+    out(f"{'ranks':>6} {'schedule':>18} {'torch s':>8} {'ours s':>8} {'torch/ours':>10} {'max |grad diff|':>15}")
     timing = []
-    for p in stage_counts:
+    for p in rank_counts:
         for name, chunks in (("1f1b", 1), ("interleaved_1f1b", 2)):
-            cfg = replace(base, schedule=name, stages=p, chunks=chunks, offload="none",
-                          microbatches=2 * p, layers=max(base.layers, p * chunks))
+            cfg = replace(base, schedule=name, num_ranks=p, chunks=chunks, offload="none",
+                          num_microbatches=2 * p, num_layers=max(base.num_layers, p * chunks))
             res = run_ranks(_timing_worker, p, cfg, repeats, timeout_s=600)
             # the step of a pipeline ends when its slowest rank ends: max over ranks per step
             per_step = {k: [max(r["times"][k][i] for r in res) for i in range(repeats)] for k in ("ours", "torch")}
             med = {k: statistics.median(v) for k, v in per_step.items()}
             diff = max(r["max_grad_diff"] for r in res)
-            row = {"stages": p, "schedule": name, "torch_s": med["torch"], "ours_s": med["ours"],
+            row = {"ranks": p, "schedule": name, "torch_s": med["torch"], "ours_s": med["ours"],
                    "ratio": med["torch"] / med["ours"], "max_grad_diff": diff}
             timing.append(row)
             out(f"{p:>6} {name:>18} {med['torch']:>8.3f} {med['ours']:>8.3f} {row['ratio']:>10.3f} {diff:>15.2e}")

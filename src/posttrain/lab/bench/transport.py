@@ -1,7 +1,7 @@
 """Bandwidth of ODC's shared-memory transport against gloo collectives, 2 ranks, side by side.
 
-    python benchmarks/odc_transport.py                 # sizes 1, 4, 16, 64 MiB per rank shard
-    python benchmarks/odc_transport.py --sizes-mib 8 32 --iters 10 --json out/odc_transport.json
+    posttrain bench transport                 # sizes 1, 4, 16, 64 MiB per rank shard
+    posttrain bench transport --sizes-mib 8,32 --iters 10 --json out/odc_transport.json
 
 For each shard size S (fp32, per rank), one run measures on the same processes:
   gather:  gloo ``all_gather_single`` (= all_gather_into_tensor) (S in, 2S out)  vs  ODC gather (copy the peer's
@@ -14,18 +14,18 @@ every call. Printed ratios are gloo time / shm time (higher is better for ODC).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from posttrain._launch import run_ranks
+from posttrain.launch import run_ranks
 from posttrain.odc import ShmTransport
+
+__all__ = ["bench_transport"]
 
 
 def _time(fn, iters: int, group) -> float:
@@ -87,28 +87,27 @@ def _worker(rank: int, world_size: int, sizes_mib: list[float], iters: int) -> l
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64],
-                   help="per-rank shard sizes in MiB (fp32)")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per measurement")
-    p.add_argument("--json", default="out/odc_transport.json", help="where to write the results")
-    args = p.parse_args(argv)
-    if args.iters < 1 or any(s <= 0 for s in args.sizes_mib):
-        p.error("--iters and --sizes-mib must be positive")
-    rows = run_ranks(_worker, 2, args.sizes_mib, args.iters, timeout_s=900)[0]
-    print("ODC shm transport vs gloo, 2 ranks, fp32; GiB/s = bytes from/to the peer per rank")
-    print(f"{'shard MiB':>9} | {'gloo AG':>8} {'shm gather':>10} {'ratio':>6} | {'gloo RS':>8} {'shm s-acc':>9} {'ratio':>6}")
+def bench_transport(*, sizes_mib=(1, 4, 16, 64), iters: int = 10, json_path: str | None = "out/odc_transport.json",
+                    log=print) -> list[dict]:
+    """Run the measurement on 2 ranks; print a table of bandwidths and ratios; return its rows.
+
+    Args:
+        sizes_mib: per-rank shard sizes (fp32).
+        iters: timed calls per measurement.
+        json_path: where to write the rows (None: nowhere).
+    """
+    if iters < 1 or any(s <= 0 for s in sizes_mib):
+        raise ValueError(f"--iters={iters} and --sizes-mib={list(sizes_mib)} must be positive")
+    rows = run_ranks(_worker, 2, list(sizes_mib), iters, timeout_s=900)[0]
+    log("ODC shm transport vs gloo, 2 ranks, fp32; GiB/s = bytes from/to the peer per rank")
+    log(f"{'shard MiB':>9} | {'gloo AG':>8} {'shm gather':>10} {'ratio':>6} | {'gloo RS':>8} {'shm s-acc':>9} {'ratio':>6}")
     for r in rows:
-        print(f"{r['shard_mib']:>9g} | {r['gloo_gather_gib_s']:>8.2f} {r['shm_gather_gib_s']:>10.2f} "
-              f"{r['gather_ratio']:>5.1f}x | {r['gloo_reduce_gib_s']:>8.2f} {r['shm_reduce_gib_s']:>9.2f} "
-              f"{r['reduce_ratio']:>5.1f}x")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"world_size": 2, "iters": args.iters, "rows": rows}, f, indent=2)
-    print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        log(f"{r['shard_mib']:>9g} | {r['gloo_gather_gib_s']:>8.2f} {r['shm_gather_gib_s']:>10.2f} "
+            f"{r['gather_ratio']:>5.1f}x | {r['gloo_reduce_gib_s']:>8.2f} {r['shm_reduce_gib_s']:>9.2f} "
+            f"{r['reduce_ratio']:>5.1f}x")
+    if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump({"world_size": 2, "iters": iters, "rows": rows}, f, indent=2)
+        log(f"wrote {json_path}")
+    return rows

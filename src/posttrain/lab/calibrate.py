@@ -31,13 +31,20 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from posttrain._launch import run_ranks
 from posttrain.balance import FlopsCost
-from posttrain.models import build_model
 from posttrain.data import synthetic_sequences
+from posttrain.launch import run_ranks
+from posttrain.models import build_model
 from posttrain.sim import Cluster, LayerCost, SimModel, simulate_dp
-from posttrain.train import (TrainConfig, TrainData, ideal_compute_worker, microbatch_loss, plan_step, summarize,
-                             train_worker)
+from posttrain.train.dp import (
+    TrainConfig,
+    TrainData,
+    ideal_compute_worker,
+    microbatch_loss,
+    plan_step,
+    summarize,
+    train_worker,
+)
 
 __all__ = ["calibrate_odc", "calibrate_pipeline", "measure_machine", "measure_sweep_machine", "predict_mechanism"]
 
@@ -169,7 +176,7 @@ def measure_sweep_machine(base: TrainConfig, points: list[TrainConfig], *, world
 
 def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -> dict:
     """The simulator's headroom and mechanism gain of flat ODC for ``cfg`` (see
-    [Note: where ODC's gain comes from] in :mod:`posttrain.bench`).
+    [Note: where ODC's gain comes from] in :mod:`posttrain.lab.bench.odc`).
 
     - collective+same_micro: :func:`~posttrain.sim.simulate_dp` with FSDP's per-layer rendezvous;
     - odc+diff_micro: with ODC's one barrier per minibatch;
@@ -179,7 +186,7 @@ def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -
     (on CPU the engine copies synchronously).
     """
     from posttrain.balance.exact import min_max_partition
-    from posttrain.train import pack_share
+    from posttrain.train.dp import pack_share
 
     cost = machine["layer_cost"]
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
@@ -259,11 +266,11 @@ def calibrate_odc(cfg: TrainConfig, *, world_size: int = 2, repeats: int = 3, me
 
 def calibrate_pipeline(cfg, *, log=print) -> dict:
     """Run the real pipeline runner and print its measured per-rank peaks next to the simulator's."""
-    from posttrain.pipeline.train import predicted_peaks, run_pipeline
+    from posttrain.train.pipeline import predicted_peaks, run_pipeline
 
     predicted = predicted_peaks(cfg)
     measured = [r["result"]["peak_units"] for r in run_pipeline(cfg)]
-    log(f"pipeline {cfg.schedule} ({cfg.stages} stages, {cfg.chunks} chunks, {cfg.microbatches} microbatches, "
+    log(f"pipeline {cfg.schedule} ({cfg.num_ranks} ranks, {cfg.chunks} chunks, {cfg.num_microbatches} microbatches, "
         f"offload {cfg.offload}): peak chunk-microbatches per rank predicted {predicted}, measured {measured} "
         f"({'equal' if list(predicted) == list(measured) else 'DIFFERENT'})")
     return {"predicted": list(predicted), "measured": list(measured)}

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from posttrain.balance import FlopsCost
+from posttrain.balance import FlopsCost, fit_least_squares
 from posttrain.balance.exact import min_max_partition
 from posttrain.models import build_model
 
@@ -90,14 +90,8 @@ def sequence_times_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict[
 
 
 def _fit_times(points: list[tuple[int, float]]) -> list[float]:
-    """Least-squares coefficients ``(a, b, c)`` of ``seconds = a + b*n + c*n^2``, clamped at zero."""
-    n = torch.tensor([p[0] for p in points], dtype=torch.float64)
-    t = torch.tensor([p[1] for p in points], dtype=torch.float64)
-    scale = float(n.max())
-    x = n / scale
-    design = torch.stack([torch.ones_like(x), x, x * x], dim=1)
-    coef = torch.linalg.lstsq(design, t.unsqueeze(1)).solution.squeeze(1)
-    return [max(0.0, float(coef[0])), max(0.0, float(coef[1])) / scale, max(0.0, float(coef[2])) / scale**2]
+    """Coefficients ``(a, b, c)`` of ``seconds = a + b*n + c*n^2`` (non-negative least squares)."""
+    return fit_least_squares([[1.0, n, n * n] for n, _ in points], [t for _, t in points])
 
 
 #: The candidate assignments :func:`partition_candidates` makes, in order.

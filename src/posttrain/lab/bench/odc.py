@@ -9,7 +9,7 @@ Same model, data and steps for every variant (``<engine>[-collective]+<balancing
 - ``odc-collective+same_micro``, ``odc+diff_micro``: flat ODC (``--dp odc``), in collective mode
   and with one synchronization per minibatch;
 
-and two bounds with no communication at all (:mod:`posttrain.train.ideal`): the **even bound**
+and two bounds with no communication at all (:mod:`posttrain.train.dp.bounds`): the **even bound**
 (all compute divided evenly over the ranks) and the **partition bound** (the best assignment of
 whole sequences to ranks under their measured compute times, each rank running its share back to
 back: per step the fastest of three candidate assignments, chosen on one run and timed on
@@ -34,7 +34,7 @@ the time it could have saved, ``(1 - 1/mechanism) / (1 - 1/headroom)`` (shown wh
 exceeds 1.05).
 
 ``sweep_odc`` repeats the mechanism measurement over sequences per rank and ``--max-tokens`` and
-puts the calibrated simulator's predictions beside it (:mod:`posttrain.calibrate`).
+puts the calibrated simulator's predictions beside it (:mod:`posttrain.lab.calibrate`).
 """
 
 from __future__ import annotations
@@ -46,9 +46,17 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
-from posttrain._launch import run_ranks
-from posttrain.train import (TrainConfig, TrainData, ideal_compute_worker, partition_bound_worker,
-                             partition_candidates, sequence_times_worker, summarize, train_worker)
+from posttrain.launch import run_ranks
+from posttrain.train.dp import (
+    TrainConfig,
+    TrainData,
+    ideal_compute_worker,
+    partition_bound_worker,
+    partition_candidates,
+    sequence_times_worker,
+    summarize,
+    train_worker,
+)
 
 __all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "bench_odc", "factors", "measure_bounds", "sweep_odc"]
 
@@ -268,7 +276,7 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
             rounds[i].append(factors(_round(cfg, world_size, MECHANISM_VARIANTS, log, tag)))
     machine = None
     if predict:
-        from posttrain.calibrate import measure_sweep_machine, predict_mechanism
+        from posttrain.lab.calibrate import measure_sweep_machine, predict_mechanism
 
         log("calibrating the simulator on this machine ...", flush=True)
         machine = measure_sweep_machine(base, points, world_size=world_size, log=log)
@@ -294,7 +302,7 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
         "odc-collective+same_micro; captured: (1 - 1/mechanism) / (1 - 1/headroom), where headroom > 1.05; "
         "pred: the simulator calibrated on this machine)")
     if machine and predict_world_sizes:
-        log(f"\nthe calibrated simulator at more ranks (same sequences per rank; headroom / mechanism):")
+        log("\nthe calibrated simulator at more ranks (same sequences per rank; headroom / mechanism):")
         log(f"{'seq/rank':>8} {'max_tok':>7} " + " ".join(f"{f'{n} ranks':>15}" for n in predict_world_sizes))
         for cfg, row in zip(points, out_points):
             spr = cfg.sequences // world_size

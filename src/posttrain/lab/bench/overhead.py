@@ -1,8 +1,8 @@
 """Where ODC's step loses to the ideal on this machine: the engine's per-microbatch work, and the optimizer.
 
-    python benchmarks/odc_overhead.py                  # the bench's model (GPT 4x128, fp32), 2 ranks
-    python benchmarks/odc_overhead.py --world-size 1   # one rank: FSDP2 with no peer; flat ODC alone
-    python benchmarks/odc_overhead.py --dim 256
+    posttrain bench overhead                   # the bench's model (GPT 4x128, fp32), 2 ranks
+    posttrain bench overhead --world-size 1    # one rank: FSDP2 with no peer; flat ODC alone
+    posttrain bench overhead --dim 256
 
 Part 1 runs one microbatch (the first sequence of 300-700 tokens of the long-tail profile) forward
 and backward on a plain unsharded model and, alternating with it, on the same model under FSDP2
@@ -16,7 +16,6 @@ times AdamW's step on the sharded (DTensor) parameters with the default per-para
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import pstats
@@ -28,9 +27,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from posttrain._launch import run_ranks
+from posttrain.launch import run_ranks
 from posttrain.models import build_model
-from posttrain.train import TrainConfig, TrainData, build_training, microbatch_loss
+from posttrain.train.dp import TrainConfig, TrainData, build_training, microbatch_loss
 
 
 def _worker(rank: int, world_size: int, dim: int) -> dict:
@@ -99,28 +98,27 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
             "python_calls": calls, "page_faults": faults, "parameters": len(list(model.parameters()))}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dim", type=int, default=128, help="model hidden size (default 128, the bench's)")
-    ap.add_argument("--world-size", type=int, choices=(1, 2), default=2,
-                    help="2: FSDP2 with ODC (default); 1: FSDP2 alone, no communication at all")
-    args = ap.parse_args()
-    what = "FSDP2+ODC" if args.world_size > 1 else "FSDP2 (1 rank)"
-    for rank, r in enumerate(run_ranks(_worker, args.world_size, args.dim, timeout_s=600)):
+def bench_overhead(*, dim: int = 128, world_size: int = 2, log=print) -> list[dict]:
+    """Run the measurement on ``world_size`` ranks (1: FSDP2 alone, no peer; 2: FSDP2 with ODC);
+    print one line per rank and engine and one for the optimizer; return every rank's figures."""
+    if world_size not in (1, 2):
+        raise ValueError(f"--world-size={world_size} must be 1 or 2")
+    if dim < 8:
+        raise ValueError(f"--dim={dim} must be at least 8")
+    what = "FSDP2+ODC" if world_size > 1 else "FSDP2 (1 rank)"
+    results = run_ranks(_worker, world_size, dim, timeout_s=600)
+    for rank, r in enumerate(results):
         p = sum(r["microbatch_ms"]["plain"])
         c, f = r["python_calls"], r["page_faults"]
         for key, label in (("fsdp", what), ("flat", "flat ODC (no FSDP2)")):
             (ef, eb) = r["microbatch_ms"][key]
             (pf, pb) = r["microbatch_ms"]["plain"]
-            print(f"rank {rank}: one {r['tokens']}-token microbatch, {label} / plain: forward {ef / pf:.2f}x, "
-                  f"backward {eb / pb:.2f}x, both {(ef + eb) / p:.2f}x (plain {p:.1f} ms, {label} {ef + eb:.1f} ms); "
-                  f"Python calls {c[key]:.0f} (plain {c['plain']:.0f}), minor page faults {f[key]:.0f} "
-                  f"(plain {f['plain']:.0f})")
+            log(f"rank {rank}: one {r['tokens']}-token microbatch, {label} / plain: forward {ef / pf:.2f}x, "
+                f"backward {eb / pb:.2f}x, both {(ef + eb) / p:.2f}x (plain {p:.1f} ms, {label} {ef + eb:.1f} ms); "
+                f"Python calls {c[key]:.0f} (plain {c['plain']:.0f}), minor page faults {f[key]:.0f} "
+                f"(plain {f['plain']:.0f})")
         o = r["optimizer_ms"]
-        print(f"rank {rank}: {r['parameters']} parameters; AdamW step on the FSDP2 shards, default loop / fused "
-              f"{o['default'] / o['fused']:.1f}x, foreach / fused {o['foreach'] / o['fused']:.1f}x "
-              f"(fused {o['fused']:.2f} ms)")
-
-
-if __name__ == "__main__":
-    main()
+        log(f"rank {rank}: {r['parameters']} parameters; AdamW step on the FSDP2 shards, default loop / fused "
+            f"{o['default'] / o['fused']:.1f}x, foreach / fused {o['foreach'] / o['fused']:.1f}x "
+            f"(fused {o['fused']:.2f} ms)")
+    return results

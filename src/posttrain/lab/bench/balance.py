@@ -1,7 +1,7 @@
 """Benchmark of the load balancer: plan time and balance of every method, per length profile
 and world size, and whether the balancer's targets are met.
 
-    python -m posttrain.bench_balance --world-sizes 2,8,32 --seeds 5 --json out/balance.json
+    python -m posttrain.lab.bench.balance --world-sizes 2,8,32 --seeds 5 --json out/balance.json
 
 Each (profile, world size, seed) draws ``sequences_per_rank * world_size`` lengths with
 :func:`posttrain.sim.draw_lengths` (the scalable profiles ``long_tail``, ``uniform`` and
@@ -20,17 +20,14 @@ uniform; a plan of 256 sequences over 32 ranks in <= 20 ms and of 8,192 over 1,0
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from posttrain.balance import METHODS, QuadraticCost, plan_minibatch
 from posttrain.sim.lengths import LENGTH_PROFILES, draw_lengths, profile_max_len
 
-__all__ = ["DEFAULT_PROFILES", "SCALABLE_MAX_LEN", "bench_balance", "main"]
+__all__ = ["DEFAULT_PROFILES", "SCALABLE_MAX_LEN", "bench_balance"]
 
 DEFAULT_PROFILES = ("longalign", "swe_smith", "long_tail", "uniform", "bimodal")
 # long_tail / uniform / bimodal scale to max_len; 32K is a realistic post-training context and
@@ -138,41 +135,3 @@ def _targets(rows: list[dict], sequences_per_rank: int) -> list[dict]:
                     "value": None if slowest is None else
                     f"slowest {slowest['method']} on {slowest['profile']}: {slowest['median_ms']:.1f} ms"})
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m posttrain.bench_balance``: run :func:`bench_balance` from the command line.
-
-    Args:
-        argv: arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        0, or 1 if a target was missed (2, from argparse, for bad arguments).
-    """
-    ap = argparse.ArgumentParser(prog="python -m posttrain.bench_balance", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-sizes", default="2,8,32,128,1024", help="comma-separated ranks (default 2,8,32,128,1024)")
-    ap.add_argument("--sequences-per-rank", type=int, default=8, help="sequences per rank (default 8)")
-    ap.add_argument("--profiles", default=",".join(DEFAULT_PROFILES),
-                    help=f"comma-separated length profiles (default {','.join(DEFAULT_PROFILES)})")
-    ap.add_argument("--seeds", type=int, default=5, help="minibatches per (profile, world size) (default 5)")
-    ap.add_argument("--json", type=Path, help="also write the results here as JSON")
-    args = ap.parse_args(argv)
-    try:
-        world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
-    except ValueError:
-        ap.error(f"--world-sizes {args.world_sizes!r}: give comma-separated integers, e.g. 2,8,32")
-    profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
-    try:
-        result = bench_balance(world_sizes=world_sizes, sequences_per_rank=args.sequences_per_rank,
-                               profiles=profiles, seeds=args.seeds)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
-    return 0 if all(t["met"] is not False for t in result["targets"]) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from posttrain.timeline import plot_timelines
-from posttrain.train import TrainConfig, run_training, summarize
+from posttrain.lab.plots import plot_timelines
+from posttrain.train.dp import TrainConfig, run_training, summarize
 
 __all__ = ["DEMO", "VARIANTS", "run_demo"]
 
@@ -52,7 +52,7 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2,
     """Train ``cfg`` with every variant; print the table and the factors, write the timeline.
 
     Returns:
-        variant label -> :func:`posttrain.train.summarize` of that run.
+        variant label -> :func:`posttrain.train.dp.summarize` of that run.
     """
     results, summaries = {}, {}
     for label, dp, mode, balance, _ in VARIANTS:
@@ -73,7 +73,7 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2,
         print(f"  {name:10} {tp[num] / tp[den]:5.2f}x  {what}")
     if timeline_path:
         last = cfg.steps - 1
-        runs = {label: [r["events"] for r in results[label]] for label, *_, drawn in VARIANTS if drawn}
+        runs = {label: [s for r in results[label] for s in r["spans"]] for label, *_, drawn in VARIANTS if drawn}
         os.makedirs(os.path.dirname(timeline_path) or ".", exist_ok=True)
         plot_timelines(runs, timeline_path, title=f"step {last}: per-rank compute, communication and waiting")
         print(f"wrote {timeline_path}")

@@ -10,7 +10,7 @@ Each microbatch's summed token loss is divided by the engine's loss divisor for 
 (see [Note: data-parallel engines]), so every engine computes the same gradient: that of the
 mean token loss of the whole minibatch.
 
-Timing (see :mod:`posttrain.timeline`): a step starts after a barrier outside the minibatch and
+Timing (see :mod:`posttrain.spans`): a step starts after a barrier outside the minibatch and
 ends when the slowest rank has finished its optimizer step. Per rank, *compute* is time inside
 microbatches minus the communication calls inside them; *wait* is the rest of the step
 (communication, waiting for peers, the minibatch sync), the optimizer step aside.
@@ -29,7 +29,7 @@ import torch.nn as nn
 from posttrain.balance import FlopsCost, Plan, pack_sequences, plan_minibatch
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, token_loss_sum
-from posttrain.timeline import COMM_KINDS, Recorder
+from posttrain.spans import COMM_KINDS, Recorder
 
 from .checkpoint import resume, save_checkpoint
 from .config import TrainConfig
@@ -52,7 +52,7 @@ def make_optimizer(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> torch.op
     """``cfg.optimizer`` over ``params``."""
     # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
     # step on the benchmark's model takes 4-8x as long that way as fused
-    # (benchmarks/odc_overhead.py). DTensor has no sharding rule for fused SGD: SGD takes foreach.
+    # (posttrain bench overhead). DTensor has no sharding rule for fused SGD: SGD takes foreach.
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, fused=True)
     return torch.optim.SGD(params, lr=cfg.lr, foreach=True)
@@ -87,12 +87,12 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Run ``cfg`` on this rank (inside an initialized process group).
 
     Returns:
-        ``{"metrics": [one dict per step], "events": the last step's Recorder events,
+        ``{"metrics": [one dict per step], "spans": the last step's spans (:class:`~posttrain.spans.Span`),
         "resumed_from": step}``. Every rank's metrics rows hold its own times and the step's
         global figures.
     """
     data = TrainData(cfg, world_size)
-    rec = Recorder()
+    rec = Recorder(rank)
     run = build_training(cfg, data.vocab_size)
     model, engine, opt = run.model, run.engine, run.optimizer
     engine.set_comm_hook(rec.add)
@@ -117,7 +117,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             total = sum(plan.rank_tokens)
             dist.barrier()  # step start, outside any minibatch
             t0 = time.perf_counter()
-            rec.events.clear()  # keep one step's intervals: the timeline shows the last step
+            rec.clear()  # keep one step's spans: the timeline shows the last step
             loss_sum = torch.zeros((), dtype=torch.float64)
             with engine.minibatch(sum(m.num_tokens for m in mine)) as mb:
                 if mb.global_tokens != total:
@@ -153,7 +153,8 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 "utilization": own["compute_s"] / step_time,
                 "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]),
             })
-            if cfg.checkpoint_dir and (step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+            due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+            if cfg.checkpoint_dir and due:
                 save_checkpoint(cfg, engine, opt, step, rank)
             if bar is not None and (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps):
                 util = float((col["compute_s"] / step_time).mean())
@@ -166,4 +167,4 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         if bar is not None:
             bar.close()
         engine.close()
-    return {"metrics": metrics, "events": rec.events, "resumed_from": start}
+    return {"metrics": metrics, "spans": list(rec.spans), "resumed_from": start}

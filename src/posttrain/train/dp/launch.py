@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from posttrain._launch import RanksFailedError, run_ranks
+from posttrain.launch import RanksFailedError, run_ranks
 
 from .checkpoint import check_resumable
 from .config import TrainConfig

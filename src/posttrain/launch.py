@@ -71,13 +71,13 @@ def _rank_main(
         buf = io.BytesIO()
         torch.save(out, buf)
         payload = buf.getvalue()
-    except BaseException:  # noqa: BLE001 - everything must reach the parent
+    except BaseException:
         status, payload = "error", traceback.format_exc().encode()
     finally:
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     results.put((rank, status, payload))
     results.close()

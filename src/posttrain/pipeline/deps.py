@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ._ir import Action
 from .layout import StageLayout
 
-__all__ = ["Durations", "SimResult", "ScheduleError", "simulate"]
+__all__ = ["Durations", "ScheduleError", "SimResult", "simulate"]
 
 
 class ScheduleError(ValueError):
@@ -40,7 +40,7 @@ class Durations:
 
     F: float = 1.0
     B: float = 2.0
-    I: float = 1.0  # noqa: E741 - the action kind's name
+    I: float = 1.0
     W: float = 1.0
     OFFLOAD: float = 0.0
     RELOAD: float = 0.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from posttrain.balance import METHODS
@@ -57,10 +57,10 @@ class TrainConfig:
         progress: on rank 0, a progress bar (on a terminal) and a line every tenth of the run.
     """
 
-    dp: str = "odc"
+    dp: str = field(default="odc", metadata={"choices": _dp_choices})
     odc_mode: Literal["odc", "collective"] = "odc"
     balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
-    profile: str = "long_tail"
+    profile: str = field(default="long_tail", metadata={"choices": lambda: PROFILES})
     data: str | None = None
     model: Literal["gpt", "llama"] = "gpt"
     precision: Literal["fp32", "bf16"] = "fp32"
@@ -72,13 +72,13 @@ class TrainConfig:
     max_len: int = 512
     max_tokens: int = 512
     dim: int = 128
-    num_layers: int = 4
+    num_layers: int = field(default=4, metadata={"flag": "--layers"})
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-3
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    progress: bool = False
+    progress: bool = field(default=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         engine, mode = resolve_dp(self.dp, self.odc_mode)

@@ -1,0 +1,68 @@
+"""posttrain command line.
+
+    posttrain demo                          # FSDP2 and ODC on a tiny GPT, 2 CPU processes: where the speedup comes from
+    posttrain train --dp fsdp --balance same_micro --steps 20 --metrics out/fsdp.csv
+    posttrain train --dp odc --model llama --precision bf16 --checkpoint-dir out/ckpt
+    posttrain train --dp odc --deterministic --activation-checkpointing --world-size 4 --replicas 2
+    torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
+    posttrain pipeline --schedule group_interleaved --ranks 2 --chunks 2 --microbatches 8 --offload 1
+    posttrain bench odc --profile long_tail --repeats 5
+    posttrain bench odc --profile longalign --max-len 4096 --sweep --sequences-per-rank 2,4,8
+    posttrain bench balance --world-sizes 2,32,1024     # plan time and imbalance per balancing method
+    posttrain bench transport                           # shared-memory transport vs gloo
+    posttrain bench overhead                            # one microbatch: FSDP2 and flat ODC vs the plain model
+    posttrain bench pipeline --ranks 2,4
+    posttrain simulate odc --gpus 32 --profile longalign --cost-model 7b    # FSDP vs ODC at cluster scale
+    posttrain simulate pipeline --schedule group_interleaved --ranks 8 --chunks 2 --offload-chunks 1
+    posttrain simulate table                # ODC/FSDP speedup, 8-256 GPUs x LongAlign/SWE-smith x 1.5B/7B
+    posttrain simulate calibrate            # simulator vs the real 2-rank benchmark and pipeline runner
+    posttrain plan odc --gpus 64 --profile swe_smith
+    posttrain plan pipeline --ranks 8 --memory-gib 8
+    posttrain results                       # rerun what docs/results.md reports and rewrite it
+    python -m posttrain demo                # the same without the console script
+
+Every command's options come from the configuration dataclasses of the code it runs
+(``posttrain.cli.options``); older spellings (``--stages``, ``--lengths``, ``--model`` for a cost
+preset) still work and say which flag replaces them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import bench, demo, pipeline, plan, results, simulate, train
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``posttrain`` parser: one subcommand per module of this package."""
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (demo, train, pipeline, bench, simulate, plan, results):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except ValueError as e:
+        print(f"posttrain: error: {e}", file=sys.stderr)
+        rc = 2
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun, a process that used FSDP2 on gloo sometimes aborts during interpreter
+        # teardown ("terminate called without an active exception"; torch 2.13 CPU, reproduced
+        # without posttrain in a few of 15 runs). Everything is written and flushed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Command-line options generated from configuration dataclasses: one definition per flag.
+
+A dataclass field becomes ``--field-name`` (``metadata={"flag": "--layers"}`` renames it), its help
+is the field's entry in the class docstring's ``Attributes:`` section, its type and choices come
+from the annotation (``int``, ``float``, ``str``, ``bool``, ``X | None``, ``Literal[...]``;
+``metadata={"choices": callable}`` for choices known at run time), and its default is the
+field's. Old spellings listed in ``metadata={"aliases": ("--stages",)}`` still work and print a
+deprecation line naming the new flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["add_config_arguments", "config_from_args", "field_docs"]
+
+_MISSING = dataclasses.MISSING
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its description in the class docstring's ``Attributes:`` section (one line)."""
+    doc = cls.__doc__ or ""
+    m = re.search(r"^\s*Attributes:\s*$", doc, re.M)
+    if not m:
+        return {}
+    out: dict[str, str] = {}
+    name = None
+    indent = None
+    for line in doc[m.end():].splitlines():
+        if not line.strip():
+            continue
+        level = len(line) - len(line.lstrip())
+        entry = re.match(r"^\s*(\w+):\s*(.*)$", line)
+        if entry and (indent is None or level == indent):
+            indent = level
+            name = entry.group(1)
+            out[name] = entry.group(2).strip()
+        elif name is not None and indent is not None and level > indent:
+            out[name] += " " + line.strip()
+        else:
+            break
+    return {k: " ".join(v.replace("``", "").split()) for k, v in out.items()}
+
+
+class _Deprecated(argparse.Action):
+    """Stores like the flag it stands for, after saying which flag to use."""
+
+    def __init__(self, option_strings, dest, *, new_flag: str, inner: str = "store", **kwargs):
+        self.new_flag = new_flag
+        self.inner = inner
+        if inner == "store_true":
+            kwargs["nargs"] = 0
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"posttrain: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
+        setattr(namespace, self.dest, True if self.inner == "store_true" else values)
+
+
+def _resolve(cls: type, name: str) -> Any:
+    hints = typing.get_type_hints(cls, include_extras=False)
+    return hints[name]
+
+
+def _parse_type(annotation: Any) -> tuple[Any, tuple | None, bool]:
+    """(python type to convert with, choices or None, whether None is allowed)."""
+    origin = typing.get_origin(annotation)
+    optional = False
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        annotation = args[0] if len(args) == 1 else str
+        origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        values = typing.get_args(annotation)
+        return type(values[0]), tuple(values), optional
+    if annotation in (int, float, str, bool):
+        return annotation, None, optional
+    return str, None, optional
+
+
+def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
+                         fields: Iterable[str] | None = None, exclude: Iterable[str] = (),
+                         defaults: Mapping[str, Any] | None = None) -> None:
+    """One option per field of dataclass ``cls`` (those in ``fields``, if given, but not in
+    ``exclude``); ``defaults`` overrides a field's default for this command."""
+    docs = field_docs(cls)
+    wanted = set(fields) if fields is not None else None
+    skip = set(exclude)
+    defaults = dict(defaults or {})
+    for f in dataclasses.fields(cls):
+        if f.name in skip or (wanted is not None and f.name not in wanted) or f.metadata.get("cli") is False:
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        if f.name in defaults:
+            default = defaults[f.name]
+        elif f.default is not _MISSING:
+            default = f.default
+        elif f.default_factory is not _MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = None
+        kind, choices, _ = _parse_type(_resolve(cls, f.name))
+        if "choices" in f.metadata:
+            choices = tuple(f.metadata["choices"]())
+        help_text = docs.get(f.name, "")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+        if kind is bool:
+            kwargs["action"] = "store_true"
+            text = help_text
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = flag.lstrip("-").upper().replace("-", "_")
+            if choices:
+                kwargs["choices"] = choices
+            text = f"{help_text.rstrip('.')} (default {default})" if default is not None else help_text
+        kwargs["help"] = text.replace("%", "%%")
+        parser.add_argument(flag, **kwargs)
+        for alias in f.metadata.get("aliases", ()):
+            alias_kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS,
+                            "new_flag": flag, "inner": "store_true" if kind is bool else "store"}
+            if kind is not bool:
+                alias_kwargs["type"] = kind
+                if choices:
+                    alias_kwargs["choices"] = choices
+            parser.add_argument(alias, action=_Deprecated, **alias_kwargs)
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """An instance of dataclass ``cls`` from the parsed options of its fields, with ``overrides``."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+        elif hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return cls(**values)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """``"2,4,8"`` -> ``[2, 4, 8]``; a clear error naming ``flag`` otherwise."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} is not a comma-separated list of integers, e.g. 2,4,8") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}={text!r} needs positive integers")
+    return values
+
+
+def float_list(text: str, flag: str) -> list[float]:
+    """``"1,4.5"`` -> ``[1.0, 4.5]``; a clear error naming ``flag`` otherwise."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} is not a comma-separated list of numbers, e.g. 1,4,16") from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"{flag}={text!r} needs positive numbers")
+    return values
+
+
+__all__ += ["float_list", "int_list"]

@@ -1,0 +1,35 @@
+"""``posttrain pipeline``: pipeline-parallel training with activation offload on CPU processes."""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import add_config_arguments, config_from_args
+
+__all__ = ["add_parser"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from posttrain.lab.plots import plot_pipeline
+    from posttrain.train.pipeline import PipelineConfig, format_report, predicted_peaks, run_pipeline
+
+    cfg = config_from_args(PipelineConfig, args)
+    print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.num_microbatches} microbatches, "
+          f"offload {cfg.offload}; {cfg.steps} steps on {cfg.num_ranks} CPU processes", flush=True)
+    results = run_pipeline(cfg)
+    print(format_report(results, predicted_peaks(cfg)))
+    if args.chart:
+        path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
+                             f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")
+        print(f"wrote {path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    from posttrain.train.pipeline import PipelineConfig
+
+    p = sub.add_parser("pipeline", help="pipeline-parallel training with activation offload, CPU processes")
+    add_config_arguments(p, PipelineConfig, defaults={"num_microbatches": 8, "dim": 128, "num_layers": 8,
+                                                      "seq_len": 256, "steps": 5})
+    p.add_argument("--chart", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,50 @@
+"""``posttrain train``: data-parallel training on CPU processes (or one rank under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import add_config_arguments, config_from_args
+
+__all__ = ["add_parser", "train_config"]
+
+
+def train_config(args: argparse.Namespace, **overrides):
+    """The :class:`~posttrain.train.dp.TrainConfig` of parsed ``TrainConfig`` options; ``--max-tokens``
+    defaults to ``--max-len``."""
+    from posttrain.train.dp import TrainConfig
+
+    overrides.setdefault("max_tokens", getattr(args, "max_tokens", None) or args.max_len)
+    return config_from_args(TrainConfig, args, **overrides)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from posttrain.lab.plots import plot_timelines
+    from posttrain.spans import write_chrome_trace
+    from posttrain.train.dp import run_training
+
+    cfg = train_config(args, progress=True)
+    results = run_training(cfg, world_size=args.world_size, metrics_path=args.metrics)
+    if results is None or not results[0]["metrics"]:
+        return 0
+    spans = {f"{cfg.dp_label}+{cfg.balance}": [s for r in results for s in r["spans"]]}
+    if args.timeline:
+        last = results[0]["metrics"][-1]["step"]
+        plot_timelines(spans, args.timeline, title=f"step {last}: per-rank compute, communication and waiting")
+        print(f"wrote {args.timeline}")
+    if args.trace:
+        write_chrome_trace(spans, args.trace)
+        print(f"wrote {args.trace} (chrome://tracing or ui.perfetto.dev; the simulator's traces open beside it)")
+    return 0
+
+
+def add_parser(sub) -> None:
+    from posttrain.train.dp import TrainConfig
+
+    p = sub.add_parser("train", help="data-parallel training with FSDP2 or ODC on CPU processes (or under torchrun)")
+    add_config_arguments(p, TrainConfig, defaults={"steps": 20, "max_tokens": None})
+    p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2; torchrun sets its own)")
+    p.add_argument("--metrics", default=None, help="per-rank, per-step metrics: .csv or JSON lines")
+    p.add_argument("--timeline", default=None, help="write a per-rank timeline PNG of the last step")
+    p.add_argument("--trace", default=None, help="write the last step as a Chrome trace JSON (Perfetto)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,181 @@
+"""``posttrain results`` (``make results``): rerun every measurement docs/results.md reports and
+rewrite it.
+
+Each section is one ``posttrain`` command. Its report (what the command prints, progress lines
+dropped) goes into the file verbatim under the command line, the commit it ran on and the date,
+so every figure names the command that produced it and can be rerun. Sections are delimited by
+``<!-- result: NAME -->`` / ``<!-- end: NAME -->`` markers; ``--only NAME,...`` reruns some and
+keeps the others as they are.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["SECTIONS", "Section", "run_results"]
+
+
+@dataclass(frozen=True)
+class Section:
+    """One measurement: a ``posttrain`` command and what to say about it (no figures: those come
+    from the command).
+
+    Attributes:
+        name: the marker name (``--only`` selects by it).
+        title: the heading.
+        argv: the command's arguments after ``posttrain``.
+        intro: what the command measures and how to read it.
+        minutes: about how long it takes on the CI machine kind (2 cores).
+    """
+
+    name: str
+    title: str
+    argv: tuple[str, ...]
+    intro: str
+    minutes: float
+
+
+_LA = ("--profile", "longalign", "--max-len", "4096", "--steps", "6")
+
+SECTIONS: tuple[Section, ...] = (
+    Section("demo", "The demo", ("demo",),
+            "Four runs of the same tiny GPT on the same long-tail data, 2 CPU processes, one run each: the "
+            "speedup over FSDP2 and its three factors (transport, engine, mechanism; see docs/odc.md). One run "
+            "each, so the factors move by 10-20% from run to run; `bench odc` below repeats and bounds them.",
+            1),
+    Section("bench-odc-long-tail", "FSDP2 vs ODC, short sequences (long_tail, up to 1,024 tokens)",
+            ("bench", "odc"),
+            "Seven variants and two bounds, interleaved over 5 rounds: medians of per-round ratios with the "
+            "lowest and highest round. `compute/even` is the same microbatches' compute time (communication "
+            "excluded) over the even bound's. The factors below the table multiply to the total.", 5),
+    Section("bench-odc-longalign", "FSDP2 vs ODC, LongAlign-shaped sequences (1/16 scale, up to 4,096 tokens)",
+            ("bench", "odc", *_LA, "--max-tokens", "4096"),
+            "The same comparison on the `longalign` profile scaled to 4,096 tokens (16 sequences a step, 2 ranks).",
+            20),
+    Section("sweep-longalign", "ODC's mechanism against its headroom, LongAlign-shaped, over a sweep",
+            ("bench", "odc", *_LA, "--sweep", "--sequences-per-rank", "1,2,4,8", "--sweep-max-tokens", "4096,8192"),
+            "Flat ODC only: `odc+diff_micro` over `odc-collective+same_micro` (the mechanism) against the "
+            "partition bound over the collective run (the headroom: what any schedule of whole sequences could "
+            "win), at every point of sequences per rank x max_tokens, beside the simulator calibrated on this "
+            "machine; then the calibrated simulator at more ranks.", 60),
+    Section("profiles", "Flat ODC against the partition bound on every length profile",
+            ("bench", "odc", "--profile", "{profile}", "--max-len", "4096", "--steps", "6", "--sweep",
+             "--sequences-per-rank", "8", "--sweep-max-tokens", "4096", "--no-predict"),
+            "One sweep point (8 sequences per rank, max_tokens 4,096) per profile: `odc/part` is "
+            "`odc+diff_micro` over the partition bound.", 40),
+    Section("transport", "The shared-memory transport against gloo", ("bench", "transport"),
+            "Bandwidth of ODC's one-sided gather and scatter-accumulate against gloo's all-gather and "
+            "reduce-scatter on the same 2 processes; ratios are gloo time over shared-memory time.", 1),
+    Section("overhead", "Where an engine's time goes: one microbatch against the plain model", ("bench", "overhead"),
+            "One microbatch forward and backward under FSDP2 (with ODC's transport at 2 ranks) and under flat "
+            "ODC, each against the same plain model, alternating; then the optimizer step on FSDP2's shards.", 2),
+    Section("balance", "The balancer: plan time and imbalance", ("bench", "balance"),
+            "Every balancing method at 2-1,024 ranks, 8 sequences per rank, 5 minibatches each: median plan "
+            "time and imbalance (max / mean of the ranks' costs); for `same_micro` also FSDP's step cost over "
+            "the lower bound.", 1),
+    Section("pipeline", "Pipeline memory per schedule and offload; our runner against torch's",
+            ("bench", "pipeline"),
+            "Largest per-rank peak of saved activations measured by the hooks (MiB and chunk-microbatches, "
+            "measured = predicted) for each schedule and offload policy; then step time of our runner against "
+            "torch.distributed.pipelining on the same stages (these timings move by up to 20% on this machine).",
+            2),
+    Section("paper-table", "The PipeOffload unit-cost table", ("simulate", "pipeline", "--paper-table"),
+            "Our group-interleaved constructions on the paper's unit clock (p=8, m=32, F=I=W=1) next to the "
+            "paper's peaks and makespans; docs/pipeline.md explains the constructions.", 1),
+    Section("sim-table", "FSDP vs ODC at 8-256 GPUs (simulated)", ("simulate", "table"),
+            "ODC over FSDP per balancing method, 8 sequences per GPU, LongAlign- and SWE-smith-shaped lengths "
+            "at their published scale, Qwen2.5 1.5B and 7B cost presets on H100-like GPUs. The diff_micro "
+            "columns compare ODC+diff_micro with FSDP+same_micro.", 5),
+    Section("calibrate", "The simulator against this machine", ("simulate", "calibrate"),
+            "The simulator, fed costs measured here, predicts the 2-rank benchmark's FSDP2+same_micro against "
+            "ODC+diff_micro; then the real trainings run. The pipeline runner's measured peaks against the "
+            "prediction follow.", 3),
+)
+
+#: Lines a report drops: progress, and where files went.
+_NOISE = re.compile(r"^\s*(round \d+/\d+|wrote |posttrain: .* on \d+ CPU processes|step \s*\d+ |loss .* ->|resumed "
+                    r"from|measuring |calibrating |running the real|  \S+ on equal lengths|  layer cost fit)")
+_PROFILES = ("longalign", "swe_smith", "long_tail", "bimodal", "uniform")
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(__file__)).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + (" with uncommitted changes" if dirty else "")
+
+
+def _run(argv: Sequence[str], log: Callable[[str], None]) -> str:
+    cmd = [sys.executable, "-m", "posttrain", *argv]
+    log("$ posttrain " + " ".join(argv))
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log(f"  ({time.monotonic() - start:.0f} s, exit {proc.returncode})")
+    if proc.returncode not in (0, 1):  # 1: ran, and reports a target missed
+        raise RuntimeError(f"posttrain {' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return "\n".join(line for line in proc.stdout.splitlines() if not _NOISE.match(line)).strip()
+
+
+def _render(section: Section, commit: str, log: Callable[[str], None]) -> str:
+    today = datetime.date.today().isoformat()
+    parts = [f"<!-- result: {section.name} -->", f"## {section.title}", "", section.intro, ""]
+    argvs = ([tuple(a.replace("{profile}", p) for a in section.argv) for p in _PROFILES]
+             if "{profile}" in section.argv else [section.argv])
+    for argv in argvs:
+        report = _run(argv, log)
+        parts += [f"`posttrain {' '.join(argv)}` (commit {commit}, {today}):", "", "```", report, "```", ""]
+    parts.append(f"<!-- end: {section.name} -->")
+    return "\n".join(parts)
+
+
+_HEADER = """# Measured results
+
+Every figure here was printed by the command above it, on the commit named beside it, on the CI
+machine kind (2 CPU cores, no GPU): `posttrain results` (`make results`) reruns them all and rewrites
+this file (about {minutes:.0f} minutes; `posttrain results --only NAME,...` reruns some sections).
+Timings on 2 cores move by 10-20% from run to run: only ratios measured side by side in one run mean
+anything, and the benchmarks repeat them over interleaved rounds.
+"""
+
+
+def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = None,
+                log: Callable[[str], None] = print) -> str:
+    """Rerun the sections (all, or those named in ``only``) and rewrite ``path``; returns its text."""
+    names = [s.name for s in SECTIONS]
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise ValueError(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+        for m in re.finditer(r"<!-- result: (\S+) -->.*?<!-- end: \1 -->", text, re.S):
+            old[m.group(1)] = m.group(0)
+    commit = _commit()
+    body = []
+    for section in SECTIONS:
+        if only and section.name not in only and section.name in old:
+            body.append(old[section.name])
+            continue
+        log(f"{section.title} (about {section.minutes:g} min)")
+        body.append(_render(section, commit, log))
+    text = _HEADER.format(minutes=sum(s.minutes for s in SECTIONS)) + "\n" + "\n\n".join(body) + "\n"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    log(f"wrote {path}")
+    return text
