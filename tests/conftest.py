@@ -1,10 +1,28 @@
+"""Shared fixtures: the shared-memory leak check on every test, and running the command line."""
+
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def run_cli():
+    """``run_cli(*args)``: ``posttrain ARGS`` in a fresh process, as a user runs it; returns the
+    completed process (stdout, stderr, returncode)."""
+
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True,
+                              timeout=timeout, env=_ENV)
+
+    return run
 
 
 def _ours() -> set[str]:

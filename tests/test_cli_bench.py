@@ -1,0 +1,108 @@
+"""`posttrain bench ...`: every benchmark runs on a tiny config and reports what it promises.
+
+A failure pinpoints a benchmark's wiring or its report, not a speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cli, tmp_path):
+    import json
+
+    out = tmp_path / "b.json"
+    proc = run_cli("bench", "odc", "--steps", "2", "--sequences", "4", "--max-len", "64", "--dim", "32",
+                "--layers", "1", "--repeats", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    median, spread, fac = got["median"], got["spread"], got["factors"]
+    assert set(median) == {"fsdp+round_robin", "fsdp+same_micro", "odc-fsdp2-collective+same_micro",
+                           "odc-fsdp2+round_robin", "odc-fsdp2+diff_micro", "odc-collective+same_micro",
+                           "odc+diff_micro", "even", "partition"}
+    assert median["fsdp+same_micro"]["vs_fsdp_same_micro"] == 1.0
+    assert median["partition"]["vs_partition"] == 1.0 and median["odc+diff_micro"]["tokens_per_s"] > 0
+    refs = {"vs_fsdp_same_micro": "fsdp+same_micro", "vs_partition": "partition"}
+    for name in median:  # each round's ratio is reported; the median lies within their range
+        for key, ref in refs.items():
+            per_round = [r[name]["tokens_per_s"] / r[ref]["tokens_per_s"] for r in got["rounds"]]
+            assert spread[name][key] == [min(per_round), max(per_round)]
+            assert min(per_round) <= median[name][key] <= max(per_round)
+    for r in got["rounds"]:  # the three factors multiply to the total, round by round
+        tp = {k: v["tokens_per_s"] for k, v in r.items()}
+        assert tp["odc+diff_micro"] / tp["fsdp+same_micro"] == pytest.approx(
+            tp["odc-fsdp2-collective+same_micro"] / tp["fsdp+same_micro"]
+            * tp["odc-collective+same_micro"] / tp["odc-fsdp2-collective+same_micro"]
+            * tp["odc+diff_micro"] / tp["odc-collective+same_micro"])
+    assert set(fac) >= {"total", "transport", "engine", "mechanism", "headroom", "partition_vs_even"}
+    for r in got["rounds"]:  # whole sequences never divide more evenly than all compute does
+        assert r["partition"]["tokens_per_s"] <= 1.25 * r["even"]["tokens_per_s"]
+    for line in ("transport", "engine", "mechanism", "headroom", "captured"):
+        assert f"  {line}" in proc.stdout
+    assert "partition bound" in proc.stdout and "even bound" in proc.stdout
+
+
+def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path):
+    import json
+
+    out = tmp_path / "s.json"
+    proc = run_cli("bench", "odc", "--sweep", "--sequences-per-rank", "1,2", "--sweep-max-tokens", "64,128", "--steps",
+                "2", "--max-len", "64", "--dim", "32", "--layers", "1", "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    points = json.loads(out.read_text())["points"]
+    assert [(p["sequences_per_rank"], p["max_tokens"]) for p in points] == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    for p in points:
+        assert p["headroom"][0] > 0 and p["mechanism"][0] > 0
+        assert p["predicted"]["headroom"] > 0 and p["predicted"]["mechanism"] > 0
+    assert "pred head" in proc.stdout
+    proc = run_cli("bench", "odc", "--sweep", "--sweep-max-tokens", "32", "--max-len", "64")
+    assert proc.returncode == 2 and "is below --max-len=64" in proc.stderr
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_odc_overhead_benchmark_reports_every_rank(run_cli, world_size):
+    proc = run_cli("bench", "overhead", "--dim", "32", "--world-size", world_size)
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(int(world_size)):
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank {rank}:")]
+        assert len(lines) == 3, proc.stdout
+        assert "FSDP2" in lines[0] and "flat ODC" in lines[1] and "AdamW step" in lines[2]
+        assert all("Python calls" in ln and "/ plain:" in ln for ln in lines[:2])
+
+
+def test_bench_pipeline_tiny(run_cli, tmp_path):
+    out = tmp_path / "b.json"
+    proc = run_cli("bench", "pipeline", "--ranks", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
+                "--repeats", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    res = json.loads(out.read_text())
+    assert {r["schedule"] for r in res["memory"]} == {"1f1b", "interleaved_1f1b", "group_interleaved",
+                                                      "group_interleaved_zb", "interleaved_zb"}
+    assert {r["group_size"] for r in res["memory"] if r["schedule"] == "group_interleaved_zb"} == {1}
+    assert all(r["peak_units"] == r["predicted_units"] for r in res["memory"])
+    assert [r["schedule"] for r in res["timing"]] == ["1f1b", "interleaved_1f1b"]
+    assert all(r["max_grad_diff"] == 0.0 and r["ratio"] > 0 for r in res["timing"])
+    proc = run_cli("bench", "pipeline", "--ranks", "two")
+    assert proc.returncode == 2 and "comma-separated" in proc.stderr
+
+
+def test_bench_transport_prints_both_ratios(run_cli, tmp_path):
+    out = tmp_path / "t.json"
+    proc = run_cli("bench", "transport", "--sizes-mib", "0.25", "--iters", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "shm gather" in proc.stdout and out.exists()
+    proc = run_cli("bench", "transport", "--iters", "0")
+    assert proc.returncode == 2 and "--iters=0" in proc.stderr
+
+
+def test_bench_balance_prints_every_method_and_the_targets(run_cli, tmp_path):
+    out = tmp_path / "b.json"
+    proc = run_cli("bench", "balance", "--world-sizes", "2,4", "--seeds", "1", "--profiles", "long_tail", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for method in ("round_robin", "local_sort", "same_micro", "diff_micro"):
+        assert f" {method} " in proc.stdout
+    assert "targets" in proc.stdout and out.exists()
+    proc = run_cli("bench", "balance", "--world-sizes", "2,x")
+    assert proc.returncode == 2 and "--world-sizes" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,26 @@
+"""`posttrain pipeline`: measured and predicted peaks, the chart, and input errors."""
+
+from __future__ import annotations
+
+
+def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_cli, tmp_path):
+    png = tmp_path / "p.png"
+    proc = run_cli("pipeline", "--schedule", "group_interleaved", "--ranks", "2", "--chunks", "2", "--group-size", "1",
+                "--microbatches", "4", "--offload", "1", "--steps", "2", "--dim", "32", "--layers", "4",
+                "--seq-len", "32", "--chart", str(png))
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("0", "1")]
+    assert len(rows) == 2
+    for row in rows:  # peak units (measured) equals the schedule's prediction
+        assert float(row[3]) == float(row[4]) and float(row[5]) > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pipeline_bad_input_is_a_clear_error(run_cli):
+    proc = run_cli("pipeline", "--schedule", "interleaved_1f1b", "--ranks", "4", "--chunks", "2", "--microbatches", "2")
+    assert proc.returncode == 2 and "needs at least 4 microbatches" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("pipeline", "--schedule", "pipedream")
+    assert proc.returncode == 2 and "gpipe" in proc.stderr and "zbv" in proc.stderr
+    proc = run_cli("pipeline", "--stages", "2", "--layers", "1")  # the old spelling of --ranks still works
+    assert "--stages is deprecated; use --ranks" in proc.stderr
+    assert proc.returncode == 2 and "cannot be cut into 2 stages" in proc.stderr

@@ -1,0 +1,104 @@
+"""`posttrain train` and `posttrain demo` as a user runs them.
+
+A failure pinpoints the entry point, its outputs, or its input errors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+
+def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
+    """A short demo: four runs, a table with speedups, the same final loss everywhere, the three
+    factors (which multiply to the total), a timeline PNG."""
+    from posttrain.lab.demo import VARIANTS
+
+    png = tmp_path / "t.png"
+    proc = run_cli("demo", "--steps", "6", "--timeline", str(png))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = {label: ln[len(label):].split() for label, *_ in VARIANTS for ln in lines if ln.startswith(label + " ")}
+    assert set(rows) == {v[0] for v in VARIANTS}
+    assert rows["FSDP2 + same_micro"][-1] == "1.00x"
+    assert len({r[-2] for r in rows.values()}) == 1  # same final loss: same gradients
+    got = {ln.split()[0]: float(ln.split()[1].rstrip("x")) for ln in lines
+           if ln.strip().startswith(("transport ", "engine ", "mechanism "))}
+    total = float(rows["flat ODC + diff_micro"][-1].rstrip("x"))
+    assert got["transport"] * got["engine"] * got["mechanism"] == pytest.approx(total, rel=0.03)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bad_demo_input_is_a_clear_error(run_cli):
+    proc = run_cli("demo", "--world-size", "0")
+    assert proc.returncode == 2
+    assert "--world-size=0 must be at least 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_command_lists_choices(run_cli):
+    proc = run_cli("fly")
+    assert proc.returncode != 0 and "demo" in proc.stderr
+
+
+def test_train_fsdp_writes_metrics_timeline_and_trace(run_cli, tmp_path):
+    """`posttrain train` with FSDP2 and same_micro: step lines, a CSV row per rank and step, a PNG,
+    and a Chrome trace of the last step with both ranks' compute and communication."""
+    import csv
+    import json
+
+    metrics, png, trace = tmp_path / "m.csv", tmp_path / "t.png", tmp_path / "t.json"
+    proc = run_cli("train", "--dp", "fsdp", "--balance", "same_micro", "--steps", "3", "--sequences", "6",
+                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics), "--timeline", str(png),
+                "--trace", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    assert sum(line.startswith("step") for line in proc.stdout.splitlines()) == 3
+    rows = list(csv.DictReader(metrics.open()))
+    assert len(rows) == 6 and {r["rank"] for r in rows} == {"0", "1"}
+    assert all(float(r["step_time_s"]) > 0 and float(r["comm_s"]) > 0 for r in rows)
+    assert png.stat().st_size > 10_000
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {(e["cat"], e["tid"] // 4) for e in events} >= {("compute", 0), ("compute", 1), ("comm", 0), ("comm", 1)}
+
+
+def test_train_under_torchrun(tmp_path):
+    """torchrun starts the processes; posttrain runs one rank in each and rank 0 reports."""
+    import json
+
+    metrics = tmp_path / "m.jsonl"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "posttrain", "train", "--steps", "2",
+           "--sequences", "4", "--max-len", "32", "--dim", "32", "--layers", "1", "--metrics", str(metrics)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}) as p:
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and its ranks
+            raise
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("posttrain: odc+diff_micro on 2 CPU processes") == 1  # rank 0 only
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert sorted((r["step"], r["rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_bad_data_inputs_are_clear_errors(run_cli, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')
+    proc = run_cli("train", "--data", str(bad), "--sequences", "2")
+    assert proc.returncode == 2 and f"{bad}:2: not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("train", "--world-size", "4", "--sequences", "3")
+    assert proc.returncode == 2 and "--sequences=3 is fewer than the 4 ranks" in proc.stderr
+
+
+def test_train_bad_choice_and_budget(run_cli):
+    proc = run_cli("train", "--balance", "best")
+    assert proc.returncode == 2 and "invalid choice: 'best'" in proc.stderr and "diff_micro" in proc.stderr
+    proc = run_cli("train", "--max-len", "100", "--max-tokens", "50")
+    assert proc.returncode == 2 and "--max-tokens=50 is smaller than the longest sequence" in proc.stderr
+    assert "Traceback" not in proc.stderr
