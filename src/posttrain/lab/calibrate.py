@@ -39,8 +39,8 @@ from posttrain.sim import Cluster, LayerCost, SimModel, simulate_dp
 from posttrain.train.dp import (
     TrainConfig,
     TrainData,
-    ideal_compute_worker,
     microbatch_loss,
+    partition_bound_worker,
     plan_step,
     summarize,
     train_worker,
@@ -95,13 +95,19 @@ def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str 
                     max_tokens=max(cfg.max_tokens, length))
         results = run_ranks(train_worker, world_size, c, timeout_s=3600)
         run = summarize(results)
-        per_rank = run_ranks(ideal_compute_worker, world_size, c, timeout_s=3600)
-        ideal = statistics.mean(sum(step) / len(step) for step in list(zip(*per_rank))[1:]) / world_size
         data = TrainData(c, world_size)
         cost = FlopsCost.from_config(c.model_config(data.vocab_size))
-        mbs = max(plan_step(c, data.minibatch(1), world_size, cost).num_microbatches)
+        plans = [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
+        # The same microbatches on a plain model, each rank its own share at the same time.
+        shares = {"plan": [[[i for mb in mbs for i in mb.sequence_ids] for mbs in p.ranks] for p in plans]}
+        per_rank = run_ranks(partition_bound_worker, world_size, c, shares, timeout_s=3600)
+        ideal = statistics.mean(max(r["plan"][k] for r in per_rank) for k in range(len(plans)))
+        mbs = max(plans[0].num_microbatches)
     steady = list(zip(*(r["metrics"] for r in results)))[1:]
-    per_step = statistics.median(statistics.mean(r["optimizer_s"] + r["sync_s"] for r in s) for s in steady)
+    # Per step: the optimizer and the sync of the rank that arrived last (whose sync is the exit's
+    # own cost, not waiting for a slower peer: the simulator models that waiting itself).
+    per_step = statistics.median(statistics.mean(r["optimizer_s"] for r in s) + min(r["sync_s"] for r in s)
+                                 for s in steady)
     extra = max(0.0, run["step_time_s"] - ideal - per_step) / (mbs * cfg.num_layers)
     log(f"  {c.dp_label} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
         f"optimizer and sync {per_step * 1e3:.1f} ms, {mbs} microbatches x {cfg.num_layers} layers -> "

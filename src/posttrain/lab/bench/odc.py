@@ -10,7 +10,7 @@ Same model, data and steps for every variant (``<engine>[-collective]+<balancing
   and with one synchronization per minibatch;
 
 and two bounds with no communication at all (:mod:`posttrain.train.dp.bounds`): the **even bound**
-(all compute divided evenly over the ranks) and the **partition bound** (the best assignment of
+(the partition run's measured compute divided evenly over the ranks) and the **partition bound** (the best assignment of
 whole sequences to ranks under their measured compute times, each rank running its share back to
 back: per step the fastest of three candidate assignments, chosen on one run and timed on
 another). Every figure is a throughput (tokens/s over the steps after the first); variants run
@@ -50,7 +50,6 @@ from posttrain.launch import run_ranks
 from posttrain.train.dp import (
     TrainConfig,
     TrainData,
-    ideal_compute_worker,
     partition_bound_worker,
     partition_candidates,
     sequence_times_worker,
@@ -86,9 +85,6 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     ``tokens_per_s`` (and for the partition bound whether every step's assignment is proven
     optimal)."""
     tokens = _steady_tokens(cfg, world_size)
-    per_rank = run_ranks(ideal_compute_worker, world_size, cfg, timeout_s=3600)
-    # each rank timed every microbatch of the step; evenly divided, a rank would take 1/world_size of that
-    even_s = sum(sum(step) / len(step) / world_size for step in list(zip(*per_rank))[1:])
     times: dict = {}
     for part in run_ranks(sequence_times_worker, world_size, cfg, timeout_s=3600):
         times.update(part)
@@ -103,9 +99,13 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     chosen = {"chosen": [candidates[name][k] for k, name in enumerate(best)]}
     per_rank = run_ranks(partition_bound_worker, world_size, cfg, chosen, timeout_s=3600)
     partition_s = sum(max(r["chosen"][k] for r in per_rank) for k in range(steps))
+    # The even bound divides the same measured compute evenly over the ranks, so the two bounds
+    # differ only in how whole sequences divide (a separate run of every microbatch on every rank
+    # measured up to 7% slower than the ranks' own shares under the same contention).
+    even_s = sum(sum(r["chosen"][k] for r in per_rank) / world_size for k in range(steps))
     # compute_s as summarize() reports it: seconds of compute per step, summed over the ranks
     compute_s = sum(sum(r["chosen"]) for r in per_rank) / steps
-    return {"even": {"tokens_per_s": tokens / even_s, "utilization": 1.0, "compute_s": even_s * world_size / steps},
+    return {"even": {"tokens_per_s": tokens / even_s, "utilization": 1.0, "compute_s": compute_s},
             "partition": {"tokens_per_s": tokens / partition_s, "utilization": 1.0, "compute_s": compute_s,
                           "exact": exact, "best": {name: best.count(name) for name in candidates},
                           "candidates_tokens_per_s": {name: tokens / sum(v) for name, v in by_candidate.items()}}}

@@ -12,7 +12,6 @@ sharded by any :mod:`posttrain.dp` engine, balanced by :mod:`posttrain.balance`.
 
 from .bounds import (
                     PARTITION_CANDIDATES,
-                    ideal_compute_worker,
                     pack_share,
                     partition_bound_worker,
                     partition_candidates,
@@ -27,7 +26,7 @@ from .minibatches import TrainData
 
 __all__ = [
     "DP_CHOICES", "OPTIMIZERS", "PARTITION_CANDIDATES", "PRECISIONS", "STAT_FIELDS", "SYNTHETIC_VOCAB", "TrainConfig",
-    "TrainData", "Training", "build_training", "check_resumable", "gather_step_stats", "ideal_compute_worker",
+    "TrainData", "Training", "build_training", "check_resumable", "gather_step_stats",
     "latest_checkpoint", "make_optimizer", "microbatch_loss", "pack_share", "partition_bound_worker",
     "partition_candidates", "plan_step", "resume", "run_training", "save_checkpoint", "sequence_times_worker",
     "summarize", "train_worker", "under_torchrun", "write_metrics",

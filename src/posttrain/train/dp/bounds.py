@@ -1,8 +1,8 @@
 """Bounds on a training step: what the same sequences cost with no communication at all.
 
-- **Even bound** (:func:`ideal_compute_worker`): all the step's compute divided evenly over the
-  ranks. Whole sequences cannot always be divided that evenly, so no scheduler reaches it when a
-  step holds few sequences of very different lengths.
+- **Even bound**: the partition run's measured compute divided evenly over the ranks. Whole
+  sequences cannot always be divided that evenly, so no scheduler reaches it when a step holds few
+  sequences of very different lengths.
 - **Partition bound** (:func:`partition_candidates`, :func:`partition_bound_worker`): the best
   assignment of whole sequences to ranks under their measured compute times, each rank running
   its share packed into microbatches back to back, no communication; the step lasts as long as
@@ -35,7 +35,7 @@ from .config import TrainConfig
 from .loop import microbatch_loss, plan_step
 from .minibatches import TrainData
 
-__all__ = ["PARTITION_CANDIDATES", "ideal_compute_worker", "pack_share", "partition_bound_worker",
+__all__ = ["PARTITION_CANDIDATES", "pack_share", "partition_bound_worker",
            "partition_candidates", "sequence_times_worker"]
 
 
@@ -43,28 +43,6 @@ def _model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.model_config(vocab_size))
     return model.to(torch.bfloat16) if cfg.precision == "bf16" else model
-
-
-def ideal_compute_worker(rank: int, world_size: int, cfg: TrainConfig) -> list[float]:
-    """Per step, this rank's time to run forward+backward of *every* microbatch of the plan on
-    an unsharded model with no communication at all; the even bound is that time divided evenly
-    over the ranks."""
-    data = TrainData(cfg, world_size)
-    model = _model(cfg, data.vocab_size)
-    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
-    out = []
-    for step in range(cfg.steps):
-        seqs = data.minibatch(step)
-        plan = plan_step(cfg, seqs, world_size, cost)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for mbs in plan.ranks:
-            for m in mbs:
-                if m.sequence_ids:
-                    microbatch_loss(model, seqs, m.sequence_ids, 1.0).backward()
-        model.zero_grad()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def sequence_times_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict[tuple[int, int], float]:
