@@ -20,6 +20,7 @@ from posttrain.balance import (
     QuadraticCost,
     TokenCost,
     balanced_partition,
+    fit_least_squares,
     greedy,
     karmarkar_karp,
     measure_step_times,
@@ -127,6 +128,15 @@ def test_calibrated_cost_recovers_a_quadratic():
         assert fit(n) == pytest.approx(2e-7 * n * n + 3e-4 * n + 0.01, rel=1e-6)
     with pytest.raises(ValueError, match="3 or more distinct"):
         CalibratedCost.fit([1, 1, 2], [1.0, 1.0, 2.0])
+
+
+def test_fit_least_squares_refuses_or_fits_exactly_when_underdetermined():
+    rows, values = [[1.0, 10, 100], [1.0, 20, 400]], [3.0, 5.0]
+    with pytest.raises(ValueError, match="3 or more independent"):
+        fit_least_squares(rows, values)
+    coef = fit_least_squares(rows, values, underdetermined=True)
+    for r, v in zip(rows, values):
+        assert sum(c * x for c, x in zip(coef, r)) == pytest.approx(v, rel=1e-9)
 
 
 def test_measure_step_times_calls_the_step():

@@ -146,22 +146,27 @@ class FlopsCost:
         return self.shape.training_flops(length)
 
 
-def fit_least_squares(rows: Sequence[Sequence[float]], values: Sequence[float]) -> list[float]:
+def fit_least_squares(rows: Sequence[Sequence[float]], values: Sequence[float], *,
+                      underdetermined: bool = False) -> list[float]:
     """Non-negative coefficients ``c`` minimizing ``|rows @ c - values|`` (columns scaled first so
     that lengths and squared lengths condition alike; a coefficient fitted negative is clamped to
     zero: a cost never falls as its inputs grow). The one least-squares fit of the package.
 
+    Args:
+        underdetermined: with fewer independent rows than columns, return the minimum-norm fit
+            (exact at the rows given, a guess elsewhere) instead of raising.
+
     Raises:
-        ValueError: fewer independent rows than columns.
+        ValueError: fewer independent rows than columns (unless ``underdetermined``).
     """
     a = torch.tensor([list(r) for r in rows], dtype=torch.float64)
     y = torch.tensor(list(values), dtype=torch.float64)
     if a.ndim != 2 or a.shape[0] != y.shape[0]:
         raise ValueError(f"{a.shape[0]} rows but {y.shape[0]} values")
-    if int(torch.linalg.matrix_rank(a)) < a.shape[1]:
+    if int(torch.linalg.matrix_rank(a)) < a.shape[1] and not underdetermined:
         raise ValueError(f"the fit needs {a.shape[1]} or more independent measurements (different shapes)")
     scale = a.abs().amax(dim=0).clamp_min(1e-300)
-    coef = torch.linalg.lstsq(a / scale, y.unsqueeze(1)).solution.squeeze(1) / scale
+    coef = torch.linalg.lstsq(a / scale, y.unsqueeze(1), driver="gelsd").solution.squeeze(1) / scale
     return [max(0.0, float(c)) for c in coef]
 
 

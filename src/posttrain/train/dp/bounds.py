@@ -68,8 +68,9 @@ def sequence_times_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict[
 
 
 def _fit_times(points: list[tuple[int, float]]) -> list[float]:
-    """Coefficients ``(a, b, c)`` of ``seconds = a + b*n + c*n^2`` (non-negative least squares)."""
-    return fit_least_squares([[1.0, n, n * n] for n, _ in points], [t for _, t in points])
+    """Coefficients ``(a, b, c)`` of ``seconds = a + b*n + c*n^2`` (non-negative least squares; with
+    fewer than 3 distinct lengths the minimum-norm fit: this candidate is only ever one of several)."""
+    return fit_least_squares([[1.0, n, n * n] for n, _ in points], [t for _, t in points], underdetermined=True)
 
 
 #: The candidate assignments :func:`partition_candidates` makes, in order.
