@@ -25,6 +25,21 @@ def run_cli():
     return run
 
 
+@pytest.fixture
+def cli(capsys):
+    """``cli(*args)``: ``posttrain ARGS`` in this process (quicker than :func:`run_cli` where a
+    fresh interpreter is not the point); returns ``(exit code, stdout, stderr)``."""
+    from posttrain.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = main(list(args))
+        captured = capsys.readouterr()
+        return rc, captured.out, captured.err
+
+    return run
+
+
 def _ours() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("posttrain")}
 
@@ -45,3 +60,49 @@ def _no_shm_leak():
         time.sleep(0.1)
         leaked &= _ours()
     assert not leaked, f"leaked in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer with a ChatML template, trained on the embedded chat task's text."""
+    from posttrain.data.tasks import train_chat_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_chat_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+#: Tiny ``transformers`` configs per family (random weights; nothing downloaded).
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def make_tiny_model(family: str, path, tokenizer_dir: str, *, seed: int = 0, layers: int = 2) -> str:
+    """A random ``family`` causal LM saved with ``save_pretrained`` into ``path``, with the tokenizer."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = {"llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
+              "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+              "mistral": lambda: transformers.MistralConfig(**common, tie_word_embeddings=False,
+                                                            sliding_window=None)}[family]()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, chat_tokenizer_dir):
+    """``tiny_model(family)``: the directory of a tiny random model of that family (made once)."""
+    made = {}
+
+    def get(family: str = "llama") -> str:
+        if family not in made:
+            made[family] = make_tiny_model(family, tmp_path_factory.mktemp(family), chat_tokenizer_dir)
+        return made[family]
+
+    return get

@@ -1,14 +1,13 @@
-"""Embedded datasets and the JSONL loader. A failure pinpoints a profile with the wrong shape,
-non-reproducible data, or a loader that accepts bad lines or reports them unclearly."""
+"""Embedded synthetic data. A failure pinpoints a profile with the wrong shape or non-reproducible
+data (record formats and files: test_data_formats.py)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 
 import pytest
 
-from posttrain.data import PROFILES, load_jsonl, profile_lengths, synthetic_sequences
+from posttrain.data import PROFILES, profile_lengths, synthetic_sequences
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -51,41 +50,3 @@ def test_synthetic_sequences_follow_the_counting_task():
 def test_unknown_profile_lists_choices():
     with pytest.raises(ValueError, match="long_tail, bimodal, uniform, longalign, swe_smith"):
         profile_lengths("zipf", 3, max_len=64)
-
-
-def test_load_jsonl_token_ids_and_text(tmp_path):
-    p = tmp_path / "d.jsonl"
-    p.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n\n" + json.dumps({"input_ids": [4, 5]}) + "\n")
-    assert [s.tolist() for s in load_jsonl(p)] == [[1, 2, 3], [4, 5]]
-    t = tmp_path / "t.jsonl"
-    t.write_text(json.dumps({"text": "a b c"}) + "\n")
-    fake_tokenizer = lambda text: {"input_ids": [ord(c) for c in text.split()]}  # noqa: E731
-    assert load_jsonl(t, tokenizer=fake_tokenizer)[0].tolist() == [97, 98, 99]
-
-
-def test_load_jsonl_with_a_real_transformers_tokenizer(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
-    p = tmp_path / "t.jsonl"
-    p.write_text(json.dumps({"text": "hello world hello"}) + "\n")
-    assert load_jsonl(p, tokenizer=fast)[0].tolist() == [1, 2, 1]
-
-
-@pytest.mark.parametrize(
-    "line, message",
-    [
-        ("{not json", "not valid JSON"),
-        (json.dumps({"ids": [1, 2]}), "'input_ids' field"),
-        (json.dumps({"input_ids": [1, "x"]}), "list of non-negative token ids"),
-        (json.dumps({"input_ids": [1]}), "at least 2 tokens"),
-    ],
-)
-def test_corrupt_jsonl_line_is_named(tmp_path, line, message):
-    p = tmp_path / "bad.jsonl"
-    p.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + line + "\n")
-    with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{message}"):
-        load_jsonl(p)

@@ -149,7 +149,7 @@ def test_jsonl_data_epochs_and_positions(tmp_path):
     cfg = replace(BASE, data=str(path), sequences=3)
     data = TrainData(cfg, 2)
     assert data.vocab_size == 4 + 5 + 4
-    seen = [tuple(s.tolist()) for k in range(5) for s in data.minibatch(k)]  # 15 positions = 3 epochs
+    seen = [tuple(s.input_ids.tolist()) for k in range(5) for s in data.minibatch(k)]  # 15 positions = 3 epochs
     for epoch in range(3):
         assert len(set(seen[5 * epoch : 5 * epoch + 5])) == 5  # each epoch is a permutation
     assert seen[:5] != seen[5:10]  # reshuffled per epoch

@@ -21,7 +21,9 @@ __all__ = ["PackedMicrobatch", "pack_sequences"]
 class PackedMicrobatch:
     """Attributes:
     inputs: ``(1, total)`` token ids (each sequence without its last token).
-    targets: ``(1, total)`` next-token ids (each sequence without its first token).
+    targets: ``(1, total)`` next-token ids (each sequence without its first token); ``-100`` where
+        a token is not trained. The last token of a sequence is never an input, so no target
+        is predicted across a sequence boundary.
     document_lengths: tokens of each packed sequence, in order.
     """
 
@@ -31,20 +33,41 @@ class PackedMicrobatch:
 
     @property
     def num_tokens(self) -> int:
-        """Loss tokens (one per target)."""
+        """Input tokens (one per target position, trained or not)."""
         return int(self.targets.numel())
 
+    @property
+    def num_trained(self) -> int:
+        """Trained targets."""
+        return int((self.targets != -100).sum())
 
-def pack_sequences(sequences: Sequence[torch.Tensor]) -> PackedMicrobatch:
-    """Pack 1-D (or ``(1, n)``) token sequences of at least 2 tokens each."""
+
+def pack_sequences(sequences: Sequence[torch.Tensor],
+                   labels: Sequence[torch.Tensor | None] | None = None) -> PackedMicrobatch:
+    """Pack 1-D (or ``(1, n)``) token sequences of at least 2 tokens each.
+
+    Args:
+        sequences: token ids.
+        labels: per sequence, the labels of its tokens (``-100``: not trained; ``None``: every
+            token trained), as ``transformers`` takes them: the targets are ``labels[1:]``.
+    """
     if not sequences:
         raise ValueError("nothing to pack: the microbatch has no sequences")
     flat = [s.reshape(-1) for s in sequences]
     for i, s in enumerate(flat):
         if s.numel() < 2:
             raise ValueError(f"sequence {i} has {s.numel()} token(s); next-token training needs at least 2")
+    if labels is None:
+        labels = [None] * len(flat)
+    if len(labels) != len(flat):
+        raise ValueError(f"{len(labels)} label sequences for {len(flat)} sequences")
+    targets = []
+    for i, (s, lab) in enumerate(zip(flat, labels)):
+        if lab is not None and lab.numel() != s.numel():
+            raise ValueError(f"sequence {i} has {s.numel()} tokens but {lab.numel()} labels")
+        targets.append((s if lab is None else lab.reshape(-1))[1:])
     return PackedMicrobatch(
         inputs=torch.cat([s[:-1] for s in flat]).unsqueeze(0),
-        targets=torch.cat([s[1:] for s in flat]).unsqueeze(0),
+        targets=torch.cat(targets).unsqueeze(0),
         document_lengths=[s.numel() - 1 for s in flat],
     )

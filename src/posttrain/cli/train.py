@@ -24,7 +24,8 @@ def _run(args: argparse.Namespace) -> int:
     from posttrain.train.dp import run_training
 
     cfg = train_config(args, progress=True)
-    results = run_training(cfg, world_size=args.world_size, metrics_path=args.metrics)
+    results = run_training(cfg, world_size=args.world_size, metrics_path=args.metrics,
+                           outputs={"--timeline": args.timeline, "--trace": args.trace})
     if results is None or not results[0]["metrics"]:
         return 0
     spans = {f"{cfg.dp_label}+{cfg.balance}": [s for r in results for s in r["spans"]]}

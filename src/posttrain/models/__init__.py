@@ -1,5 +1,6 @@
-"""Small models for examples, tests and benchmarks: a built-in GPT and a ``transformers`` Llama,
-both called as ``model(tokens, document_lengths=None) -> logits`` with blocks in ``model.layers``."""
+"""Models: a built-in GPT, a random ``transformers`` Llama, and any local ``transformers`` causal
+LM checkpoint (in and out), all called as ``model(tokens, document_lengths=None) -> logits``, with
+their blocks where :func:`find_blocks` looks."""
 
 from __future__ import annotations
 
@@ -7,17 +8,22 @@ import torch.nn as nn
 
 from .blocks import checkpoint_blocks, find_blocks
 from .gpt import GPT, GPTConfig, token_loss_sum
+from .hf import HFCausalLM, load_pretrained, save_pretrained, tied_names
 from .llama import LlamaLM, llama_config
 
 __all__ = [
     "GPT",
     "MODELS",
     "GPTConfig",
+    "HFCausalLM",
     "LlamaLM",
     "build_model",
     "checkpoint_blocks",
     "find_blocks",
     "llama_config",
+    "load_pretrained",
+    "save_pretrained",
+    "tied_names",
     "token_loss_sum",
 ]
 

@@ -119,6 +119,11 @@ def packed_positions(document_lengths: list[int], total: int, max_seq_len: int, 
     return torch.cat([torch.arange(n, device=device) for n in document_lengths])
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy; divide by a minibatch-global token count."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the trained targets (``-100``: not
+    trained), each times its weight if ``weights`` (same shape as ``targets``) is given; divide
+    by a minibatch-global count."""
+    if weights is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+    per = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    return (per * weights.flatten().to(per.dtype)).sum()

@@ -1,18 +1,11 @@
-"""A ``transformers`` ``LlamaForCausalLM`` behind the same call as :class:`~posttrain.models.GPT`.
-
-``LlamaLM(config)(tokens, document_lengths)`` returns logits; for packed input it passes
-position ids that restart at every sequence and no attention mask, which ``transformers`` turns
-into a block-diagonal causal mask (``find_packed_sequence_indices``), so attention never crosses
-sequence boundaries. ``model.layers`` are the decoder layers, for per-block FSDP2 sharding.
-Random initialization from a config: nothing is downloaded.
-"""
+"""A randomly initialized ``transformers`` ``LlamaForCausalLM`` of a :class:`GPTConfig`'s shape,
+called like :class:`~posttrain.models.GPT` (see :class:`~posttrain.models.hf.HFCausalLM`).
+Nothing is downloaded."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-
-from .gpt import GPTConfig, packed_positions
+from .gpt import GPTConfig
+from .hf import HFCausalLM
 
 __all__ = ["LlamaLM", "llama_config"]
 
@@ -32,28 +25,11 @@ def llama_config(cfg: GPTConfig):
     )
 
 
-class LlamaLM(nn.Module):
-    """``LlamaForCausalLM`` with a random init; ``forward(tokens, document_lengths=None)``."""
+class LlamaLM(HFCausalLM):
+    """``LlamaForCausalLM`` of shape ``cfg`` with a random init; ``forward(tokens, document_lengths=None)``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
         from transformers import LlamaForCausalLM
 
+        super().__init__(LlamaForCausalLM(llama_config(cfg)))
         self.cfg = cfg
-        self.hf = LlamaForCausalLM(llama_config(cfg))
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.hf.model.layers
-
-    def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None) -> torch.Tensor:
-        t = tokens.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
-        if document_lengths is None:
-            pos = torch.arange(t, device=tokens.device)
-        else:
-            if tokens.shape[0] != 1:
-                raise ValueError(f"packed input must have batch size 1, got {tokens.shape[0]}")
-            pos = packed_positions(document_lengths, t, self.cfg.max_seq_len, tokens.device)
-        return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False).logits

@@ -1,4 +1,5 @@
-"""Data-parallel training runs (``posttrain train``): a GPT or Llama on synthetic or JSONL data,
+"""Data-parallel training runs (``posttrain train``): a built-in model or a local ``transformers``
+checkpoint on synthetic data or records (chat, prompt/completion, text, token ids) with loss masks,
 sharded by any :mod:`posttrain.dp` engine, balanced by :mod:`posttrain.balance`.
 
 - :mod:`.config`: :class:`TrainConfig`;
@@ -6,7 +7,7 @@ sharded by any :mod:`posttrain.dp` engine, balanced by :mod:`posttrain.balance`.
 - :mod:`.loop`: building the model, engine and optimizer; one rank's loop;
 - :mod:`.checkpoint`: save, resume (any world size), refusal of mismatched checkpoints;
 - :mod:`.metrics`: per-step metrics, their summary and files;
-- :mod:`.ideal`: the even and partition bounds (no communication);
+- :mod:`.bounds`: the even and partition bounds (no communication);
 - :mod:`.launch`: forked CPU processes or torchrun.
 """
 
@@ -19,15 +20,55 @@ from .bounds import (
 )
 from .checkpoint import check_resumable, latest_checkpoint, resume, save_checkpoint
 from .config import DP_CHOICES, OPTIMIZERS, PRECISIONS, SYNTHETIC_VOCAB, TrainConfig
-from .launch import run_training, under_torchrun
-from .loop import Training, build_training, make_optimizer, microbatch_loss, plan_step, train_worker
+from .launch import check_output_path, export_checkpoint, run_training, under_torchrun
+from .loop import (
+    Training,
+    build_training,
+    export_model,
+    loss_units,
+    make_optimizer,
+    microbatch_loss,
+    plan_step,
+    step_cost,
+    train_worker,
+)
 from .metrics import STAT_FIELDS, gather_step_stats, summarize, write_metrics
-from .minibatches import TrainData
+from .minibatches import Sample, TrainData, load_tokenizer, model_vocab_size
 
 __all__ = [
-    "DP_CHOICES", "OPTIMIZERS", "PARTITION_CANDIDATES", "PRECISIONS", "STAT_FIELDS", "SYNTHETIC_VOCAB", "TrainConfig",
-    "TrainData", "Training", "build_training", "check_resumable", "gather_step_stats",
-    "latest_checkpoint", "make_optimizer", "microbatch_loss", "pack_share", "partition_bound_worker",
-    "partition_candidates", "plan_step", "resume", "run_training", "save_checkpoint", "sequence_times_worker",
-    "summarize", "train_worker", "under_torchrun", "write_metrics",
+                    "DP_CHOICES",
+                    "OPTIMIZERS",
+                    "PARTITION_CANDIDATES",
+                    "PRECISIONS",
+                    "STAT_FIELDS",
+                    "SYNTHETIC_VOCAB",
+                    "Sample",
+                    "TrainConfig",
+                    "TrainData",
+                    "Training",
+                    "build_training",
+                    "check_output_path",
+                    "check_resumable",
+                    "export_checkpoint",
+                    "export_model",
+                    "gather_step_stats",
+                    "latest_checkpoint",
+                    "load_tokenizer",
+                    "loss_units",
+                    "make_optimizer",
+                    "microbatch_loss",
+                    "model_vocab_size",
+                    "pack_share",
+                    "partition_bound_worker",
+                    "partition_candidates",
+                    "plan_step",
+                    "resume",
+                    "run_training",
+                    "save_checkpoint",
+                    "sequence_times_worker",
+                    "step_cost",
+                    "summarize",
+                    "train_worker",
+                    "under_torchrun",
+                    "write_metrics",
 ]

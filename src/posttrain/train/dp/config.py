@@ -36,8 +36,24 @@ class TrainConfig:
             every rank runs the same number of microbatches, like FSDP).
         balance: balancing method (``round_robin``, ``local_sort``, ``same_micro``, ``diff_micro``).
         profile: embedded length profile; unused with ``data``.
-        data: a JSONL file of ``input_ids`` lines to train on instead of synthetic sequences.
-        model: ``gpt`` (built in) or ``llama`` (``transformers.LlamaForCausalLM``, random init).
+        data: train on this instead of synthetic sequences: a JSONL or JSON file, or a ``datasets``
+            ``save_to_disk`` folder, of chat ``messages``, ``prompt``/``completion``, ``text`` or
+            ``input_ids`` (+ ``labels``) records (docs/data.md).
+        model: ``gpt`` (built in) or ``llama`` (``transformers.LlamaForCausalLM``, random init);
+            ignored with ``model_path``.
+        model_path: a local ``transformers`` causal LM directory (config and safetensors) to start
+            from, with its weights; its tokenizer is used when it has one.
+        tokenizer: a tokenizer directory (default: ``model_path``'s).
+        train_on_prompt: train every token, not only the assistant's (completion's).
+        loss_norm: ``token``: the mean loss over the minibatch's trained tokens; ``sequence``: each
+            sequence's mean, then the mean over sequences.
+        truncate: cut sequences longer than ``max_tokens`` + 1 tokens instead of refusing them.
+        skip_long: leave out sequences longer than ``max_tokens`` + 1 tokens instead of refusing them.
+        vocab_size: the vocabulary of the built-in models on pre-tokenized data (default: the
+            tokenizer's, else the largest id + 1); an id outside it is an error.
+        output_dir: write a ``transformers`` model directory (weights, config, tokenizer) here
+            after the last step (and every ``save_every`` steps).
+        save_every: also write ``output_dir`` every this many steps (0: only at the end).
         precision: ``fp32``, or ``bf16`` (bf16 parameters and compute, fp32 gradient reduction and
             master weights).
         deterministic: ODC engines: bitwise identical runs.
@@ -63,6 +79,13 @@ class TrainConfig:
     profile: str = field(default="long_tail", metadata={"choices": lambda: PROFILES})
     data: str | None = None
     model: Literal["gpt", "llama"] = "gpt"
+    model_path: str | None = None
+    tokenizer: str | None = None
+    train_on_prompt: bool = False
+    loss_norm: Literal["token", "sequence"] = "token"
+    truncate: bool = False
+    skip_long: bool = False
+    vocab_size: int | None = None
     precision: Literal["fp32", "bf16"] = "fp32"
     deterministic: bool = False
     activation_checkpointing: bool = False
@@ -78,6 +101,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    output_dir: str | None = None
+    save_every: int = 0
     progress: bool = field(default=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
@@ -96,6 +121,18 @@ class TrainConfig:
             raise ValueError("--odc-mode collective is for the ODC engines (--dp odc or odc-fsdp2); FSDP2 always is")
         if self.dp == "fsdp" and self.deterministic:
             raise ValueError("--deterministic is for the ODC engines (--dp odc or odc-fsdp2)")
+        if self.loss_norm not in ("token", "sequence"):
+            raise ValueError(f"--loss-norm={self.loss_norm!r} is not one of token, sequence")
+        if self.truncate and self.skip_long:
+            raise ValueError("--truncate and --skip-long exclude each other: choose one")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"--vocab-size={self.vocab_size} must be at least 2")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every={self.save_every} must be non-negative")
+        if self.save_every and not self.output_dir:
+            raise ValueError("--save-every needs --output-dir")
+        if self.output_dir and self.model_path is None and self.model == "gpt":
+            raise ValueError("--output-dir writes a transformers model: give --model-path (or --model llama)")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
         if not self.lr > 0:
@@ -132,8 +169,9 @@ class TrainConfig:
 
 
 #: Fields that decide which data each step sees; a resumed run must agree on them.
-DATA_FIELDS = ("profile", "data", "sequences", "max_len", "seed")
+DATA_FIELDS = ("profile", "data", "sequences", "max_len", "seed", "train_on_prompt", "truncate", "skip_long")
 #: Fields that decide the shapes a checkpoint holds, with their flags (``max_tokens`` sizes the
 #: built-in GPT's position table).
-STATE_FIELDS = (("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"), ("optimizer", "--optimizer"))
+STATE_FIELDS = (("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
+                ("optimizer", "--optimizer"))
 __all__ += ["DATA_FIELDS", "STATE_FIELDS"]

@@ -9,13 +9,33 @@ import torch.distributed as dist
 
 from posttrain.launch import RanksFailedError, run_ranks
 
-from .checkpoint import check_resumable
+from .checkpoint import check_resumable, latest_checkpoint
 from .config import TrainConfig
-from .loop import train_worker
+from .loop import build_training, export_model, train_worker
 from .metrics import summarize, write_metrics
-from .minibatches import TrainData
+from .minibatches import TrainData, model_vocab_size
 
-__all__ = ["run_training", "under_torchrun"]
+__all__ = ["check_output_path", "export_checkpoint", "run_training", "under_torchrun"]
+
+
+def check_output_path(flag: str, path: str | None, *, directory: bool) -> None:
+    """Refuse, before any work, an output path that cannot be written: under a regular file, in
+    an unwritable folder, or a directory where a file goes (and the reverse)."""
+    if not path:
+        return
+    p = os.path.abspath(path)
+    if os.path.exists(p):
+        if directory and not os.path.isdir(p):
+            raise ValueError(f"{flag} {path} is a file, not a directory")
+        if not directory and os.path.isdir(p):
+            raise ValueError(f"{flag} {path} is a directory; give a file name")
+    parent = p if directory and os.path.isdir(p) else os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, so nothing can be created under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {parent} is not writable")
 
 
 def under_torchrun() -> bool:
@@ -38,7 +58,7 @@ def _torchrun_results(cfg: TrainConfig) -> list[dict] | None:
 
 
 def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | None = None,
-                 quiet: bool = False) -> list[dict] | None:
+                 quiet: bool = False, outputs: dict[str, str | None] | None = None) -> list[dict] | None:
     """Train ``cfg`` on ``world_size`` forked CPU processes, or on this process's rank when
     launched by ``torchrun`` (then ``world_size`` comes from torchrun and only rank 0 returns
     results and prints).
@@ -48,6 +68,7 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | N
         world_size: CPU processes (ignored under torchrun).
         metrics_path: every rank's per-step metrics, as CSV (``.csv``) or JSON lines.
         quiet: print nothing.
+        outputs: more output files to check before training, ``{flag: path}``.
 
     Returns:
         Every rank's :func:`~posttrain.train.train_worker` result (None on torchrun ranks other than 0).
@@ -61,11 +82,21 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | N
         lead = True
     if world_size % cfg.replicas:
         raise ValueError(f"--replicas={cfg.replicas} does not divide --world-size={world_size}")
-    TrainData(cfg, world_size)  # validate data against the world size before starting ranks
-    check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
     say = print if (lead and not quiet) else (lambda *a, **k: None)
+    check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
+    check_output_path("--output-dir", cfg.output_dir, directory=True)
+    for flag, path in {"--metrics": metrics_path, **(outputs or {})}.items():
+        check_output_path(flag, path, directory=False)
+    check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
+    # Tokenize (once, cached) and validate the data against the world size before starting ranks.
+    data = TrainData(cfg, world_size, log=say)
+    if data.dropped:
+        say(f"--skip-long: left out {data.dropped} of {len(data.dataset)} sequences longer than {cfg.max_tokens + 1} tokens")
+    if data.truncated:
+        say(f"--truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
     source = cfg.data or f"{cfg.profile} synthetic"
-    say(f"posttrain: {cfg.dp_label}+{cfg.balance} on {world_size} CPU processes, {cfg.model} {cfg.num_layers}x{cfg.dim} "
+    model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
+    say(f"posttrain: {cfg.dp_label}+{cfg.balance} on {world_size} CPU processes, {model} "
         f"{cfg.precision}, {cfg.sequences} {source} sequences per step, {cfg.steps} steps", flush=True)
     if under_torchrun():
         results = _torchrun_results(cfg)
@@ -88,3 +119,55 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | N
         write_metrics(results, metrics_path)
         say(f"wrote {metrics_path}")
     return results
+
+
+def _find_checkpoint(path: str) -> tuple[str, dict]:
+    import json
+
+    if os.path.isfile(os.path.join(path, "posttrain.json")):
+        with open(os.path.join(path, "posttrain.json")) as f:
+            return path, json.load(f)
+    found = latest_checkpoint(path) if os.path.isdir(path) else None
+    if found is None:
+        raise ValueError(f"{path}: not a posttrain checkpoint (no posttrain.json, no 'latest' pointer)")
+    return found
+
+
+def _export_worker(rank: int, world_size: int, cfg: TrainConfig, path: str, vocab_size: int) -> str | None:
+    import torch.distributed.checkpoint as dcp
+
+    run = build_training(cfg, vocab_size)
+    try:
+        state = run.engine.state_dict(run.optimizer)
+        dcp.load(state, checkpoint_id=path)
+        run.engine.load_state_dict(state, run.optimizer)
+        return export_model(cfg, run.engine, run.model, rank, run.tied)
+    finally:
+        run.engine.close()
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
+    """Turn a training checkpoint (a ``--checkpoint-dir``, or one ``step-N`` folder in it) into a
+    ``transformers`` model directory at ``out_dir``, on one process (DCP reshards to it).
+
+    The run must have trained a ``transformers`` model (``--model-path``, whose directory still
+    gives the config and tokenizer, or ``--model llama``)."""
+    from dataclasses import fields, replace
+
+    path, meta = _find_checkpoint(checkpoint)
+    saved = meta.get("full_config")
+    if not saved:
+        raise ValueError(f"{path}: the checkpoint does not record its run's configuration; it cannot be exported")
+    known = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    cfg = replace(cfg, output_dir=out_dir, save_every=0, checkpoint_dir=None, replicas=1, progress=False)
+    if cfg.model_path and not os.path.isdir(cfg.model_path):
+        raise ValueError(f"{path} was trained from --model-path {cfg.model_path}, which is gone; export needs its "
+                         "config and tokenizer")
+    check_output_path("OUT_DIR", out_dir, directory=True)
+    # The vocabulary: the model's with --model-path; else that of the run's data (synthetic, or
+    # the data file's, which must still be there).
+    vocab = model_vocab_size(cfg) or TrainData(cfg, 1).vocab_size
+    log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")
+    run_ranks(_export_worker, 1, cfg, path, vocab, timeout_s=24 * 3600)
+    return out_dir

@@ -6,9 +6,12 @@ Composes the mechanisms: :class:`~posttrain.train.TrainData` makes each minibatc
 (``equal_microbatches``: FSDP2, ODC's collective mode) gets zero-weight one-token dummy
 microbatches on the ranks with fewer - the cost such engines pay for imbalance.
 
-Each microbatch's summed token loss is divided by the engine's loss divisor for the minibatch
-(see [Note: data-parallel engines]), so every engine computes the same gradient: that of the
-mean token loss of the whole minibatch.
+Each microbatch's summed loss is divided by the engine's loss divisor for the minibatch (see
+[Note: data-parallel engines]), so every engine computes the same gradient: that of the mean
+loss of the whole minibatch, for any placement of sequences on ranks and microbatches. What is
+counted (``--loss-norm``): ``token``, the trained tokens (each token's loss counts once);
+``sequence``, the sequences with a trained token (each token's loss weighted by one over its
+sequence's trained tokens). Balancing costs count every token, trained or not.
 
 Timing (see :mod:`posttrain.spans`): a step starts after a barrier outside the minibatch and
 ends when the slowest rank has finished its optimizer step. Per rank, *compute* is time inside
@@ -28,15 +31,16 @@ import torch.nn as nn
 
 from posttrain.balance import FlopsCost, Plan, pack_sequences, plan_minibatch
 from posttrain.dp import DataParallelEngine, build_engine
-from posttrain.models import build_model, token_loss_sum
+from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
 from posttrain.spans import COMM_KINDS, Recorder
 
 from .checkpoint import resume, save_checkpoint
 from .config import TrainConfig
 from .metrics import gather_step_stats
-from .minibatches import TrainData
+from .minibatches import Sample, TrainData, load_tokenizer
 
-__all__ = ["Training", "build_training", "make_optimizer", "microbatch_loss", "plan_step", "train_worker"]
+__all__ = ["Training", "build_training", "export_model", "loss_units", "make_optimizer", "microbatch_loss", "plan_step",
+           "step_cost", "train_worker"]
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Training:
     model: nn.Module
     engine: DataParallelEngine
     optimizer: torch.optim.Optimizer
+    #: parameter names that alias another (tied embeddings), found before sharding
+    tied: dict[str, str]
 
 
 def make_optimizer(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
@@ -59,25 +65,75 @@ def make_optimizer(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> torch.op
 
 
 def build_training(cfg: TrainConfig, vocab_size: int) -> Training:
-    """The model of ``cfg`` (seeded), sharded by ``cfg.dp``, and its optimizer (a collective)."""
+    """The model of ``cfg`` (``--model-path``'s weights, or seeded), sharded by ``cfg.dp``, and its
+    optimizer (a collective)."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.model_config(vocab_size))
+    model = load_pretrained(cfg.model_path) if cfg.model_path else build_model(cfg.model, cfg.model_config(vocab_size))
+    tied = tied_names(model)
     engine = build_engine(cfg.dp, model, cfg.engine_config())
-    return Training(model, engine, make_optimizer(cfg, engine.parameters()))
+    return Training(model, engine, make_optimizer(cfg, engine.parameters()), tied)
 
 
-def plan_step(cfg: TrainConfig, seqs: Sequence[torch.Tensor], world_size: int, cost: FlopsCost,
+def step_cost(cfg: TrainConfig, vocab_size: int) -> FlopsCost:
+    """The balancer's cost of a sequence: training FLOPs of the model ``cfg`` trains."""
+    if cfg.model_path:
+        from transformers import AutoConfig
+
+        return FlopsCost.from_config(AutoConfig.from_pretrained(cfg.model_path))
+    return FlopsCost.from_config(cfg.model_config(vocab_size))
+
+
+def plan_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], world_size: int, cost: FlopsCost,
               method: str | None = None) -> Plan:
-    """The balancing plan of one minibatch (lengths are sequences' loss tokens)."""
+    """The balancing plan of one minibatch (lengths are the sequences' input tokens, trained or not)."""
     return plan_minibatch([len(s) - 1 for s in seqs], world_size=world_size, max_tokens=cfg.max_tokens,
                           method=method or cfg.balance, cost=cost)
 
 
-def microbatch_loss(model: nn.Module, seqs: Sequence[torch.Tensor], ids: Sequence[int], scale: float) -> torch.Tensor:
-    """The packed microbatch of ``seqs[ids]``: its summed next-token loss times ``scale``."""
-    packed = pack_sequences([seqs[i] for i in ids])
+def _sample(s: Sample | torch.Tensor) -> Sample:
+    return s if isinstance(s, Sample) else Sample(s.reshape(-1))
+
+
+def loss_units(seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], loss_norm: str = "token") -> int:
+    """What the loss of ``seqs[ids]`` is averaged over: trained tokens (``token``), or sequences
+    with a trained token (``sequence``)."""
+    samples = [_sample(seqs[i]) for i in ids]
+    if loss_norm == "sequence":
+        return sum(1 for s in samples if s.trained)
+    return sum(s.trained for s in samples)
+
+
+def microbatch_loss(model: nn.Module, seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], scale: float,
+                    loss_norm: str = "token") -> torch.Tensor:
+    """The packed microbatch of ``seqs[ids]``: its summed loss times ``scale``, where a trained
+    token's loss counts once (``token``) or one over its sequence's trained tokens (``sequence``)."""
+    samples = [_sample(seqs[i]) for i in ids]
+    packed = pack_sequences([s.input_ids for s in samples], [s.labels for s in samples])
     logits = model(packed.inputs, document_lengths=packed.document_lengths)
-    return token_loss_sum(logits, packed.targets) * scale
+    weights = None
+    if loss_norm == "sequence":
+        weights = torch.cat([torch.full((len(s) - 1,), 1.0 / max(1, s.trained)) for s in samples]).unsqueeze(0)
+    return token_loss_sum(logits, packed.targets, weights) * scale
+
+
+def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module, rank: int,
+                 tied: dict[str, str]) -> str | None:
+    """Write ``cfg.output_dir`` from the engine's shards (a collective; rank 0 writes); ``tied``:
+    :func:`~posttrain.models.tied_names` of the model before it was sharded."""
+    from transformers import GenerationConfig
+
+    tokenizer, _ = load_tokenizer(cfg)
+    hf = model.hf
+    gen = None
+    if cfg.model_path:
+        try:
+            gen = GenerationConfig.from_pretrained(cfg.model_path)
+        except OSError:
+            gen = getattr(hf, "generation_config", None)
+    out = save_pretrained(engine.iter_full_state(), cfg.output_dir, config=hf.config, tokenizer=tokenizer,
+                          generation_config=gen, skip=tied, write=rank == 0)
+    dist.barrier()
+    return out
 
 
 _DUMMY = torch.zeros(1, 1, dtype=torch.long)
@@ -97,7 +153,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     model, engine, opt = run.model, run.engine, run.optimizer
     engine.set_comm_hook(rec.add)
     pad = engine.equal_microbatches
-    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
+    cost = step_cost(cfg, data.vocab_size)
     bar = None
     metrics = []
     try:
@@ -115,19 +171,22 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
             rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
             total = sum(plan.rank_tokens)
+            units = loss_units(seqs, range(len(seqs)), cfg.loss_norm)
             dist.barrier()  # step start, outside any minibatch
             t0 = time.perf_counter()
             rec.clear()  # keep one step's spans: the timeline shows the last step
             loss_sum = torch.zeros((), dtype=torch.float64)
-            with engine.minibatch(sum(m.num_tokens for m in mine)) as mb:
-                if mb.global_tokens != total:
-                    raise AssertionError(f"the engine counts {mb.global_tokens} tokens in step {step}, the plan {total}")
+            own_units = sum(loss_units(seqs, m.sequence_ids, cfg.loss_norm) for m in mine)
+            with engine.minibatch(own_units) as mb:
+                if mb.global_tokens != units:
+                    raise AssertionError(f"the engine counts {mb.global_tokens} loss units in step {step}, the data {units}")
+                divisor = mb.loss_divisor if units else 1.0  # nothing trained: a zero gradient
                 for j in range(rounds if pad else len(mine)):
                     with rec.span("microbatch"):
                         if j < len(mine):
-                            token_loss = microbatch_loss(model, seqs, mine[j].sequence_ids, 1.0)
+                            token_loss = microbatch_loss(model, seqs, mine[j].sequence_ids, 1.0, cfg.loss_norm)
                             loss_sum += token_loss.detach()
-                            loss = token_loss / mb.loss_divisor
+                            loss = token_loss / divisor
                         else:
                             loss = model(_DUMMY).sum() * 0.0  # keeps the rendezvous matched
                         loss.backward()
@@ -143,7 +202,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                    "microbatches": len(mine), "rank_tokens": sum(m.num_tokens for m in mine)}
             col = gather_step_stats(own, world_size)
             step_time = float(col["busy_s"].max())
-            loss = float(col["loss"].sum()) / total
+            loss = float(col["loss"].sum()) / max(1, units)
             metrics.append({
                 "step": step, "rank": rank, "loss": loss, "tokens": total,
                 "tokens_per_s": total / step_time, "step_time_s": step_time,
@@ -156,6 +215,10 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
             if cfg.checkpoint_dir and due:
                 save_checkpoint(cfg, engine, opt, step, rank)
+            if cfg.output_dir and (step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+                export_model(cfg, engine, model, rank, run.tied)
+                if bar is not None:
+                    bar.write(f"wrote {cfg.output_dir} after step {step + 1}")
             if bar is not None and (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps):
                 util = float((col["compute_s"] / step_time).mean())
                 bar.write(f"step {step:4d}  loss {loss:.4f}  {total:6d} tokens  {total / step_time:8.0f} tokens/s  "

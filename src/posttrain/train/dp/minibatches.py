@@ -2,50 +2,169 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 import torch
 
-from posttrain.data import load_jsonl, profile_lengths, synthetic_sequences
+from posttrain.data import load_tokenized, profile_lengths, synthetic_sequences
 
 from .config import SYNTHETIC_VOCAB, TrainConfig
 
-__all__ = ["TrainData"]
+__all__ = ["Sample", "TrainData", "load_tokenizer", "model_vocab_size"]
+
+#: Largest vocabulary inferred from pre-tokenized data without --vocab-size.
+_MAX_INFERRED_VOCAB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sequence of a step: its token ids and labels (``-100``: not trained; ``None``: every
+    token after the first is a trained target)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @cached_property
+    def trained(self) -> int:
+        """Trained next-token targets."""
+        if self.labels is None:
+            return len(self) - 1
+        return int((self.labels[1:] != -100).sum())
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                "tokenizer.model"))
+
+
+def load_tokenizer(cfg: TrainConfig):
+    """``(tokenizer, directory)`` of ``--tokenizer`` or, when it has tokenizer files,
+    ``--model-path``; ``(None, None)`` when neither gives one."""
+    path = cfg.tokenizer or (cfg.model_path if cfg.model_path and _has_tokenizer(cfg.model_path) else None)
+    if path is None:
+        return None, None
+    if not os.path.isdir(path):
+        raise ValueError(f"--tokenizer {path}: not a directory")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path), path
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer {path}: transformers cannot load a tokenizer there ({e})") from None
+
+
+def model_vocab_size(cfg: TrainConfig) -> int | None:
+    """The vocabulary of ``--model-path``'s config (``None`` without one)."""
+    if cfg.model_path is None:
+        return None
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+        raise ValueError(f"--model-path {cfg.model_path}: no config.json (expected a transformers model directory)")
+    return int(AutoConfig.from_pretrained(cfg.model_path).vocab_size)
 
 
 class TrainData:
     """The sequences of every step, identical on every rank.
 
     Synthetic: step ``k`` draws ``sequences`` lengths from the profile with a seed derived from
-    ``(seed, k)``. JSONL: a seeded permutation per epoch; step ``k`` takes positions
-    ``k*sequences .. (k+1)*sequences - 1`` of the concatenated epochs. Either way the data
-    position after step ``k`` is ``(k+1) * sequences``, which a checkpoint records.
+    ``(seed, k)``. A data file: records tokenized once and cached
+    (:func:`posttrain.data.load_tokenized`), a seeded permutation per epoch; step ``k`` takes
+    positions ``k*sequences .. (k+1)*sequences - 1`` of the concatenated epochs. Either way the
+    data position after step ``k`` is ``(k+1) * sequences``, which a checkpoint records.
+
+    Attributes:
+        vocab_size: the vocabulary the model needs (the model's with ``model_path``).
+        dataset: the tokenized data (``None`` when synthetic).
+        dropped: sequences left out by ``skip_long``; truncated: sequences cut by ``truncate``.
     """
 
-    def __init__(self, cfg: TrainConfig, world_size: int) -> None:
+    def __init__(self, cfg: TrainConfig, world_size: int, *, log=None) -> None:
         self.cfg = cfg
-        self.file_sequences = None
-        if cfg.data is not None:
-            seqs = load_jsonl(cfg.data, max_tokens=cfg.max_tokens)
-            if len(seqs) < world_size:
-                raise ValueError(f"{cfg.data} holds {len(seqs)} sequences, fewer than the {world_size} ranks")
-            if cfg.sequences > len(seqs):
-                raise ValueError(f"--sequences={cfg.sequences} exceeds the {len(seqs)} sequences in {cfg.data}")
-            self.file_sequences = seqs
-            self.vocab_size = max(int(s.max()) for s in seqs) + 1
-        else:
-            self.vocab_size = SYNTHETIC_VOCAB
+        self.dataset = None
+        self.dropped = self.truncated = 0
+        self._index = None
+        self._perm = None
         if cfg.sequences < world_size:
             raise ValueError(f"--sequences={cfg.sequences} is fewer than the {world_size} ranks; every rank needs data")
+        model_vocab = model_vocab_size(cfg)
+        if cfg.data is None:
+            if model_vocab is not None and model_vocab < SYNTHETIC_VOCAB:
+                raise ValueError(f"synthetic data uses {SYNTHETIC_VOCAB} token ids; --model-path has a vocabulary "
+                                 f"of {model_vocab}")
+            self.vocab_size = model_vocab or SYNTHETIC_VOCAB
+            return
+        tokenizer, tok_path = load_tokenizer(cfg)
+        ds = load_tokenized(cfg.data, tokenizer, tokenizer_path=tok_path, train_on_prompt=cfg.train_on_prompt,
+                            progress=log is not None, log=log or (lambda *a, **k: None))
+        self.dataset = ds
+        if model_vocab is not None:
+            vocab, flag = model_vocab, "--model-path's vocabulary"
+        elif cfg.vocab_size is not None:
+            vocab, flag = cfg.vocab_size, f"--vocab-size={cfg.vocab_size}"
+        elif tokenizer is not None:
+            vocab, flag = len(tokenizer), "the tokenizer's vocabulary"
+        else:
+            vocab, flag = ds.max_id + 1, None
+            if vocab > _MAX_INFERRED_VOCAB:
+                flag = f"the {_MAX_INFERRED_VOCAB} ids posttrain infers without --vocab-size"
+                vocab = _MAX_INFERRED_VOCAB
+        if ds.max_id >= vocab:
+            max_ids = np.asarray(ds.table["max_id"], dtype=np.int64)
+            bad = int(np.nonzero(max_ids >= vocab)[0][0])
+            raise ValueError(f"{ds.where(bad)}: token id {int(max_ids[bad])} is outside {flag} ({vocab} ids); "
+                             "give the right --vocab-size or --tokenizer")
+        self.vocab_size = vocab
+        limit = cfg.max_tokens + 1  # a sequence of n tokens trains on n - 1 positions
+        long = np.nonzero(ds.lengths > limit)[0]
+        keep = np.arange(len(ds))
+        if long.size:
+            first = int(long[0])
+            if cfg.skip_long:
+                keep = np.nonzero(ds.lengths <= limit)[0]
+                self.dropped = int(long.size)
+            elif cfg.truncate:
+                self.truncated = int(long.size)
+            else:
+                n = int(ds.lengths[first])
+                raise ValueError(f"{ds.where(first)}: a sequence of {n} tokens trains on {n - 1}, more than "
+                                 f"--max-tokens={cfg.max_tokens} fit in a microbatch ({long.size} such sequences); "
+                                 "raise --max-tokens, or give --truncate or --skip-long")
+        self._index = keep
+        if len(keep) < world_size:
+            raise ValueError(f"{cfg.data} holds {len(keep)} usable sequences, fewer than the {world_size} ranks")
+        if cfg.sequences > len(keep):
+            raise ValueError(f"--sequences={cfg.sequences} exceeds the {len(keep)} usable sequences in {cfg.data}")
 
-    def minibatch(self, step: int) -> list[torch.Tensor]:
-        """The sequences of step ``step`` (token ids, each trained on its length minus one)."""
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(len(self._index), generator=g))
+        return self._perm[1]
+
+    @property
+    def num_sequences(self) -> int | None:
+        """Usable sequences in the data file (``None``: synthetic)."""
+        return None if self._index is None else len(self._index)
+
+    def minibatch(self, step: int) -> list[Sample]:
+        """The sequences of step ``step`` (each trained on at most its length minus one)."""
         cfg = self.cfg
-        if self.file_sequences is None:
+        if self.dataset is None:
             seed = cfg.seed * 100_003 + step
             lengths = profile_lengths(cfg.profile, cfg.sequences, max_len=cfg.max_len, seed=seed)
-            return synthetic_sequences([n + 1 for n in lengths], vocab_size=SYNTHETIC_VOCAB, seed=seed)
-        n, out = len(self.file_sequences), []
+            return [Sample(s) for s in synthetic_sequences([n + 1 for n in lengths], vocab_size=SYNTHETIC_VOCAB,
+                                                           seed=seed)]
+        n, out = len(self._index), []
         for pos in range(step * cfg.sequences, (step + 1) * cfg.sequences):
             epoch, i = divmod(pos, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
-            out.append(self.file_sequences[int(perm[i])])
+            perm = self._permutation(epoch)
+            ids, labels = self.dataset.example(int(self._index[int(perm[i])]), max_len=cfg.max_tokens + 1)
+            out.append(Sample(ids, labels))
         return out

@@ -1,4 +1,4 @@
-"""Training data: embedded synthetic datasets with named length profiles, and a JSONL loader.
+"""Embedded synthetic data: named length profiles and a counting task.
 
 Synthetic sequences need no download. Each one counts up from a random start with a random
 stride (mod the vocabulary), a task a small model learns in a few dozen steps, so the loss falls
@@ -18,15 +18,13 @@ The last two are stand-ins with the published mean and a long tail, not the data
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-__all__ = ["PROFILES", "PUBLISHED_SHAPES", "load_jsonl", "profile_lengths", "synthetic_sequences"]
+__all__ = ["PROFILES", "PUBLISHED_SHAPES", "profile_lengths", "synthetic_sequences"]
 
 PROFILES = ("long_tail", "bimodal", "uniform", "longalign", "swe_smith")
 _MIN_LEN = 8
@@ -78,50 +76,4 @@ def synthetic_sequences(lengths: Sequence[int], *, vocab_size: int, seed: int = 
         start = torch.randint(0, vocab_size, (1,), generator=g)
         stride = torch.randint(1, 4, (1,), generator=g)
         seqs.append((start + stride * torch.arange(n)) % vocab_size)
-    return seqs
-
-
-def load_jsonl(path: str | Path, *, tokenizer=None, field: str | None = None,
-               max_tokens: int | None = None) -> list[torch.Tensor]:
-    """Sequences from a JSONL file: one object per line with ``input_ids`` (a list of ints) or,
-    with a ``transformers`` tokenizer, ``text``.
-
-    Args:
-        path: the file.
-        tokenizer: a tokenizer callable (``tokenizer(text)["input_ids"]``) for ``text`` lines.
-        field: the key to read (default ``input_ids``, or ``text`` when a tokenizer is given).
-        max_tokens: if given, a sequence that trains on more tokens than this (its length minus
-            one: inputs predict the next token) is an error naming its line.
-
-    Raises:
-        ValueError: a line that is not JSON, lacks the field, or holds something other than token
-            ids / text, named by file and line number.
-    """
-    path = Path(path)
-    key = field or ("text" if tokenizer is not None else "input_ids")
-    seqs = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or key not in obj:
-                raise ValueError(f"{where}: expected an object with a {key!r} field")
-            value = obj[key]
-            if tokenizer is not None and isinstance(value, str):
-                value = tokenizer(value)["input_ids"]
-            if not isinstance(value, list) or not all(isinstance(t, int) and t >= 0 for t in value):
-                raise ValueError(f"{where}: {key!r} must be a list of non-negative token ids")
-            if len(value) < 2:
-                raise ValueError(f"{where}: a sequence needs at least 2 tokens, got {len(value)}")
-            if max_tokens is not None and len(value) - 1 > max_tokens:
-                raise ValueError(f"{where}: a sequence of {len(value)} tokens trains on {len(value) - 1}, more "
-                                 f"than --max-tokens={max_tokens} fit in a microbatch; raise --max-tokens")
-            seqs.append(torch.tensor(value, dtype=torch.long))
-    if not seqs:
-        raise ValueError(f"{path}: no sequences")
     return seqs
