@@ -102,3 +102,31 @@ def test_train_bad_choice_and_budget(run_cli):
     proc = run_cli("train", "--max-len", "100", "--max-tokens", "50")
     assert proc.returncode == 2 and "--max-tokens=50 is smaller than the longest sequence" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_config_file_sets_flags_and_the_command_line_wins(cli, tmp_path):
+    toml = tmp_path / "run.toml"
+    metrics = tmp_path / "m.jsonl"
+    toml.write_text(f'dp = "fsdp"\nbalance = "same_micro"\nsteps = 1\nsequences = 4\nmax-len = 64\ndim = 32\n'
+                    f'layers = 1\nmetrics = "{metrics}"\n')
+    rc, out, err = cli("train", "--config", str(toml))
+    assert rc == 0, err
+    assert "fsdp+same_micro on 2 CPU processes, gpt 1x32" in out and "1 steps" in out
+    assert len(metrics.read_text().splitlines()) == 2  # one step, two ranks
+    rc, out, err = cli("train", "--config", str(toml), "--steps", "2", "--dp", "odc")
+    assert rc == 0, err
+    assert "odc+same_micro" in out and len(metrics.read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("text, message", [
+    ("stepz = 3\n", "unknown key 'stepz'"),
+    ('steps = "many"\n', "steps='many' is not a int"),
+    ('dp = "ddp"\n', "dp='ddp' is not one of"),
+    ("deterministic = 1\n", "deterministic must be true or false"),
+    ("steps = [1\n", "not valid TOML"),
+])
+def test_config_file_errors_name_the_key(cli, tmp_path, text, message):
+    toml = tmp_path / "run.toml"
+    toml.write_text(text)
+    rc, _, err = cli("train", "--config", str(toml))
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1

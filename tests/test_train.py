@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from posttrain.launch import run_ranks
-from posttrain.train.dp import TrainConfig, TrainData, run_training, summarize, train_worker, write_metrics
+from posttrain.train.dp import TrainConfig, TrainData, run_training, summarize, train_worker
 
 # SGD: a gradient off by a constant factor changes the curve (Adam would normalize it away).
 BASE = TrainConfig(steps=3, sequences=6, max_len=48, max_tokens=64, dim=32, num_layers=2, optimizer="sgd", lr=0.5)
@@ -192,11 +192,22 @@ def test_sequence_longer_than_max_tokens_in_a_file_names_it(tmp_path):
         run_training(replace(BASE, data=str(path), sequences=4, max_tokens=64), world_size=2, quiet=True)
 
 
-def test_metrics_files_csv_and_jsonl(tmp_path):
-    _, results = _losses(replace(BASE, steps=2))
-    write_metrics(results, str(tmp_path / "m.csv"))
-    lines = (tmp_path / "m.csv").read_text().splitlines()
+def test_metrics_are_appended_as_the_run_goes_and_a_resumed_run_continues_them(tmp_path):
+    csv_path, jsonl, tb = tmp_path / "m.csv", tmp_path / "m.jsonl", tmp_path / "tb"
+    cfg = replace(BASE, steps=2, metrics=str(csv_path), checkpoint_dir=str(tmp_path / "ck"))
+    run_training(cfg, world_size=2, quiet=True)
+    lines = csv_path.read_text().splitlines()
     assert lines[0].startswith("step,rank,loss,tokens,tokens_per_s") and len(lines) == 1 + 2 * 2
-    write_metrics(results, str(tmp_path / "m.jsonl"))
-    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    run_training(replace(cfg, steps=4), world_size=2, quiet=True)  # resumes after step 2
+    lines = csv_path.read_text().splitlines()
+    assert len(lines) == 1 + 4 * 2 and [ln.split(",")[:2] for ln in lines[1:]][::2] == [["0", "0"], ["1", "0"],
+                                                                                     ["2", "0"], ["3", "0"]]
+    run_training(replace(cfg, steps=2, metrics=str(jsonl), checkpoint_dir=None, tensorboard=str(tb)), world_size=2,
+                 quiet=True)
+    rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
     assert [(r["step"], r["rank"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([rows[0]["loss"], rows[2]["loss"]])

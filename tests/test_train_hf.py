@@ -19,15 +19,14 @@ from posttrain.models import HFCausalLM, load_pretrained, save_pretrained, tied_
 from posttrain.train.dp import (  # noqa: E402
     TrainConfig,
     TrainData,
-    export_checkpoint,
     loss_units,
     microbatch_loss,
     run_training,
 )
 
 
-def _chat_file(tmp_path, n=24, seed=0):
-    path = tmp_path / "chat.jsonl"  # 22-40 tokens a record, every eighth 120-140: at --max-tokens 160
+def _chat_file(tmp_path, n=24, seed=0, name="chat.jsonl"):
+    path = tmp_path / name  # 22-40 tokens a record, every eighth 120-140: at --max-tokens 160
     records = chat_task_records(n, seed=seed, min_digits=1, max_digits=10)  # the ranks of step 1 run 1 and 2 microbatches
     records[::8] = chat_task_records(len(records[::8]), seed=seed + 1, min_digits=50, max_digits=60)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -69,7 +68,8 @@ def test_a_pretrained_model_trains_on_chat_and_exports_what_it_trained(tmp_path,
     # transformers gives a qwen2 directory its own tokenizer class, which splits digits: twice the tokens
     max_tokens = 320 if family == "qwen2" else 160
     cfg = TrainConfig(dp=dp, balance="diff_micro", model_path=src, data=_chat_file(tmp_path), sequences=8,
-                      max_tokens=max_tokens, steps=3, lr=1e-2, loss_norm=loss_norm, output_dir=str(out))
+                      max_tokens=max_tokens, steps=3, lr=1e-2, loss_norm=loss_norm, output_dir=str(out),
+                      eval_data=_chat_file(tmp_path, n=5, seed=7, name="eval.jsonl"), eval_every=2)
     results = run_training(cfg, world_size=2, quiet=True)
     counts = [[m["microbatches"] for m in r["metrics"]] for r in results]
     if family != "qwen2":
@@ -88,6 +88,13 @@ def test_a_pretrained_model_trains_on_chat_and_exports_what_it_trained(tmp_path,
         assert "lm_head.weight" not in index and "model.embed_tokens.weight" in index
         m = transformers.AutoModelForCausalLM.from_pretrained(str(out))
         assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    # held-out loss after steps 2 and 3, the last the reference model's on the same records
+    assert [m["eval_loss"] is not None for m in results[0]["metrics"]] == [False, True, True]
+    held_out = TrainData(cfg, 1).eval_samples()
+    ids = list(range(len(held_out)))
+    with torch.no_grad():
+        want_eval = microbatch_loss(ref, held_out, ids, 1.0 / loss_units(held_out, ids, loss_norm), loss_norm)
+    assert results[1]["metrics"][-1]["eval_loss"] == pytest.approx(float(want_eval), rel=1e-4)
     # the first step's loss is the reference's first loss (masks and normalization agree)
     first = TrainData(cfg, 1).minibatch(0)
     ids = list(range(len(first)))

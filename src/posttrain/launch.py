@@ -8,6 +8,13 @@ torch in every child, tens of seconds).
 Results travel back serialized with ``torch.save``; a rank that raises sends its traceback,
 and :func:`run_ranks` raises one error naming every failed rank. Ranks that are still alive
 when the deadline passes are killed, so a hung job cannot hang the caller.
+
+Stopping is safe: the ranks ignore SIGINT (the launcher handles Ctrl-C for the job); SIGINT or
+SIGTERM to the launcher kills every rank and removes the rendezvous directory before
+:class:`Interrupted` propagates; a launcher killed outright (SIGKILL) is noticed by a watchdog
+thread in every rank, which exits within a second (rank 0 removing the rendezvous directory
+first). When a rank fails, the others get :data:`FAILURE_GRACE_S` seconds to report their own
+errors, then are killed.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -26,7 +36,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RanksFailedError", "run_ranks"]
+__all__ = ["FAILURE_GRACE_S", "Interrupted", "RanksFailedError", "run_ranks"]
+
+#: Seconds the surviving ranks of a failed job get to report their own errors before being killed.
+FAILURE_GRACE_S = 10.0
+
+
+class Interrupted(Exception):
+    """The launcher got SIGINT or SIGTERM; every rank was stopped and the rendezvous removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 class RanksFailedError(RuntimeError):
@@ -35,6 +56,21 @@ class RanksFailedError(RuntimeError):
     def __init__(self, message: str, errors: dict[int, str]):
         super().__init__(message)
         self.errors = errors
+
+    def summary(self) -> str:
+        """One line: the ranks that failed first (died, or raised something other than losing a
+        peer) and how, then the ranks that only failed with them."""
+        last = {}
+        for r, text in self.errors.items():
+            lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+            last[r] = lines[-1] if lines else "failed"
+        follower = ("Connection reset", "Connection closed", "PeerFailedError", "was stopped after", "peer")
+        first = [r for r in sorted(last) if not any(k in last[r] for k in follower)] or sorted(last)
+        parts = [last[r] if last[r].startswith(f"rank {r} ") else f"rank {r}: {last[r]}" for r in first]
+        rest = [r for r in sorted(last) if r not in first]
+        if rest:
+            parts.append(f"rank{'s' if len(rest) > 1 else ''} {', '.join(map(str, rest))} stopped with it")
+        return "; ".join(parts)
 
     def value_error(self) -> str | None:
         """The message of a ``ValueError`` (bad input) some rank raised, if any: the
@@ -58,6 +94,9 @@ def _rank_main(
     kwargs: dict,
 ) -> None:
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _watch_parent(os.getppid(), os.path.dirname(init_file) if rank == 0 else None)
     status, payload = "ok", b""
     try:
         dist.init_process_group(
@@ -86,6 +125,20 @@ def _rank_main(
     os._exit(0)
 
 
+def _watch_parent(parent: int, rendezvous: str | None) -> None:
+    """A daemon thread that ends this rank within a second of the launcher's death (even by
+    SIGKILL, which the launcher cannot clean up after), removing ``rendezvous`` first."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        if rendezvous:
+            shutil.rmtree(rendezvous, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="posttrain-watch-launcher", daemon=True).start()
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -107,6 +160,7 @@ def run_ranks(
 
     Raises:
         RanksFailedError: a rank raised, died or did not finish within ``timeout_s``.
+        Interrupted: SIGINT or SIGTERM reached this process (the ranks are stopped by then).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
@@ -123,41 +177,70 @@ def run_ranks(
             )
             for rank in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        outputs: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(outputs) + len(errors) < world_size:
-            try:
-                rank, status, payload = results.get(timeout=0.2)
-            except queue_mod.Empty:
-                if time.monotonic() > deadline:
-                    break
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if not p.is_alive() and r not in outputs and r not in errors
-                ]
-                # A process that exited without reporting died hard (signal, os._exit).
-                if dead and results.empty():
-                    time.sleep(0.5)
-                    if results.empty():
-                        for r in dead:
-                            errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
-                continue
-            if status == "ok":
-                outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors[rank] = payload.decode()
-        for r, p in enumerate(procs):
-            if r not in outputs and r not in errors:
-                errors[r] = f"rank {r} did not finish within {timeout_s:.0f}s and was killed"
-            p.join(timeout=1.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+
+        def stop(signum, frame):
+            raise Interrupted(signum)
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+        try:
+            for p in procs:
+                p.start()
+            outputs, errors = _collect(procs, results, world_size, timeout_s)
+        except BaseException:
+            for p in procs:
+                if p.pid is not None and p.is_alive():
+                    p.kill()
+            for p in procs:
+                if p.pid is not None:
+                    p.join()
+            raise
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
     if errors:
         detail = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RanksFailedError(f"{len(errors)} of {world_size} ranks failed:\n{detail}", errors)
     return [outputs[r] for r in range(world_size)]
+
+
+def _collect(procs: list, results: Any, world_size: int, timeout_s: float) -> tuple[dict[int, Any], dict[int, str]]:
+    """Wait for every rank's result; kill the ranks that are late (the deadline, or the grace
+    period after another rank failed)."""
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    late = f"did not finish within {timeout_s:.0f}s and was killed"
+    while len(outputs) + len(errors) < world_size:
+        if errors and deadline > time.monotonic() + FAILURE_GRACE_S:
+            deadline = time.monotonic() + FAILURE_GRACE_S
+            late = f"was stopped after rank {min(errors)} failed"
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue_mod.Empty:
+            if time.monotonic() > deadline:
+                break
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if not p.is_alive() and r not in outputs and r not in errors
+            ]
+            # A process that exited without reporting died hard (signal, os._exit).
+            if dead and results.empty():
+                time.sleep(0.5)
+                if results.empty():
+                    for r in dead:
+                        errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+            continue
+        if status == "ok":
+            outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors[rank] = payload.decode()
+    for r, p in enumerate(procs):
+        if r not in outputs and r not in errors:
+            errors[r] = f"rank {r} {late}"
+        p.join(timeout=1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return outputs, errors

@@ -18,7 +18,7 @@ from .cost import (
                    fit_least_squares,
                    measure_step_times,
 )
-from .packing import PackedMicrobatch, pack_sequences
+from .packing import PackedMicrobatch, pack_sequences, pack_share
 from .partition import balanced_partition, greedy, karmarkar_karp, refine, round_robin, spread
 from .plan import METHODS, Microbatch, Plan, plan_minibatch
 
@@ -39,6 +39,7 @@ __all__ = [
                    "karmarkar_karp",
                    "measure_step_times",
                    "pack_sequences",
+                   "pack_share",
                    "plan_minibatch",
                    "refine",
                    "round_robin",

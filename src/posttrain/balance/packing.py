@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedMicrobatch", "pack_sequences"]
+__all__ = ["PackedMicrobatch", "pack_sequences", "pack_share"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +71,20 @@ def pack_sequences(sequences: Sequence[torch.Tensor],
         targets=torch.cat(targets).unsqueeze(0),
         document_lengths=[s.numel() - 1 for s in flat],
     )
+
+
+def pack_share(lengths: Sequence[int], ids: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """A rank's sequences packed longest first, each into the first microbatch with room (as
+    ``diff_micro`` packs a rank's share)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(ids, key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins

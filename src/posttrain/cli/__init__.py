@@ -49,13 +49,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_failure(e: Exception) -> str:
+    """Write a failed job's tracebacks to a log file; its path."""
+    import tempfile
+    import time
+
+    path = os.path.join(tempfile.gettempdir(), f"posttrain-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    with open(path, "w") as f:
+        f.write(f"posttrain {' '.join(sys.argv[1:])}\n{e}\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from posttrain.launch import Interrupted, RanksFailedError
+
+    from .options import apply_config_file
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        apply_config_file(parser, argv)
+    except ValueError as e:
+        print(f"posttrain: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         rc = args.func(args)
     except ValueError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         rc = 2
+    except RanksFailedError as e:
+        print(f"posttrain: error: {e.summary()} (tracebacks: {_log_failure(e)})", file=sys.stderr)
+        rc = 1
+    except (Interrupted, KeyboardInterrupt) as e:
+        name = str(e) if isinstance(e, Interrupted) else "interrupted"
+        print(f"posttrain: {name}; every rank stopped (a --checkpoint-dir run resumes from its last checkpoint)",
+              file=sys.stderr)
+        rc = 130 if not isinstance(e, Interrupted) or e.signum == 2 else 143
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Under torchrun, a process that used FSDP2 on gloo sometimes aborts during interpreter
         # teardown ("terminate called without an active exception"; torch 2.13 CPU, reproduced

@@ -167,3 +167,74 @@ def float_list(text: str, flag: str) -> list[float]:
 
 
 __all__ += ["float_list", "int_list"]
+
+
+def add_config_file_argument(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE.toml``: any of the command's flags as keys (``max-tokens = 4096`` or
+    ``max_tokens = 4096``); flags given on the command line win. See :func:`apply_config_file`."""
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="a TOML file with any of these flags as keys (without --); command-line flags win")
+    parser.set_defaults(_config_file_parser=parser)
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """If ``argv`` names ``--config FILE``, make FILE's keys the defaults of the subcommand's
+    parser, so flags on the command line still win.
+
+    Raises:
+        ValueError: an unreadable file, an unknown key, or a value of the wrong type or out of
+            its choices, named by key.
+    """
+    path = _config_path(argv)
+    if path is None:
+        return
+    ns, _ = parser.parse_known_args(argv)
+    sub = getattr(ns, "_config_file_parser", None)
+    if sub is None:
+        raise ValueError("--config is not an option of this command")
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+    by_flag = {}
+    for action in sub._actions:
+        for opt in action.option_strings:
+            if opt.startswith("--") and action.help != argparse.SUPPRESS and opt != "--config":
+                by_flag[opt[2:]] = by_flag[opt[2:].replace("-", "_")] = action
+    defaults = {}
+    for key, value in data.items():
+        action = by_flag.get(key)
+        if action is None or isinstance(action, argparse._HelpAction):
+            raise ValueError(f"--config {path}: unknown key {key!r} (keys are this command's flags without --)")
+        if action.nargs == 0:  # a switch
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key} must be true or false, got {value!r}")
+        else:
+            if isinstance(value, (dict, list)) or isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key} must be a single value, got {value!r}")
+            if action.type is not None:
+                try:
+                    value = action.type(value if action.type is not str else str(value))
+                except (TypeError, ValueError):
+                    raise ValueError(f"--config {path}: {key}={value!r} is not a {action.type.__name__}") from None
+            if action.choices is not None and value not in action.choices:
+                raise ValueError(f"--config {path}: {key}={value!r} is not one of {', '.join(map(str, action.choices))}")
+        defaults[action.dest] = value
+    sub.set_defaults(**defaults)
+
+
+__all__ += ["add_config_file_argument", "apply_config_file"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_config_arguments, config_from_args
+from .options import add_config_arguments, add_config_file_argument, config_from_args
 
 __all__ = ["add_parser", "train_config"]
 
@@ -24,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     from posttrain.train.dp import run_training
 
     cfg = train_config(args, progress=True)
-    results = run_training(cfg, world_size=args.world_size, metrics_path=args.metrics,
+    results = run_training(cfg, world_size=args.world_size,
                            outputs={"--timeline": args.timeline, "--trace": args.trace})
     if results is None or not results[0]["metrics"]:
         return 0
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="data-parallel training with FSDP2 or ODC on CPU processes (or under torchrun)")
     add_config_arguments(p, TrainConfig, defaults={"steps": 20, "max_tokens": None})
     p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2; torchrun sets its own)")
-    p.add_argument("--metrics", default=None, help="per-rank, per-step metrics: .csv or JSON lines")
+    add_config_file_argument(p)
     p.add_argument("--timeline", default=None, help="write a per-rank timeline PNG of the last step")
     p.add_argument("--trace", default=None, help="write the last step as a Chrome trace JSON (Perfetto)")
     p.set_defaults(func=_run)

@@ -191,8 +191,8 @@ def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -
     Both runs use flat ODC's measured per-layer and per-step costs of their mode, and no overlap
     (on CPU the engine copies synchronously).
     """
+    from posttrain.balance import pack_share
     from posttrain.balance.exact import min_max_partition
-    from posttrain.train.dp import pack_share
 
     cost = machine["layer_cost"]
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)

@@ -13,7 +13,6 @@ sharded by any :mod:`posttrain.dp` engine, balanced by :mod:`posttrain.balance`.
 
 from .bounds import (
                     PARTITION_CANDIDATES,
-                    pack_share,
                     partition_bound_worker,
                     partition_candidates,
                     sequence_times_worker,
@@ -24,6 +23,7 @@ from .launch import check_output_path, export_checkpoint, run_training, under_to
 from .loop import (
     Training,
     build_training,
+    evaluate,
     export_model,
     loss_units,
     make_optimizer,
@@ -32,7 +32,7 @@ from .loop import (
     step_cost,
     train_worker,
 )
-from .metrics import STAT_FIELDS, gather_step_stats, summarize, write_metrics
+from .metrics import STAT_FIELDS, MetricsLog, gather_step_stats, summarize
 from .minibatches import Sample, TrainData, load_tokenizer, model_vocab_size
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
                     "PRECISIONS",
                     "STAT_FIELDS",
                     "SYNTHETIC_VOCAB",
+                    "MetricsLog",
                     "Sample",
                     "TrainConfig",
                     "TrainData",
@@ -49,6 +50,7 @@ __all__ = [
                     "build_training",
                     "check_output_path",
                     "check_resumable",
+                    "evaluate",
                     "export_checkpoint",
                     "export_model",
                     "gather_step_stats",
@@ -58,7 +60,6 @@ __all__ = [
                     "make_optimizer",
                     "microbatch_loss",
                     "model_vocab_size",
-                    "pack_share",
                     "partition_bound_worker",
                     "partition_candidates",
                     "plan_step",
@@ -70,5 +71,4 @@ __all__ = [
                     "summarize",
                     "train_worker",
                     "under_torchrun",
-                    "write_metrics",
 ]

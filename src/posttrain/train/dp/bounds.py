@@ -22,12 +22,11 @@ memory contention as training.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from posttrain.balance import FlopsCost, fit_least_squares
+from posttrain.balance import FlopsCost, fit_least_squares, pack_share
 from posttrain.balance.exact import min_max_partition
 from posttrain.models import build_model
 
@@ -35,7 +34,7 @@ from .config import TrainConfig
 from .loop import microbatch_loss, plan_step
 from .minibatches import TrainData
 
-__all__ = ["PARTITION_CANDIDATES", "pack_share", "partition_bound_worker",
+__all__ = ["PARTITION_CANDIDATES", "partition_bound_worker",
            "partition_candidates", "sequence_times_worker"]
 
 
@@ -98,23 +97,6 @@ def partition_candidates(cfg: TrainConfig, world_size: int, times: dict[tuple[in
         plan = plan_step(cfg, data.minibatch(step), world_size, cost, method="diff_micro")
         out["diff_micro"].append([[i for mb in mbs for i in mb.sequence_ids] for mbs in plan.ranks])
     return out, exact
-
-
-def pack_share(lengths: Sequence[int], ids: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """A rank's sequences packed longest first, each into the first microbatch with room (as
-    ``diff_micro`` packs a rank's share)."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(ids, key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(max_tokens - lengths[i])
-    return bins
 
 
 def partition_bound_worker(rank: int, world_size: int, cfg: TrainConfig,

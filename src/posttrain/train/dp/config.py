@@ -51,6 +51,13 @@ class TrainConfig:
         skip_long: leave out sequences longer than ``max_tokens`` + 1 tokens instead of refusing them.
         vocab_size: the vocabulary of the built-in models on pre-tokenized data (default: the
             tokenizer's, else the largest id + 1); an id outside it is an error.
+        eval_data: held-out records (same formats and masks as ``data``): their loss, averaged as
+            ``loss_norm`` says, goes into the metrics as ``eval_loss``.
+        eval_every: evaluate every this many steps (0: after the last step only).
+        metrics: append every rank's per-step metrics here as the run goes (``.csv``, else JSON
+            lines; a resumed run continues the file).
+        tensorboard: also write the step's loss, eval loss, tokens/s and step time as TensorBoard
+            events into this directory.
         output_dir: write a ``transformers`` model directory (weights, config, tokenizer) here
             after the last step (and every ``save_every`` steps).
         save_every: also write ``output_dir`` every this many steps (0: only at the end).
@@ -101,6 +108,10 @@ class TrainConfig:
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    eval_data: str | None = None
+    eval_every: int = 0
+    metrics: str | None = None
+    tensorboard: str | None = None
     output_dir: str | None = None
     save_every: int = 0
     progress: bool = field(default=False, metadata={"cli": False})
@@ -127,6 +138,10 @@ class TrainConfig:
             raise ValueError("--truncate and --skip-long exclude each other: choose one")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ValueError(f"--vocab-size={self.vocab_size} must be at least 2")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every={self.eval_every} must be non-negative")
+        if self.eval_every and not self.eval_data:
+            raise ValueError("--eval-every needs --eval-data")
         if self.save_every < 0:
             raise ValueError(f"--save-every={self.save_every} must be non-negative")
         if self.save_every and not self.output_dir:

@@ -12,7 +12,7 @@ from posttrain.launch import RanksFailedError, run_ranks
 from .checkpoint import check_resumable, latest_checkpoint
 from .config import TrainConfig
 from .loop import build_training, export_model, train_worker
-from .metrics import summarize, write_metrics
+from .metrics import summarize
 from .minibatches import TrainData, model_vocab_size
 
 __all__ = ["check_output_path", "export_checkpoint", "run_training", "under_torchrun"]
@@ -57,8 +57,8 @@ def _torchrun_results(cfg: TrainConfig) -> list[dict] | None:
         dist.destroy_process_group()
 
 
-def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | None = None,
-                 quiet: bool = False, outputs: dict[str, str | None] | None = None) -> list[dict] | None:
+def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
+                 outputs: dict[str, str | None] | None = None) -> list[dict] | None:
     """Train ``cfg`` on ``world_size`` forked CPU processes, or on this process's rank when
     launched by ``torchrun`` (then ``world_size`` comes from torchrun and only rank 0 returns
     results and prints).
@@ -66,7 +66,6 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | N
     Args:
         cfg: the run.
         world_size: CPU processes (ignored under torchrun).
-        metrics_path: every rank's per-step metrics, as CSV (``.csv``) or JSON lines.
         quiet: print nothing.
         outputs: more output files to check before training, ``{flag: path}``.
 
@@ -85,7 +84,8 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | N
     say = print if (lead and not quiet) else (lambda *a, **k: None)
     check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
     check_output_path("--output-dir", cfg.output_dir, directory=True)
-    for flag, path in {"--metrics": metrics_path, **(outputs or {})}.items():
+    check_output_path("--tensorboard", cfg.tensorboard, directory=True)
+    for flag, path in {"--metrics": cfg.metrics, **(outputs or {})}.items():
         check_output_path(flag, path, directory=False)
     check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
@@ -115,9 +115,8 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, metrics_path: str | N
     s = summarize(results)
     say(f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}; {s['tokens_per_s']:.0f} tokens/s, "
         f"utilization {s['utilization']:.2f} after the first step")
-    if metrics_path:
-        write_metrics(results, metrics_path)
-        say(f"wrote {metrics_path}")
+    if cfg.metrics:
+        say(f"wrote {cfg.metrics}")
     return results
 
 

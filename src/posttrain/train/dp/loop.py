@@ -29,17 +29,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from posttrain.balance import FlopsCost, Plan, pack_sequences, plan_minibatch
+from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_minibatch
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
 from posttrain.spans import COMM_KINDS, Recorder
 
 from .checkpoint import resume, save_checkpoint
 from .config import TrainConfig
-from .metrics import gather_step_stats
+from .metrics import MetricsLog, gather_step_stats
 from .minibatches import Sample, TrainData, load_tokenizer
 
-__all__ = ["Training", "build_training", "export_model", "loss_units", "make_optimizer", "microbatch_loss", "plan_step",
+__all__ = ["Training", "build_training", "evaluate", "export_model", "loss_units", "make_optimizer", "microbatch_loss",
+           "plan_step",
            "step_cost", "train_worker"]
 
 
@@ -139,6 +140,28 @@ def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module,
 _DUMMY = torch.zeros(1, 1, dtype=torch.long)
 
 
+def evaluate(cfg: TrainConfig, model: nn.Module, samples: list[Sample], rank: int, world_size: int) -> float | None:
+    """The loss on ``samples`` (averaged as ``cfg.loss_norm`` says; a collective). Each rank takes
+    every ``world_size``-th sequence by length and packs them under ``max_tokens``; every rank
+    runs as many forwards as the busiest (sharded forwards are collectives)."""
+    if not samples:
+        return None
+    lengths = [len(s) - 1 for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: -lengths[i])
+    packs = [pack_share(lengths, order[r::world_size], cfg.max_tokens) for r in range(world_size)]
+    total = torch.zeros(2, dtype=torch.float64)  # loss sum, units
+    with torch.no_grad():
+        for j in range(max(len(p) for p in packs)):
+            if j < len(packs[rank]):
+                ids = packs[rank][j]
+                total[0] += microbatch_loss(model, samples, ids, 1.0, cfg.loss_norm).double()
+                total[1] += loss_units(samples, ids, cfg.loss_norm)
+            else:
+                model(_DUMMY)
+    dist.all_reduce(total)
+    return float(total[0] / total[1]) if total[1] > 0 else None
+
+
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Run ``cfg`` on this rank (inside an initialized process group).
 
@@ -153,11 +176,15 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     model, engine, opt = run.model, run.engine, run.optimizer
     engine.set_comm_hook(rec.add)
     pad = engine.equal_microbatches
+    eval_samples = data.eval_samples()
+    log = None
     cost = step_cost(cfg, data.vocab_size)
     bar = None
     metrics = []
     try:
         start = resume(cfg, engine, opt) if cfg.checkpoint_dir else 0
+        if rank == 0 and (cfg.metrics or cfg.tensorboard):
+            log = MetricsLog(cfg.metrics, cfg.tensorboard, resume=start > 0)
         if cfg.progress and rank == 0:
             from tqdm import tqdm
 
@@ -210,8 +237,15 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 "optimizer_s": own["optimizer_s"],
                 "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
                 "utilization": own["compute_s"] / step_time,
-                "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]),
+                "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
             })
+            if eval_samples and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+                metrics[-1]["eval_loss"] = evaluate(cfg, model, eval_samples, rank, world_size)
+            if cfg.metrics or cfg.tensorboard:
+                rows = [None] * world_size if rank == 0 else None
+                dist.gather_object(metrics[-1], rows, dst=0)
+                if log is not None:
+                    log.append(rows)
             due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
             if cfg.checkpoint_dir and due:
                 save_checkpoint(cfg, engine, opt, step, rank)
@@ -219,15 +253,20 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 export_model(cfg, engine, model, rank, run.tied)
                 if bar is not None:
                     bar.write(f"wrote {cfg.output_dir} after step {step + 1}")
-            if bar is not None and (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps):
+            if bar is not None and (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps
+                                    or metrics[-1]["eval_loss"] is not None):
                 util = float((col["compute_s"] / step_time).mean())
+                ev = metrics[-1]["eval_loss"]
                 bar.write(f"step {step:4d}  loss {loss:.4f}  {total:6d} tokens  {total / step_time:8.0f} tokens/s  "
-                          f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}")
+                          f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}"
+                          + (f"  eval loss {ev:.4f}" if ev is not None else ""))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{total / step_time:.0f}")
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+        if log is not None:
+            log.close()
         engine.close()
     return {"metrics": metrics, "spans": list(rec.spans), "resumed_from": start}

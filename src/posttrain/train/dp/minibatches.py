@@ -94,53 +94,35 @@ class TrainData:
         if cfg.sequences < world_size:
             raise ValueError(f"--sequences={cfg.sequences} is fewer than the {world_size} ranks; every rank needs data")
         model_vocab = model_vocab_size(cfg)
+        self.eval_dataset = self._eval_index = None
         if cfg.data is None:
+            if cfg.eval_data:
+                raise ValueError("--eval-data needs --data (synthetic runs have no held-out set)")
             if model_vocab is not None and model_vocab < SYNTHETIC_VOCAB:
                 raise ValueError(f"synthetic data uses {SYNTHETIC_VOCAB} token ids; --model-path has a vocabulary "
                                  f"of {model_vocab}")
             self.vocab_size = model_vocab or SYNTHETIC_VOCAB
             return
         tokenizer, tok_path = load_tokenizer(cfg)
-        ds = load_tokenized(cfg.data, tokenizer, tokenizer_path=tok_path, train_on_prompt=cfg.train_on_prompt,
-                            progress=log is not None, log=log or (lambda *a, **k: None))
-        self.dataset = ds
-        if model_vocab is not None:
-            vocab, flag = model_vocab, "--model-path's vocabulary"
-        elif cfg.vocab_size is not None:
-            vocab, flag = cfg.vocab_size, f"--vocab-size={cfg.vocab_size}"
-        elif tokenizer is not None:
-            vocab, flag = len(tokenizer), "the tokenizer's vocabulary"
-        else:
-            vocab, flag = ds.max_id + 1, None
-            if vocab > _MAX_INFERRED_VOCAB:
-                flag = f"the {_MAX_INFERRED_VOCAB} ids posttrain infers without --vocab-size"
-                vocab = _MAX_INFERRED_VOCAB
-        if ds.max_id >= vocab:
-            max_ids = np.asarray(ds.table["max_id"], dtype=np.int64)
-            bad = int(np.nonzero(max_ids >= vocab)[0][0])
-            raise ValueError(f"{ds.where(bad)}: token id {int(max_ids[bad])} is outside {flag} ({vocab} ids); "
-                             "give the right --vocab-size or --tokenizer")
-        self.vocab_size = vocab
-        limit = cfg.max_tokens + 1  # a sequence of n tokens trains on n - 1 positions
-        long = np.nonzero(ds.lengths > limit)[0]
-        keep = np.arange(len(ds))
-        if long.size:
-            first = int(long[0])
-            if cfg.skip_long:
-                keep = np.nonzero(ds.lengths <= limit)[0]
-                self.dropped = int(long.size)
-            elif cfg.truncate:
-                self.truncated = int(long.size)
-            else:
-                n = int(ds.lengths[first])
-                raise ValueError(f"{ds.where(first)}: a sequence of {n} tokens trains on {n - 1}, more than "
-                                 f"--max-tokens={cfg.max_tokens} fit in a microbatch ({long.size} such sequences); "
-                                 "raise --max-tokens, or give --truncate or --skip-long")
-        self._index = keep
+        ds, keep, self.vocab_size, self.dropped, self.truncated = _prepare(
+            cfg.data, cfg, tokenizer, tok_path, model_vocab, log)
+        self.dataset, self._index = ds, keep
         if len(keep) < world_size:
             raise ValueError(f"{cfg.data} holds {len(keep)} usable sequences, fewer than the {world_size} ranks")
         if cfg.sequences > len(keep):
             raise ValueError(f"--sequences={cfg.sequences} exceeds the {len(keep)} usable sequences in {cfg.data}")
+        if cfg.eval_data:
+            self.eval_dataset, self._eval_index, _, dropped, cut = _prepare(
+                cfg.eval_data, cfg, tokenizer, tok_path, model_vocab, log, vocab=self.vocab_size)
+            if log and (dropped or cut):
+                log(f"--eval-data: {'left out' if dropped else 'cut'} {dropped or cut} sequences longer than "
+                    f"{cfg.max_tokens + 1} tokens")
+
+    def eval_samples(self) -> list[Sample]:
+        """Every usable held-out sequence (``--eval-data``)."""
+        if self.eval_dataset is None:
+            return []
+        return [Sample(*self.eval_dataset.example(int(i), max_len=self.cfg.max_tokens + 1)) for i in self._eval_index]
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
@@ -168,3 +150,44 @@ class TrainData:
             ids, labels = self.dataset.example(int(self._index[int(perm[i])]), max_len=cfg.max_tokens + 1)
             out.append(Sample(ids, labels))
         return out
+
+
+def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model_vocab: int | None, log,
+             vocab: int | None = None) -> tuple:
+    """Tokenize ``path`` (cached), check its ids against the vocabulary and its lengths against
+    ``--max-tokens``: ``(dataset, usable indices, vocabulary, dropped, truncated)``."""
+    ds = load_tokenized(path, tokenizer, tokenizer_path=tok_path, train_on_prompt=cfg.train_on_prompt,
+                        progress=log is not None, log=log or (lambda *a, **k: None))
+    if vocab is not None:
+        flag = "the training data's vocabulary"
+    elif model_vocab is not None:
+        vocab, flag = model_vocab, "--model-path's vocabulary"
+    elif cfg.vocab_size is not None:
+        vocab, flag = cfg.vocab_size, f"--vocab-size={cfg.vocab_size}"
+    elif tokenizer is not None:
+        vocab, flag = len(tokenizer), "the tokenizer's vocabulary"
+    else:
+        vocab, flag = ds.max_id + 1, None
+        if vocab > _MAX_INFERRED_VOCAB:
+            flag = f"the {_MAX_INFERRED_VOCAB} ids posttrain infers without --vocab-size"
+            vocab = _MAX_INFERRED_VOCAB
+    if ds.max_id >= vocab:
+        max_ids = np.asarray(ds.table["max_id"], dtype=np.int64)
+        bad = int(np.nonzero(max_ids >= vocab)[0][0])
+        raise ValueError(f"{ds.where(bad)}: token id {int(max_ids[bad])} is outside {flag} ({vocab} ids); "
+                         "give the right --vocab-size or --tokenizer")
+    limit = cfg.max_tokens + 1  # a sequence of n tokens trains on n - 1 positions
+    long = np.nonzero(ds.lengths > limit)[0]
+    keep, dropped, truncated = np.arange(len(ds)), 0, 0
+    if long.size:
+        if cfg.skip_long:
+            keep, dropped = np.nonzero(ds.lengths <= limit)[0], int(long.size)
+        elif cfg.truncate:
+            truncated = int(long.size)
+        else:
+            first = int(long[0])
+            n = int(ds.lengths[first])
+            raise ValueError(f"{ds.where(first)}: a sequence of {n} tokens trains on {n - 1}, more than "
+                             f"--max-tokens={cfg.max_tokens} fit in a microbatch ({long.size} such sequences); "
+                             "raise --max-tokens, or give --truncate or --skip-long")
+    return ds, keep, vocab, dropped, truncated

@@ -1,0 +1,91 @@
+"""Stopping a run: SIGINT, SIGTERM or SIGKILL of the launcher stops every rank within seconds and
+leaves no rendezvous directory; a dead rank ends the job with one line naming it. A failure
+names the signal whose handling leaves ranks running, files behind, or a traceback on the
+terminal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start(tmp_path):
+    """A long run; returns (process, its ranks, its TMPDIR) once both ranks are training."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    metrics = tmp_path / "m.jsonl"
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", "train", "--steps", "100000", "--dim", "32", "--layers",
+                             "1", "--sequences", "4", "--max-len", "64", "--metrics", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # a step done: both ranks train
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2 and all(_alive(r) for r in ranks)
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("posttrain-rdzv-")]
+    return proc, ranks, tmp
+
+
+def _gone(ranks, tmp, within: float) -> None:
+    deadline = time.monotonic() + within
+    while any(_alive(r) for r in ranks) or any(p.name.startswith("posttrain-rdzv-") for p in tmp.iterdir()):
+        assert time.monotonic() < deadline, (f"still running: {[r for r in ranks if _alive(r)]}, left: "
+                                             f"{[p.name for p in tmp.iterdir()]}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupting_the_launcher_stops_every_rank_with_one_line(tmp_path, sig, code):
+    proc, ranks, tmp = _start(tmp_path)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # Ctrl-C reaches the whole process group
+    else:
+        os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == code
+    assert err.strip().splitlines() == [f"posttrain: interrupted by {signal.Signals(sig).name}; every rank stopped "
+                                        "(a --checkpoint-dir run resumes from its last checkpoint)"]
+    _gone(ranks, tmp, within=5)
+
+
+def test_killing_the_launcher_stops_every_rank_and_removes_the_rendezvous(tmp_path):
+    proc, ranks, tmp = _start(tmp_path)
+    proc.kill()
+    proc.wait()
+    _gone(ranks, tmp, within=10)
+
+
+def test_a_dead_rank_ends_the_job_with_one_line_and_a_log(tmp_path):
+    proc, ranks, tmp = _start(tmp_path)
+    os.kill(ranks[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "rank 1 died with exit code -9" in lines[0], err
+    log = lines[0].rsplit("tracebacks: ", 1)[1].rstrip(")")
+    assert log.startswith(str(tmp)) and "rank 1 died" in open(log).read()
+    _gone(ranks, tmp, within=5)
