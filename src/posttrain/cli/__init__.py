@@ -4,7 +4,9 @@
     posttrain train --dp fsdp --balance same_micro --steps 20 --metrics out/fsdp.csv
     posttrain train --dp odc --model llama --precision bf16 --checkpoint-dir out/ckpt
     posttrain train --dp odc --deterministic --activation-checkpointing --world-size 4 --replicas 2
-    posttrain train --model-path MODEL_DIR --data chat.jsonl --max-tokens 2048 --output-dir out/model
+    posttrain chat-task out/chat              # a small model directory and chat data to post-train
+    posttrain train --model-path out/chat/model --data out/chat/train.jsonl --output-dir out/model
+    posttrain evaluate out/model --data out/chat/eval.jsonl   # exact match of greedy answers
     posttrain export out/ckpt out/model      # a training checkpoint as a transformers model directory
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
     posttrain pipeline --schedule group_interleaved --ranks 2 --chunks 2 --microbatches 8 --offload 1
@@ -34,7 +36,7 @@ import argparse
 import os
 import sys
 
-from . import bench, demo, export, pipeline, plan, results, simulate, train
+from . import bench, chat, demo, export, pipeline, plan, results, simulate, train
 
 __all__ = ["build_parser", "main"]
 
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (demo, train, export, pipeline, bench, simulate, plan, results):
+    for module in (demo, train, export, chat, pipeline, bench, simulate, plan, results):
         module.add_parser(sub)
     return parser
 

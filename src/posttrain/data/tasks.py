@@ -1,8 +1,10 @@
 """An embedded chat task and a tokenizer trained for it: data a short CPU run visibly learns,
 made on the spot (nothing downloaded).
 
-The task: the user gives a few digits, the assistant answers with them reversed
-(``"reverse 3 1 4"`` -> ``"4 1 3"``), graded by exact match. The tokenizer is a byte-level BPE
+The task: the user gives three digits, the assistant answers with them reversed
+(``"reverse 3 1 4"`` -> ``"4 1 3"``), graded by exact match. A 2-layer, 64-wide Llama learns it
+from random weights in about 300 steps of 32 conversations (``tests/test_chat_task.py``);
+variable lengths (``min_digits < max_digits``) take many more. The tokenizer is a byte-level BPE
 trained on the task's own text, with ChatML turns (``<|im_start|>role\\n...<|im_end|>\\n``) as
 its chat template and ``<|im_end|>`` as end of sequence.
 """
@@ -25,7 +27,7 @@ def reverse_answer(prompt: str) -> str:
     return " ".join(reversed(prompt.split()[1:]))
 
 
-def chat_task_records(n: int, *, seed: int = 0, min_digits: int = 2, max_digits: int = 6,
+def chat_task_records(n: int, *, seed: int = 0, min_digits: int = 3, max_digits: int = 3,
                       system: bool = True) -> list[dict]:
     """``n`` chat records ``{"messages": [system?, user, assistant]}`` of the reversal task."""
     if n < 0 or not 1 <= min_digits <= max_digits:
