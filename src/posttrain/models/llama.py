@@ -13,10 +13,7 @@ __all__ = ["LlamaLM", "llama_config"]
 def llama_config(cfg: GPTConfig):
     """The ``transformers.LlamaConfig`` of the same size as ``cfg`` (SwiGLU width ~8/3 dim,
     grouped-query attention with half as many KV heads when the head count is even)."""
-    try:
-        from transformers import LlamaConfig
-    except ImportError as e:  # pragma: no cover - transformers is in the test extra
-        raise ValueError("--model llama needs transformers: pip install 'posttrain[hf]'") from e
+    from transformers import LlamaConfig
     return LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=(8 * cfg.dim // 3 + 7) // 8 * 8,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
