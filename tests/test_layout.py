@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent / "src" / "posttrain"
-LIBRARY = ("odc", "dp", "balance", "pipeline", "sim", "models", "data", "spans.py", "launch.py", "_compat.py")
+LIBRARY = ("odc", "dp", "balance", "pipeline", "sim", "models", "data", "rl", "spans.py", "launch.py", "_compat.py")
 LAYERS = {"library": LIBRARY, "train": ("train",), "lab": ("lab",)}
 FORBIDDEN = {"library": ("posttrain.train", "posttrain.lab", "posttrain.cli"),
              "train": ("posttrain.lab", "posttrain.cli"), "lab": ("posttrain.cli",)}

@@ -7,6 +7,7 @@
     posttrain chat-task out/chat              # a small model directory and chat data to post-train
     posttrain train --model-path out/chat/model --data out/chat/train.jsonl --output-dir out/model
     posttrain evaluate out/model --data out/chat/eval.jsonl   # exact match of greedy answers
+    posttrain rl --model-path out/model --prompts out/chat/eval.jsonl --samples-per-prompt 8   # GRPO
     posttrain export out/ckpt out/model      # a training checkpoint as a transformers model directory
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
     posttrain pipeline --schedule group_interleaved --ranks 2 --chunks 2 --microbatches 8 --offload 1
@@ -36,7 +37,7 @@ import argparse
 import os
 import sys
 
-from . import bench, chat, demo, export, pipeline, plan, results, simulate, train
+from . import bench, chat, demo, export, pipeline, plan, results, rl, simulate, train
 
 __all__ = ["build_parser", "main"]
 
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (demo, train, export, chat, pipeline, bench, simulate, plan, results):
+    for module in (demo, train, export, chat, rl, pipeline, bench, simulate, plan, results):
         module.add_parser(sub)
     return parser
 

@@ -54,8 +54,10 @@ class MetricsLog:
 
     SCALARS = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization")
 
-    def __init__(self, path: str | None, tensorboard: str | None = None, *, resume: bool = False) -> None:
+    def __init__(self, path: str | None, tensorboard: str | None = None, *, resume: bool = False,
+                 scalars: tuple[str, ...] | None = None) -> None:
         self.path = path
+        self.scalars = scalars or self.SCALARS
         self._file = None
         self._csv = None
         self._fields: list[str] | None = None
@@ -92,7 +94,7 @@ class MetricsLog:
             self._file.flush()
         if self._tb is not None:
             head = rows[0]
-            for name in self.SCALARS:
+            for name in self.scalars:
                 if head.get(name) is not None:
                     self._tb.add_scalar(f"train/{name}", head[name], head["step"] + 1)
             self._tb.flush()

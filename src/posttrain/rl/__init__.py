@@ -1,0 +1,26 @@
+"""Reinforcement learning from verifiable rewards: advantages (GRPO, RLOO), the clipped
+policy-gradient loss with an optional KL to a reference, rollout engines and rewards. The loop
+that composes them with a data-parallel engine is :mod:`posttrain.train.rl`."""
+
+from __future__ import annotations
+
+from .advantages import ESTIMATORS, Advantages, compute_advantages
+from .loss import LOSS_AGGS, Rollout, loss_units, policy_loss, token_logprobs
+from .rewards import call_reward, load_reward, reverse_digits_reward
+from .rollout import HFRollout, RolloutEngine
+
+__all__ = [
+    "ESTIMATORS",
+    "LOSS_AGGS",
+    "Advantages",
+    "HFRollout",
+    "Rollout",
+    "RolloutEngine",
+    "call_reward",
+    "compute_advantages",
+    "load_reward",
+    "loss_units",
+    "policy_loss",
+    "reverse_digits_reward",
+    "token_logprobs",
+]

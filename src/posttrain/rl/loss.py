@@ -1,0 +1,114 @@
+"""The policy-gradient loss of one packed microbatch of rollouts.
+
+Per response token ``t`` of sample ``i`` (prompt tokens are masked out):
+
+    ratio = exp(logp - logp_old)
+    pg    = -min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i)      (PPO's clipped surrogate)
+    kl    = exp(logp_ref - logp) - (logp_ref - logp) - 1                (the k3 estimator, >= 0)
+    loss  = pg + kl_coef * kl
+
+and the token losses are summed with weights that make the aggregation (``--loss-agg``) exact for
+any placement of samples on ranks and microbatches, divided by the minibatch's global count (the
+engine's loss divisor):
+
+- ``token-mean``: weight 1; count: response tokens (the mean over every token of the minibatch);
+- ``seq-mean-token-sum``: weight 1; count: samples (each sample's summed loss, averaged);
+- ``seq-mean-token-mean``: weight 1 / (its response tokens); count: samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LOSS_AGGS", "Rollout", "loss_units", "policy_loss", "token_logprobs"]
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+@dataclass
+class Rollout:
+    """One sampled response to a prompt, with what the update needs.
+
+    Attributes:
+        input_ids: prompt and response token ids (1-D).
+        prompt_len: how many of them are the prompt.
+        advantage: the sample's advantage.
+        old_logprobs: log-probabilities of the response tokens under the policy that sampled them
+            (``len(input_ids) - prompt_len`` values).
+        ref_logprobs: the same under the frozen reference policy (``None`` without KL).
+        reward: its reward (reported, not used by the loss).
+    """
+
+    input_ids: torch.Tensor
+    prompt_len: int
+    advantage: float
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    reward: float = 0.0
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def response_len(self) -> int:
+        return len(self) - self.prompt_len
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[target]`` per position (fp32)."""
+    return -F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
+
+
+def loss_units(rollouts: Sequence[Rollout], agg: str) -> int:
+    """The count the loss is averaged over (see the module docstring)."""
+    if agg == "token-mean":
+        return sum(r.response_len for r in rollouts)
+    return len(rollouts)
+
+
+def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, kl_coef: float = 0.0,
+                agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, float]]:
+    """The summed, weighted loss of ``rollouts`` packed into one microbatch (divide it by the
+    minibatch's :func:`loss_units` before ``backward``), and sums for the step's statistics:
+    ``tokens``, ``clipped`` tokens, ``kl`` and ``entropy`` sums over response tokens."""
+    if agg not in LOSS_AGGS:
+        raise ValueError(f"--loss-agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
+    inputs = torch.cat([r.input_ids[:-1] for r in rollouts]).unsqueeze(0)
+    targets = torch.cat([r.input_ids[1:] for r in rollouts])
+    lengths = [len(r) - 1 for r in rollouts]
+    logits = model(inputs, document_lengths=lengths)[0]
+    logp_all = token_logprobs(logits, targets)
+    # The response positions of each sample among the packed targets.
+    pieces, weights, adv, old, ref = [], [], [], [], []
+    start = 0
+    for r, n in zip(rollouts, lengths):
+        first = start + r.prompt_len - 1  # target index of the first response token
+        pieces.append(torch.arange(first, start + n))
+        k = r.response_len
+        weights.append(torch.full((k,), 1.0 / k if agg == "seq-mean-token-mean" else 1.0))
+        adv.append(torch.full((k,), float(r.advantage)))
+        old.append(r.old_logprobs.float())
+        if kl_coef:
+            ref.append(r.ref_logprobs.float())
+        start += n
+    idx = torch.cat(pieces)
+    logp = logp_all[idx]
+    w, a, old_lp = torch.cat(weights), torch.cat(adv), torch.cat(old)
+    ratio = torch.exp(logp - old_lp)
+    pg = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+    loss_tok = pg
+    stats = {"tokens": float(idx.numel()),
+             "clipped": float(((ratio - 1).abs() > clip_eps).sum())}
+    if kl_coef:
+        d = torch.cat(ref) - logp
+        kl = torch.exp(d) - d - 1
+        loss_tok = loss_tok + kl_coef * kl
+        stats["kl"] = float(kl.detach().sum())
+    with torch.no_grad():
+        probs = torch.softmax(logits[idx].float(), dim=-1)
+        stats["entropy"] = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())
+    return (loss_tok * w).sum(), stats

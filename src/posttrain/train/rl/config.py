@@ -1,0 +1,114 @@
+"""The configuration of one RL run (``posttrain rl``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from posttrain.balance import METHODS
+from posttrain.dp import DP_ALIASES, EngineConfig, engine_names, resolve_dp
+from posttrain.rl import ESTIMATORS, LOSS_AGGS
+
+__all__ = ["RLConfig"]
+
+
+def _dp_choices() -> tuple[str, ...]:
+    return (*engine_names(), *DP_ALIASES)
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """One GRPO/RLOO run.
+
+    Attributes:
+        model_path: the policy: a local ``transformers`` causal LM directory with its tokenizer.
+        prompts: a JSONL file of ``{"prompt": str}`` or ``{"messages": [...]}`` records (chat
+            prompts are rendered with the template's generation prompt).
+        reward: ``reverse_digits`` (the embedded task) or ``module:function`` called with
+            ``(prompt, response)``.
+        dp: data-parallel engine of the update (``odc``, ``fsdp``, ``odc-fsdp2``, ...).
+        odc_mode: ODC engines: ``odc`` or ``collective``.
+        balance: balancing method of each update minibatch.
+        precision: ``fp32`` or ``bf16``.
+        samples_per_prompt: responses sampled per prompt (a group).
+        prompts_per_step: prompts per step, over all ranks.
+        temperature: sampling temperature.
+        top_p: nucleus sampling threshold.
+        max_new_tokens: longest response.
+        advantage: ``grpo`` (group mean baseline) or ``rloo`` (leave-one-out baseline).
+        scale_rewards: ``std``: GRPO divides by the group's standard deviation; ``none``: it does not.
+        clip_eps: PPO ratio clipping.
+        ppo_epochs: passes over each rollout batch.
+        minibatches: optimizer steps per pass (the rollouts split evenly).
+        kl_coef: weight of the k3 KL estimate to the frozen initial policy (0: no reference).
+        loss_agg: ``token-mean``, ``seq-mean-token-sum`` or ``seq-mean-token-mean``.
+        steps: rollout-and-update steps.
+        max_tokens: most tokens in one update microbatch.
+        optimizer: ``adamw`` or ``sgd``.
+        lr: learning rate.
+        seed: prompt order and sampling seed.
+        metrics: append every step's metrics here (``.csv``, else JSON lines).
+        tensorboard: also write them as TensorBoard events into this directory.
+        output_dir: write the trained policy as a ``transformers`` model directory here at the end.
+    """
+
+    model_path: str | None = None
+    prompts: str | None = None
+    reward: str = "reverse_digits"
+    dp: str = field(default="odc", metadata={"choices": _dp_choices})
+    odc_mode: Literal["odc", "collective"] = "odc"
+    balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    samples_per_prompt: int = 4
+    prompts_per_step: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    scale_rewards: Literal["std", "none"] = "std"
+    clip_eps: float = 0.2
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    kl_coef: float = 0.0
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    steps: int = 20
+    max_tokens: int = 1024
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-4
+    seed: int = 0
+    metrics: str | None = None
+    tensorboard: str | None = None
+    output_dir: str | None = None
+    progress: bool = field(default=False, metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        engine, mode = resolve_dp(self.dp, self.odc_mode)
+        object.__setattr__(self, "dp", engine)
+        object.__setattr__(self, "odc_mode", mode)
+        for name, choices in (("balance", METHODS), ("advantage", ESTIMATORS), ("loss_agg", LOSS_AGGS),
+                              ("scale_rewards", ("std", "none")), ("precision", ("fp32", "bf16")),
+                              ("optimizer", ("adamw", "sgd"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        for name in ("prompts_per_step", "ppo_epochs", "minibatches", "steps", "max_new_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"--samples-per-prompt={self.samples_per_prompt}: {self.advantage.upper()} compares the "
+                             "samples of a prompt with each other and needs at least 2")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl-coef={self.kl_coef} must be non-negative")
+        if not self.lr > 0:
+            raise ValueError(f"--lr={self.lr} must be positive")
+        if self.minibatches > self.prompts_per_step * self.samples_per_prompt:
+            raise ValueError(f"--minibatches={self.minibatches} exceeds the {self.prompts_per_step * self.samples_per_prompt} "
+                             "samples of a step")
+
+    @property
+    def dp_label(self) -> str:
+        return f"{self.dp}-collective" if self.odc_mode == "collective" else self.dp
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(precision=self.precision, mode=self.odc_mode)

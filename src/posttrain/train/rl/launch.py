@@ -1,0 +1,56 @@
+"""Starting an RL run on forked CPU processes."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import AutoTokenizer
+
+from posttrain.launch import RanksFailedError, run_ranks
+from posttrain.rl import load_reward
+from posttrain.train.dp.launch import check_output_path
+
+from .config import RLConfig
+from .loop import load_prompts, rl_worker
+
+__all__ = ["run_rl"]
+
+
+def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[dict]:
+    """Check ``cfg`` (model, prompts, reward, output paths) in this process, then run it on
+    ``world_size`` forked CPU processes; every rank's result (``{"metrics": [...]}``)."""
+    if world_size < 1:
+        raise ValueError(f"--world-size={world_size} must be at least 1")
+    if cfg.model_path is None or cfg.prompts is None:
+        raise ValueError("posttrain rl needs --model-path (a transformers model directory) and --prompts (a JSONL file)")
+    if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+        raise ValueError(f"--model-path {cfg.model_path}: no config.json (expected a transformers model directory)")
+    say = (lambda *a, **k: None) if quiet else print
+    for flag, path in (("--metrics", cfg.metrics),):
+        check_output_path(flag, path, directory=False)
+    check_output_path("--tensorboard", cfg.tensorboard, directory=True)
+    check_output_path("--output-dir", cfg.output_dir, directory=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.model_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model-path {cfg.model_path}: no tokenizer transformers can load ({e})") from None
+    prompts = load_prompts(cfg.prompts, tok, max_new_tokens=cfg.max_new_tokens, max_tokens=cfg.max_tokens)
+    load_reward(cfg.reward)
+    if cfg.prompts_per_step < world_size:
+        raise ValueError(f"--prompts-per-step={cfg.prompts_per_step} is fewer than the {world_size} ranks")
+    say(f"posttrain rl: {cfg.advantage} with {cfg.dp_label}+{cfg.balance} updates on {world_size} CPU processes, "
+        f"{cfg.prompts_per_step} of {len(prompts)} prompts x {cfg.samples_per_prompt} samples per step, {cfg.steps} steps",
+        flush=True)
+    try:
+        results = run_ranks(rl_worker, world_size, cfg, timeout_s=24 * 3600)
+    except RanksFailedError as e:
+        if e.value_error() is None:
+            raise
+        raise ValueError(e.value_error()) from None
+    m = results[0]["metrics"]
+    say(f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}; rollout "
+        f"{sum(r['rollout_tokens_per_s'] for r in m) / len(m):.0f} tokens/s, update "
+        f"{sum(r['update_tokens_per_s'] for r in m) / len(m):.0f} tokens/s")
+    if cfg.output_dir:
+        say(f"wrote {cfg.output_dir}")
+    return results

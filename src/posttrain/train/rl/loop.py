@@ -1,0 +1,262 @@
+"""The RL loop: one rank of a GRPO/RLOO run whose policy update runs on any data-parallel engine.
+
+Each step:
+
+1. rollout: the engine's full parameters are loaded into this rank's unsharded rollout copy (a
+   collective, a part at a time); the rank samples ``samples_per_prompt`` responses for its share
+   of the step's prompts (every ``world_size``-th), scores them with the reward function, and
+   computes the rollout policy's log-probs (and the reference's, with ``kl_coef``);
+2. every rank receives every rank's samples (one all-gather of token ids and numbers), so all
+   compute the same advantages and the same balancing plans; groups whose rewards are all equal
+   have zero advantage and are left out of the update (counted);
+3. update: ``ppo_epochs`` passes, each over the samples split into ``minibatches``; every
+   minibatch is balanced (``balance``) and run under the engine, its loss aggregated as
+   ``loss_agg`` says over the whole minibatch whatever the placement (see :mod:`posttrain.rl.loss`).
+
+Rollout time and tokens/s are reported apart from the update's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from posttrain.balance import FlopsCost, plan_minibatch
+from posttrain.dp import DataParallelEngine, build_engine
+from posttrain.models import load_pretrained
+from posttrain.rl import (
+    HFRollout,
+    Rollout,
+    call_reward,
+    compute_advantages,
+    load_reward,
+    loss_units,
+    policy_loss,
+    token_logprobs,
+)
+
+from .config import RLConfig
+
+__all__ = ["RL_SCALARS", "Prompt", "load_prompts", "rl_worker", "update_minibatch"]
+
+#: The per-step figures written to TensorBoard.
+RL_SCALARS = ("reward_mean", "reward_std", "response_len_mean", "kl", "clip_fraction", "entropy",
+              "rollout_tokens_per_s", "update_tokens_per_s")
+
+_DUMMY = torch.zeros(1, 1, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as given (``raw``: a string or chat messages) and its token ids."""
+
+    raw: object
+    ids: list[int]
+    where: str
+
+
+def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int) -> list[Prompt]:
+    """The prompts of a JSONL file, tokenized (chat prompts with the generation prompt).
+
+    Raises:
+        ValueError: a missing file, a bad line, or a prompt so long that prompt plus
+            ``max_new_tokens`` exceeds ``max_tokens + 1`` (named by file and line).
+    """
+    out = []
+    try:
+        f = open(path)
+    except OSError as e:
+        raise ValueError(f"--prompts {path}: {e.strerror}") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
+                msgs = rec["messages"]
+                if msgs[-1].get("role") == "assistant":
+                    msgs = msgs[:-1]  # a reference answer: not part of the prompt
+                ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+                ids, raw = list(ids["input_ids"]), msgs
+            elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                ids, raw = list(tokenizer(rec["prompt"])["input_ids"]), rec["prompt"]
+            else:
+                raise ValueError(f"{where}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}")
+            if not ids:
+                raise ValueError(f"{where}: the prompt is empty")
+            if len(ids) + max_new_tokens > max_tokens + 1:
+                raise ValueError(f"{where}: a prompt of {len(ids)} tokens plus --max-new-tokens={max_new_tokens} "
+                                 f"exceeds --max-tokens={max_tokens} + 1; raise --max-tokens or shorten it")
+            out.append(Prompt(raw, ids, where))
+    if not out:
+        raise ValueError(f"--prompts {path}: no prompts")
+    return out
+
+
+def _stat_sum(values: Sequence[float]) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     rollouts: Sequence[Rollout], cfg: RLConfig, rank: int, world_size: int,
+                     cost: FlopsCost) -> dict[str, float]:
+    """One optimizer step on ``rollouts`` (identical on every rank): balanced over the ranks,
+    run under ``engine``, the loss aggregated over the whole minibatch. Returns the global
+    ``tokens``, ``clipped``, ``kl`` and ``entropy`` sums and this rank's ``microbatches``."""
+    plan = plan_minibatch([len(r) - 1 for r in rollouts], world_size=world_size, max_tokens=cfg.max_tokens,
+                          method=cfg.balance, cost=cost)
+    mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
+    rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+    units = loss_units(rollouts, cfg.loss_agg)
+    own = sum(loss_units([rollouts[i] for i in m.sequence_ids], cfg.loss_agg) for m in mine)
+    sums = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
+    with engine.minibatch(own) as mb:
+        if mb.global_tokens != units:
+            raise AssertionError(f"the engine counts {mb.global_tokens} loss units, the rollouts {units}")
+        for j in range(rounds if engine.equal_microbatches else len(mine)):
+            if j < len(mine):
+                loss, st = policy_loss(model, [rollouts[i] for i in mine[j].sequence_ids], clip_eps=cfg.clip_eps,
+                                       kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
+                for k, v in st.items():
+                    sums[k] += v
+                (loss / mb.loss_divisor).backward()
+            else:
+                (model(_DUMMY).sum() * 0.0).backward()  # keeps per-layer rendezvous matched
+    optimizer.step()
+    optimizer.zero_grad()
+    keys = list(sums)
+    return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine))}
+
+
+def _make_optimizer(cfg: RLConfig, params) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, fused=True)
+    return torch.optim.SGD(params, lr=cfg.lr, foreach=True)
+
+
+def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
+    """Run ``cfg`` on this rank (inside an initialized process group). Returns ``{"metrics": [...]}``,
+    one dict per step with the step's global figures."""
+    from transformers import AutoTokenizer
+
+    from posttrain.models import save_pretrained, tied_names
+    from posttrain.train.dp.metrics import MetricsLog
+
+    tok = AutoTokenizer.from_pretrained(cfg.model_path)
+    prompts = load_prompts(cfg.prompts, tok, max_new_tokens=cfg.max_new_tokens, max_tokens=cfg.max_tokens)
+    reward_fn = load_reward(cfg.reward)
+    policy = load_pretrained(cfg.model_path)
+    tied = tied_names(policy)
+    cost = FlopsCost.from_config(policy.config)
+    engine = build_engine(cfg.dp, policy, cfg.engine_config())
+    optimizer = _make_optimizer(cfg, engine.parameters())
+    rollout = HFRollout(load_pretrained(cfg.model_path).hf, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
+    reference = load_pretrained(cfg.model_path).hf.eval() if cfg.kl_coef else None
+    n = cfg.samples_per_prompt
+    log = (MetricsLog(cfg.metrics, cfg.tensorboard, scalars=RL_SCALARS)
+           if rank == 0 and (cfg.metrics or cfg.tensorboard) else None)
+    bar = None
+    if cfg.progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=f"rl {cfg.dp_label}+{cfg.balance}", unit="step", leave=False, disable=None)
+    metrics = []
+    try:
+        for step in range(cfg.steps):
+            rng = random.Random(cfg.seed * 1_000_003 + step)
+            batch = [prompts[(step * cfg.prompts_per_step + k) % len(prompts)] for k in range(cfg.prompts_per_step)]
+            rng.shuffle(batch)
+            dist.barrier()
+            t0 = time.perf_counter()
+            rollout.load_weights(engine.iter_full_state())
+            mine = list(range(rank, len(batch), world_size))
+            responses = rollout.generate([batch[i].ids for i in mine], n, seed=cfg.seed * 7919 + step * 131 + rank)
+            local = []
+            for k, resp in enumerate(responses):
+                p = batch[mine[k // n]]
+                seq = torch.tensor(p.ids + resp, dtype=torch.long)
+                text = tok.decode(resp, skip_special_tokens=True)
+                local.append({"prompt": mine[k // n], "sample": k % n, "ids": seq.tolist(), "prompt_len": len(p.ids),
+                              "reward": call_reward(reward_fn, p.raw, text, name=cfg.reward), "len": len(resp)})
+            seqs = [torch.tensor(s["ids"]) for s in local]
+            for s, lp in zip(local, rollout.logprobs(seqs, [s["prompt_len"] for s in local])):
+                s["old"] = lp.tolist()
+            if reference is not None:
+                with torch.no_grad():
+                    for s, seq in zip(local, seqs):
+                        logits = reference(input_ids=seq[:-1].unsqueeze(0), use_cache=False).logits[0]
+                        s["ref"] = token_logprobs(logits[s["prompt_len"] - 1:], seq[s["prompt_len"]:]).tolist()
+            t_gen = time.perf_counter() - t0
+            every: list = [None] * world_size
+            dist.all_gather_object(every, local)
+            samples = sorted((s for part in every for s in part), key=lambda s: (s["prompt"], s["sample"]))
+            adv = compute_advantages([s["reward"] for s in samples], n, estimator=cfg.advantage,
+                                     normalize_std=cfg.scale_rewards == "std")
+            skip = set(adv.zero_groups)
+            rollouts = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], a, torch.tensor(s["old"]),
+                                torch.tensor(s["ref"]) if "ref" in s else None, s["reward"])
+                        for s, a in zip(samples, adv.values) if s["prompt"] not in skip]
+            t1 = time.perf_counter()
+            totals = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
+            updates = 0
+            if rollouts:
+                for epoch in range(cfg.ppo_epochs):
+                    order = list(range(len(rollouts)))
+                    random.Random(cfg.seed * 31 + step * 17 + epoch).shuffle(order)
+                    size = -(-len(order) // cfg.minibatches)
+                    for start in range(0, len(order), size):
+                        part = [rollouts[i] for i in order[start:start + size]]
+                        st = update_minibatch(engine, policy, optimizer, part, cfg, rank, world_size, cost)
+                        for k in totals:
+                            totals[k] += st[k]
+                        updates += 1
+            t_upd = time.perf_counter() - t1
+            gen_max = torch.tensor([t_gen, t_upd], dtype=torch.float64)
+            dist.all_reduce(gen_max, op=dist.ReduceOp.MAX)
+            rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
+            lens = torch.tensor([s["len"] for s in samples], dtype=torch.float64)
+            tok_n = max(1.0, totals["tokens"])
+            row = {
+                "step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
+                "zero_advantage_groups": len(skip), "updates": updates,
+                "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
+                "entropy": totals["entropy"] / tok_n,
+                "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]),
+                "rollout_tokens_per_s": float(lens.sum()) / max(1e-9, float(gen_max[0])),
+                "update_tokens_per_s": sum(len(r) - 1 for r in rollouts) * cfg.ppo_epochs / max(1e-9, float(gen_max[1])),
+            }
+            metrics.append(row)
+            if log is not None:
+                log.append([row])
+            if bar is not None:
+                bar.write(f"step {step:4d}  reward {row['reward_mean']:.3f}  len {row['response_len_mean']:.1f}  "
+                          f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "
+                          f"({row['update_tokens_per_s']:.0f} tokens/s)  skipped groups {len(skip)}")
+                bar.update(1)
+        if cfg.output_dir:
+            save_pretrained(engine.iter_full_state(), cfg.output_dir, config=policy.config, tokenizer=tok,
+                            generation_config=getattr(rollout.model, "generation_config", None), skip=tied,
+                            write=rank == 0)
+            dist.barrier()
+    finally:
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+        engine.close()
+    return {"metrics": metrics}

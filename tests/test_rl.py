@@ -1,0 +1,186 @@
+"""RL: advantages, the clipped policy loss and its aggregation, one update step under every engine
+against a single-process reference, rewards and prompts that are refused clearly, and a short
+run end to end. A failure names the estimator, aggregation or engine that disagrees."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from posttrain.balance import FlopsCost
+from posttrain.dp import build_engine
+from posttrain.launch import run_ranks
+from posttrain.models import load_pretrained
+from posttrain.rl import (
+    LOSS_AGGS,
+    Rollout,
+    call_reward,
+    compute_advantages,
+    load_reward,
+    loss_units,
+    policy_loss,
+    token_logprobs,
+)
+from posttrain.train.rl import RLConfig, load_prompts, run_rl, update_minibatch
+
+
+def test_grpo_and_rloo_advantages():
+    r = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]  # two groups of 4; the second all equal
+    grpo = compute_advantages(r, 4)
+    g = torch.tensor(r[:4])
+    assert grpo.values[:4] == pytest.approx(((g - g.mean()) / (g.std() + 1e-6)).tolist())
+    assert grpo.values[4:] == [0.0] * 4 and grpo.zero_groups == [1]
+    assert compute_advantages(r, 4, normalize_std=False).values[:4] == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    rloo = compute_advantages(r, 4, estimator="rloo").values
+    assert rloo[0] == pytest.approx(1.0 - (0 + 0 + 1) / 3) and rloo[1] == pytest.approx(0.0 - 2 / 3)
+    with pytest.raises(ValueError, match="needs at least 2"):
+        compute_advantages([1.0, 2.0], 1)
+    with pytest.raises(ValueError, match="not finite"):
+        compute_advantages([1.0, float("nan")], 2)
+    with pytest.raises(ValueError, match="not groups of 3"):
+        compute_advantages([1.0, 2.0], 3)
+
+
+def _rollouts(model, vocab: int, lengths, seed=0, noise=0.3):
+    """Random prompts and responses; old log-probs the model's own plus noise (so some ratios
+    clip), reference log-probs the model's minus noise."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k, (p, n) in enumerate(lengths):
+        ids = torch.randint(0, vocab, (p + n,), generator=g)
+        with torch.no_grad():
+            lp = token_logprobs(model(ids[:-1].unsqueeze(0))[0][p - 1:], ids[p:])
+        out.append(Rollout(ids, p, float(torch.randn((), generator=g)), lp + noise * torch.randn(n, generator=g),
+                           lp - noise * torch.rand(n, generator=g), reward=float(k % 2)))
+    return out
+
+
+LENGTHS = [(5, 30), (8, 38), (8, 51), (3, 39), (5, 32), (3, 5), (7, 7), (3, 7)]  # 2 and 3 microbatches at 64
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_the_aggregation_does_not_depend_on_how_rollouts_are_split(tiny_model, agg):
+    model = load_pretrained(tiny_model("llama"))
+    rolls = _rollouts(model, model.config.vocab_size, LENGTHS)
+    units = loss_units(rolls, agg)
+    grads = []
+    for split in ([list(range(8))], [[0, 1, 2], [3], [4, 5, 6, 7]], [[7], [6, 0], [5, 1, 2], [4, 3]]):
+        model.zero_grad()
+        for part in split:
+            loss, _ = policy_loss(model, [rolls[i] for i in part], kl_coef=0.1, agg=agg)
+            (loss / units).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], atol=1e-6, rtol=1e-5)
+
+
+def test_policy_loss_is_the_clipped_surrogate_plus_k3():
+    class Fixed(torch.nn.Module):  # logits that give known log-probs
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self, x, document_lengths=None):
+            return self.w.expand(1, x.shape[1], 4)
+
+    m = Fixed()
+    ids = torch.tensor([0, 1, 2, 3])  # prompt of 2, response of 2
+    lp = torch.log(torch.tensor([0.25, 0.25]))
+    old = lp - torch.tensor([0.5, -0.05])  # ratios e^0.5 (clipped at 1.2) and e^-0.05
+    ref = lp + torch.tensor([0.1, 0.0])
+    loss, st = policy_loss(m, [Rollout(ids, 2, 2.0, old, ref)], clip_eps=0.2, kl_coef=0.5, agg="token-mean")
+    ratio = torch.exp(lp - old)
+    pg = -torch.minimum(ratio * 2, ratio.clamp(0.8, 1.2) * 2)
+    d = ref - lp
+    assert float(loss.detach()) == pytest.approx(float((pg + 0.5 * (torch.exp(d) - d - 1)).sum()), rel=1e-6)
+    assert st["tokens"] == 2 and st["clipped"] == 1
+
+
+def _update_worker(rank, world, cfg, model_dir, lengths):
+    torch.manual_seed(0)
+    model = load_pretrained(model_dir)
+    rolls = _rollouts(model, model.config.vocab_size, lengths)
+    cost = FlopsCost.from_config(model.config)
+    engine = build_engine(cfg.dp, model, cfg.engine_config())
+    opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr)
+    st = update_minibatch(engine, model, opt, rolls, cfg, rank, world, cost)
+    full = {k.removeprefix("hf."): v.clone() for k, v in engine.full_state_dict().items()}
+    engine.close()
+    return full, st
+
+
+@pytest.mark.parametrize("dp, agg", [("odc", "token-mean"), ("fsdp", "seq-mean-token-mean"),
+                                     ("odc-fsdp2", "seq-mean-token-sum"), ("odc-collective", "token-mean")])
+def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_model, dp, agg):
+    model_dir = tiny_model("llama")
+    cfg = RLConfig(dp=dp, balance="diff_micro", loss_agg=agg, kl_coef=0.1, optimizer="sgd", lr=0.5, max_tokens=64)
+    results = run_ranks(_update_worker, 2, cfg, model_dir, LENGTHS)
+    micro = [int(st["microbatches"]) for _, st in results]
+    if cfg.odc_mode == "odc":
+        assert micro[0] != micro[1]  # the ranks ran different numbers of microbatches
+    ref = load_pretrained(model_dir)
+    rolls = _rollouts(ref, ref.config.vocab_size, LENGTHS)
+    opt = torch.optim.SGD(ref.parameters(), lr=cfg.lr)
+    loss, _ = policy_loss(ref, rolls, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, agg=agg)
+    (loss / loss_units(rolls, agg)).backward()
+    opt.step()
+    want = ref.hf.state_dict()
+    moved = False
+    for name, value in results[0][0].items():
+        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4, msg=name)
+        moved |= not torch.equal(value, load_pretrained(model_dir).hf.state_dict()[name]) if name.endswith(
+            "q_proj.weight") else False
+    assert moved  # the step changed the weights
+    assert results[0][1]["tokens"] == sum(n for _, n in LENGTHS)
+
+
+def test_rewards_that_raise_or_are_not_finite_are_named():
+    assert load_reward("reverse_digits")("reverse 1 2 3", " 3 2 1 ") == 1.0
+    with pytest.raises(ValueError, match="--reward 'math:nope': cannot import"):
+        load_reward("math:nope")
+    with pytest.raises(ValueError, match="give reverse_digits or module:function"):
+        load_reward("nothing")
+    with pytest.raises(ValueError, match="raised ZeroDivisionError"):
+        call_reward(lambda p, r: 1 / 0, "p", "r", name="mine:f")
+    with pytest.raises(ValueError, match="returned nan"):
+        call_reward(lambda p, r: float("nan"), "p", "r")
+    with pytest.raises(ValueError, match="not a number"):
+        call_reward(lambda p, r: "high", "p", "r")
+
+
+def test_prompts_too_long_or_malformed_are_named(tmp_path, chat_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "reverse 1 2 3"}) + "\n" + json.dumps({"prompt": "reverse " + "1 " * 100}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:2: a prompt of \d+ tokens plus --max-new-tokens=8 exceeds"):
+        load_prompts(str(p), tok, max_new_tokens=8, max_tokens=64)
+    p.write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: expected"):
+        load_prompts(str(p), tok, max_new_tokens=8, max_tokens=64)
+    with pytest.raises(ValueError, match="needs at least 2"):
+        RLConfig(samples_per_prompt=1)
+
+
+def test_a_short_rl_run_reports_every_figure(tmp_path, tiny_model):
+    from posttrain.data.tasks import chat_task_records
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), samples_per_prompt=4, prompts_per_step=4,
+                   max_new_tokens=8, steps=2, max_tokens=128, kl_coef=0.05, ppo_epochs=2, minibatches=2,
+                   metrics=str(tmp_path / "m.jsonl"), output_dir=str(tmp_path / "out"))
+    results = run_rl(cfg, world_size=2, quiet=True)
+    rows = results[0]["metrics"]
+    assert len(rows) == 2 and results[1]["metrics"] == rows
+    for r in rows:
+        assert 0 < r["response_len_mean"] <= 8 and r["rollout_tokens_per_s"] > 0
+        assert r["updates"] in (0, 4) and (r["updates"] == 0) == (r["zero_advantage_groups"] == 4)
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+    assert (tmp_path / "out" / "config.json").exists()
+    with pytest.raises(ValueError, match="--prompts-per-step=1 is fewer than the 2 ranks"):
+        run_rl(replace(cfg, prompts_per_step=1), world_size=2, quiet=True)
