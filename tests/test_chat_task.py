@@ -4,23 +4,20 @@ means post-training through posttrain does not teach a model what plain training
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
-
 from posttrain.lab.chat import exact_match, make_chat_task
 from posttrain.train.dp import TrainConfig, run_training
 
 
 def test_a_short_cpu_run_learns_the_chat_task(tmp_path):
-    paths = make_chat_task(tmp_path / "task", train_records=2000, eval_records=32)
+    paths = make_chat_task(tmp_path / "task")  # the defaults: 4,000 conversations, 64 held out
     before = exact_match(paths["model"], paths["eval"])
     out = tmp_path / "model"
+    # Deterministic: the run is bitwise reproducible, so where it ends does not drift between
+    # runs (this task's loss falls steeply at a point that depends on tiny rounding differences).
     cfg = TrainConfig(model_path=paths["model"], data=paths["train"], eval_data=paths["eval"], eval_every=100,
-                      sequences=32, max_tokens=256, steps=300, lr=3e-3, output_dir=str(out))
+                      sequences=32, max_tokens=256, steps=400, lr=3e-3, deterministic=True, output_dir=str(out))
     metrics = run_training(cfg, world_size=2, quiet=True)[0]["metrics"]
     evals = [m["eval_loss"] for m in metrics if m["eval_loss"] is not None]
-    assert len(evals) == 3 and evals[-1] < 0.5 * evals[0]  # held-out loss falls
+    assert len(evals) == 4 and evals[-1] < 0.2 * evals[0]  # held-out loss falls
     after = exact_match(str(out), paths["eval"])
-    assert before["accuracy"] == 0.0 and after["accuracy"] >= 0.3, (before, after)
+    assert before["accuracy"] == 0.0 and after["accuracy"] >= 0.5, (before, after)

@@ -11,9 +11,18 @@ __all__ = ["add_parser"]
 
 
 def _run(args: argparse.Namespace) -> int:
+    from posttrain.lab.plots import plot_reward_curve
+    from posttrain.train.dp import check_output_path
     from posttrain.train.rl import RLConfig, run_rl
 
-    run_rl(config_from_args(RLConfig, args, progress=True), world_size=args.world_size)
+    cfg = config_from_args(RLConfig, args, progress=True)
+    check_output_path("--curve", args.curve, directory=False)
+    results = run_rl(cfg, world_size=args.world_size)
+    if args.curve:
+        rows = results[0]["metrics"]
+        plot_reward_curve(rows, args.curve, title=f"posttrain rl: {cfg.advantage}, {cfg.dp_label}+{cfg.balance}, "
+                          f"{cfg.prompts_per_step} prompts x {cfg.samples_per_prompt} samples a step")
+        print(f"wrote {args.curve}")
     return 0
 
 
@@ -23,5 +32,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("rl", help="GRPO/RLOO: sample, reward, and update the policy on any data-parallel engine")
     add_config_arguments(p, RLConfig)
     p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
+    p.add_argument("--curve", default=None, help="write the mean reward per step as a PNG")
     add_config_file_argument(p)
     p.set_defaults(func=_run)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from posttrain.spans import COMM_KINDS, Span
 
-__all__ = ["plot_dp_timelines", "plot_lanes", "plot_pipeline", "plot_pipeline_sim", "plot_timelines"]
+__all__ = ["plot_dp_timelines", "plot_lanes", "plot_pipeline", "plot_pipeline_sim", "plot_reward_curve", "plot_timelines"]
 
 #: Colour of a span: by its name where listed, else by its lane.
 COLORS = {
@@ -164,3 +164,31 @@ def plot_pipeline_sim(res, path: str | Path) -> Path:
     return plot_lanes({"simulated": spans}, path, title=title, curves={"simulated": curves},
                       curve_label="resident activations (GiB)", side_by_side=False)
 
+
+
+def plot_reward_curve(rows: Sequence[Mapping], path: str | Path, *, title: str = "") -> Path:
+    """Write a PNG of an RL run's mean reward per step (``posttrain rl`` metrics rows), with the
+    band of one standard deviation over the step's samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    mean = [r["reward_mean"] for r in rows]
+    std = [r["reward_std"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(steps, mean, color=COLORS["compute"], label="mean reward")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                    color=COLORS["compute"], alpha=0.15, label="+- one standard deviation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(min(0.0, min(mean)) - 0.05, max(1.0, max(mean)) + 0.05)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

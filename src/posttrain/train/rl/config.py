@@ -30,6 +30,7 @@ class RLConfig:
         odc_mode: ODC engines: ``odc`` or ``collective``.
         balance: balancing method of each update minibatch.
         precision: ``fp32`` or ``bf16``.
+        deterministic: ODC engines: bitwise identical updates (with the same sampling seed, identical runs).
         samples_per_prompt: responses sampled per prompt (a group).
         prompts_per_step: prompts per step, over all ranks.
         temperature: sampling temperature.
@@ -59,6 +60,7 @@ class RLConfig:
     odc_mode: Literal["odc", "collective"] = "odc"
     balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
     precision: Literal["fp32", "bf16"] = "fp32"
+    deterministic: bool = False
     samples_per_prompt: int = 4
     prompts_per_step: int = 8
     temperature: float = 1.0
@@ -98,6 +100,8 @@ class RLConfig:
                              "samples of a prompt with each other and needs at least 2")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
+        if self.dp == "fsdp" and self.deterministic:
+            raise ValueError("--deterministic is for the ODC engines (--dp odc or odc-fsdp2)")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef={self.kl_coef} must be non-negative")
         if not self.lr > 0:
@@ -111,4 +115,4 @@ class RLConfig:
         return f"{self.dp}-collective" if self.odc_mode == "collective" else self.dp
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(precision=self.precision, mode=self.odc_mode)
+        return EngineConfig(precision=self.precision, mode=self.odc_mode, deterministic=self.deterministic)
