@@ -73,12 +73,14 @@ def pack_sequences(sequences: Sequence[torch.Tensor],
     )
 
 
-def pack_share(lengths: Sequence[int], ids: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """A rank's sequences packed longest first, each into the first microbatch with room (as
+def pack_share(lengths: Sequence[int], ids: Sequence[int], max_tokens: int, *, sort: bool = True) -> list[list[int]]:
+    """A rank's sequences ``ids`` packed into microbatches of at most ``max_tokens``: longest first
+    (or in the order given, ``sort=False``), each into the first microbatch with room (as
     ``diff_micro`` packs a rank's share)."""
+    order = sorted(ids, key=lambda i: -lengths[i]) if sort else list(ids)
     bins: list[list[int]] = []
     room: list[int] = []
-    for i in sorted(ids, key=lambda i: -lengths[i]):
+    for i in order:
         for b, free in enumerate(room):
             if lengths[i] <= free:
                 bins[b].append(i)

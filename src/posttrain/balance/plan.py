@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .cost import CostModel, TokenCost
+from .packing import pack_share
 from .partition import refined_starts, round_robin
 
 __all__ = ["METHODS", "Microbatch", "Plan", "plan_minibatch"]
@@ -122,19 +123,7 @@ class Plan:
 
 def _pack(ids: Sequence[int], lengths: Sequence[int], max_tokens: int, *, sort: bool) -> list[list[int]]:
     """In order (or longest first), each sequence into the first microbatch that has room."""
-    order = sorted(ids, key=lambda i: -lengths[i]) if sort else list(ids)
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(max_tokens - lengths[i])
-    return bins
+    return pack_share(lengths, ids, max_tokens, sort=sort)
 
 
 # diff_micro's worst rank within this fraction of the mean is good enough for one start: the
