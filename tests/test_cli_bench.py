@@ -106,3 +106,23 @@ def test_bench_balance_prints_every_method_and_the_targets(run_cli, tmp_path):
     assert "targets" in proc.stdout and out.exists()
     proc = run_cli("bench", "balance", "--world-sizes", "2,x")
     assert proc.returncode == 2 and "--world-sizes" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_rl_replays_the_same_rollouts_under_three_engines(cli, tmp_path):
+    out = tmp_path / "rl.json"
+    rc, stdout, err = cli("bench", "rl", "--steps", "3", "--samples", "8", "--max-new-tokens", "64", "--dim", "32",
+                          "--layers", "1", "--repeats", "2", "--json", str(out))
+    assert rc == 0, err
+    import json
+
+    got = json.loads(out.read_text())
+    assert set(got["tokens_per_s"]) == {"fsdp+same_micro", "odc-collective+same_micro", "odc+diff_micro"}
+    assert len(got["rounds"]) == 2 and got["response_lengths"]["max"] <= 64
+    for key in ("total", "mechanism", "transport_and_engine"):
+        median, lo, hi = got[key]
+        assert 0 < lo <= median <= hi
+    assert "mechanism" in stdout and "ODC's own" in stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": 1}\n')
+    rc, _, err = cli("bench", "rl", "--rollouts", str(bad))
+    assert rc == 2 and "not a posttrain rl --record file" in err

@@ -173,7 +173,8 @@ def test_a_short_rl_run_reports_every_figure(tmp_path, tiny_model):
     prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
     cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), samples_per_prompt=4, prompts_per_step=4,
                    max_new_tokens=8, steps=2, max_tokens=128, kl_coef=0.05, ppo_epochs=2, minibatches=2,
-                   metrics=str(tmp_path / "m.jsonl"), output_dir=str(tmp_path / "out"))
+                   metrics=str(tmp_path / "m.jsonl"), output_dir=str(tmp_path / "out"),
+                   record=str(tmp_path / "rollouts.jsonl"))
     results = run_rl(cfg, world_size=2, quiet=True)
     rows = results[0]["metrics"]
     assert len(rows) == 2 and results[1]["metrics"] == rows
@@ -182,5 +183,7 @@ def test_a_short_rl_run_reports_every_figure(tmp_path, tiny_model):
         assert r["updates"] in (0, 4) and (r["updates"] == 0) == (r["zero_advantage_groups"] == 4)
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
     assert (tmp_path / "out" / "config.json").exists()
+    recorded = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recorded] == [0, 1] and len(recorded[0]["samples"]) == 16
     with pytest.raises(ValueError, match="--prompts-per-step=1 is fewer than the 2 ranks"):
         run_rl(replace(cfg, prompts_per_step=1), world_size=2, quiet=True)

@@ -30,6 +30,33 @@ def _odc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rl(args: argparse.Namespace) -> int:
+    from posttrain.lab.bench.rl import bench_rl, draw_rollouts
+    from posttrain.models import GPTConfig
+
+    if args.rollouts:
+        steps = []
+        try:
+            with open(args.rollouts) as f:
+                steps = [json.loads(line)["samples"] for line in f if line.strip()]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"--rollouts {args.rollouts}: not a posttrain rl --record file ({e})") from None
+        if len(steps) < 2:
+            raise ValueError(f"--rollouts {args.rollouts}: needs 2 or more steps (the first warms up)")
+    else:
+        steps = draw_rollouts(args.steps, args.samples, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    longest = max(len(s["ids"]) for step in steps for s in step)
+    max_tokens = args.max_tokens or longest
+    if longest - 1 > max_tokens:
+        raise ValueError(f"--max-tokens={max_tokens} is below the longest rollout ({longest} tokens)")
+    vocab = max(max(s["ids"]) for step in steps for s in step) + 1
+    model_cfg = GPTConfig(vocab_size=max(vocab, 2), dim=args.dim, num_layers=args.layers, num_heads=max(1, args.dim // 32),
+                          max_seq_len=max_tokens)
+    bench_rl(steps, model_cfg=model_cfg, max_tokens=max_tokens, world_size=args.world_size, repeats=args.repeats,
+             json_path=args.json or None)
+    return 0
+
+
 def _balance(args: argparse.Namespace) -> int:
     from posttrain.lab.bench.balance import bench_balance
 
@@ -96,6 +123,20 @@ def add_parser(sub) -> None:
                      help="sweep points, each at least --max-len (default: --max-tokens)")
     odc.add_argument("--no-predict", action="store_true", help="sweep without the simulator's predictions")
     odc.set_defaults(func=_odc)
+
+    rl = bs.add_parser("rl", help="the RL update on the same rollouts: ODC+diff_micro vs FSDP2 vs ODC collective")
+    rl.add_argument("--rollouts", default=None, help="a posttrain rl --record file (default: rollouts drawn with RL's shape)")
+    rl.add_argument("--steps", type=int, default=6, help="drawn: update steps, the first warm-up (default 6)")
+    rl.add_argument("--samples", type=int, default=32, help="drawn: rollouts a step (default 32)")
+    rl.add_argument("--max-new-tokens", type=int, default=1024, help="drawn: the response length limit (default 1024)")
+    rl.add_argument("--max-tokens", type=int, default=None, help="microbatch token budget (default: the longest rollout)")
+    rl.add_argument("--dim", type=int, default=128, help="built-in GPT width (default 128)")
+    rl.add_argument("--layers", type=int, default=4, help="built-in GPT blocks (default 4)")
+    rl.add_argument("--seed", type=int, default=0)
+    rl.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
+    rl.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
+    rl.add_argument("--json", default="out/bench_rl.json", help="results file (default out/bench_rl.json)")
+    rl.set_defaults(func=_rl)
 
     bal = bs.add_parser("balance", help="plan time and imbalance of every balancing method, 2-1024 ranks")
     bal.add_argument("--world-sizes", default="2,8,32,128,1024", help="comma-separated ranks (default 2,8,32,128,1024)")

@@ -70,6 +70,10 @@ SECTIONS: tuple[Section, ...] = (
              "--sequences-per-rank", "8", "--sweep-max-tokens", "4096", "--no-predict"),
             "One sweep point (8 sequences per rank, max_tokens 4,096) per profile: `odc/part` is "
             "`odc+diff_micro` over the partition bound.", 40),
+    Section("bench-rl", "The RL update on the same rollouts under three engines", ("bench", "rl"),
+            "32 rollouts a step drawn with RL's shape (responses up to 1,024 tokens, a quarter cut at the limit), "
+            "replayed through the update under FSDP2+same_micro, collective flat ODC+same_micro and "
+            "ODC+diff_micro, 5 interleaved rounds; see docs/rl.md.", 5),
     Section("transport", "The shared-memory transport against gloo", ("bench", "transport"),
             "Bandwidth of ODC's one-sided gather and scatter-accumulate against gloo's all-gather and "
             "reduce-scatter on the same 2 processes; ratios are gloo time over shared-memory time.", 1),

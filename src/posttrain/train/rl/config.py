@@ -51,6 +51,8 @@ class RLConfig:
         metrics: append every step's metrics here (``.csv``, else JSON lines).
         tensorboard: also write them as TensorBoard events into this directory.
         output_dir: write the trained policy as a ``transformers`` model directory here at the end.
+        record: append every step's rollouts (token ids, prompt length, advantage) here as JSON
+            lines, for ``posttrain bench rl --rollouts``.
     """
 
     model_path: str | None = None
@@ -81,6 +83,7 @@ class RLConfig:
     metrics: str | None = None
     tensorboard: str | None = None
     output_dir: str | None = None
+    record: str | None = None
     progress: bool = field(default=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:

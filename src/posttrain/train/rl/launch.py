@@ -26,7 +26,7 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
         raise ValueError(f"--model-path {cfg.model_path}: no config.json (expected a transformers model directory)")
     say = (lambda *a, **k: None) if quiet else print
-    for flag, path in (("--metrics", cfg.metrics),):
+    for flag, path in (("--metrics", cfg.metrics), ("--record", cfg.record)):
         check_output_path(flag, path, directory=False)
     check_output_path("--tensorboard", cfg.tensorboard, directory=True)
     check_output_path("--output-dir", cfg.output_dir, directory=True)
@@ -41,6 +41,8 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     say(f"posttrain rl: {cfg.advantage} with {cfg.dp_label}+{cfg.balance} updates on {world_size} CPU processes, "
         f"{cfg.prompts_per_step} of {len(prompts)} prompts x {cfg.samples_per_prompt} samples per step, {cfg.steps} steps",
         flush=True)
+    if cfg.record and os.path.exists(cfg.record):
+        os.remove(cfg.record)  # a fresh record per run
     try:
         results = run_ranks(rl_worker, world_size, cfg, timeout_s=24 * 3600)
     except RanksFailedError as e:

@@ -210,6 +210,11 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
             rollouts = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], a, torch.tensor(s["old"]),
                                 torch.tensor(s["ref"]) if "ref" in s else None, s["reward"])
                         for s, a in zip(samples, adv.values) if s["prompt"] not in skip]
+            if cfg.record and rank == 0:
+                with open(cfg.record, "a") as f:
+                    f.write(json.dumps({"step": step, "samples": [
+                        {"ids": s["ids"], "prompt_len": s["prompt_len"], "advantage": a}
+                        for s, a in zip(samples, adv.values)]}) + "\n")
             t1 = time.perf_counter()
             totals = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
             updates = 0
