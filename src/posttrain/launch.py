@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["FAILURE_GRACE_S", "Interrupted", "RanksFailedError", "run_ranks"]
+__all__ = ["FAILURE_GRACE_S", "Interrupted", "RanksFailedError", "run_job", "run_ranks"]
 
 #: Seconds the surviving ranks of a failed job get to report their own errors before being killed.
 FAILURE_GRACE_S = 10.0
@@ -244,3 +244,16 @@ def _collect(procs: list, results: Any, world_size: int, timeout_s: float) -> tu
             p.kill()
             p.join()
     return outputs, errors
+
+
+def run_job(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+    """:func:`run_ranks` for commands: a rank that rejected its input (raised ``ValueError``)
+    raises that ``ValueError`` here, one line for the user; other failures stay
+    :class:`RanksFailedError`."""
+    try:
+        return run_ranks(fn, world_size, *args, timeout_s=timeout_s, **kwargs)
+    except RanksFailedError as e:
+        msg = e.value_error()
+        if msg is None:
+            raise
+        raise ValueError(msg) from None

@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from posttrain.launch import RanksFailedError, run_ranks
+from posttrain.launch import run_job
 
 from .checkpoint import check_resumable, latest_checkpoint
 from .config import TrainConfig
@@ -103,12 +103,7 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
         if results is None:
             return None
     else:
-        try:
-            results = run_ranks(train_worker, world_size, cfg, timeout_s=24 * 3600)
-        except RanksFailedError as e:
-            if e.value_error() is None:
-                raise
-            raise ValueError(e.value_error()) from None
+        results = run_job(train_worker, world_size, cfg, timeout_s=24 * 3600)
     if not results[0]["metrics"]:
         say(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {results[0]['resumed_from']} steps")
         return results
@@ -168,5 +163,5 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
     # the data file's, which must still be there).
     vocab = model_vocab_size(cfg) or TrainData(cfg, 1).vocab_size
     log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")
-    run_ranks(_export_worker, 1, cfg, path, vocab, timeout_s=24 * 3600)
+    run_job(_export_worker, 1, cfg, path, vocab, timeout_s=24 * 3600)
     return out_dir

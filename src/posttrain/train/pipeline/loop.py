@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.data import synthetic_sequences
-from posttrain.launch import RanksFailedError, run_ranks
+from posttrain.launch import run_job
 from posttrain.models import build_model
 from posttrain.pipeline import PipelineRunner, add_offload, simulate
 from posttrain.pipeline.stages import split_model
@@ -85,13 +85,7 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
         ValueError: bad configuration, or a rank rejected its input.
     """
     cfg.build()  # schedule errors surface here, before any process starts
-    try:
-        out = run_ranks(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
-    except RanksFailedError as e:
-        msg = e.value_error()
-        if msg:
-            raise ValueError(msg) from None
-        raise
+    out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
     return [out[r] for r in range(cfg.num_ranks)]
 
 

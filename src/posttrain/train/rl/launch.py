@@ -6,7 +6,7 @@ import os
 
 from transformers import AutoTokenizer
 
-from posttrain.launch import RanksFailedError, run_ranks
+from posttrain.launch import run_job
 from posttrain.rl import load_reward
 from posttrain.train.dp.launch import check_output_path
 
@@ -43,12 +43,7 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
         flush=True)
     if cfg.record and os.path.exists(cfg.record):
         os.remove(cfg.record)  # a fresh record per run
-    try:
-        results = run_ranks(rl_worker, world_size, cfg, timeout_s=24 * 3600)
-    except RanksFailedError as e:
-        if e.value_error() is None:
-            raise
-        raise ValueError(e.value_error()) from None
+    results = run_job(rl_worker, world_size, cfg, timeout_s=24 * 3600)
     m = results[0]["metrics"]
     say(f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}; rollout "
         f"{sum(r['rollout_tokens_per_s'] for r in m) / len(m):.0f} tokens/s, update "
