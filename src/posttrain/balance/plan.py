@@ -121,11 +121,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def _pack(ids: Sequence[int], lengths: Sequence[int], max_tokens: int, *, sort: bool) -> list[list[int]]:
-    """In order (or longest first), each sequence into the first microbatch that has room."""
-    return pack_share(lengths, ids, max_tokens, sort=sort)
-
-
 # diff_micro's worst rank within this fraction of the mean is good enough for one start: the
 # ODC reference reaches 0.01-0.06% at 8-32 ranks, and 0.03% is ~0.3 ms of a 1 s step.
 _GOOD_ENOUGH = 3e-4
@@ -253,7 +248,7 @@ def plan_minibatch(
 
     if method in ("round_robin", "local_sort"):
         shares = round_robin(costs, world_size)
-        per_rank = [_pack(s, lengths, max_tokens, sort=method == "local_sort") for s in shares]
+        per_rank = [pack_share(lengths, s, max_tokens, sort=method == "local_sort") for s in shares]
     elif method == "same_micro":
         per_rank = _same_micro(lengths, costs, world_size, max_tokens)
     else:
@@ -263,7 +258,7 @@ def plan_minibatch(
         same = [[i for mb in mbs for i in mb] for mbs in _same_micro(lengths, costs, world_size, max_tokens)]
         # same_micro's split last: it wins only if strictly lighter, so diff_micro is never worse
         shares = min([*starts, same], key=lambda parts: max(sum(costs[i] for i in p) for p in parts))
-        per_rank = [_pack(s, lengths, max_tokens, sort=True) for s in shares]
+        per_rank = [pack_share(lengths, s, max_tokens) for s in shares]
 
     ranks = tuple(
         tuple(
