@@ -186,3 +186,66 @@ def test_a_short_rl_run_reports_every_figure(tmp_path, tiny_model):
     assert [r["step"] for r in recorded] == [0, 1] and len(recorded[0]["samples"]) == 16
     with pytest.raises(ValueError, match="--prompts-per-step=1 is fewer than the 2 ranks"):
         run_rl(replace(cfg, prompts_per_step=1), world_size=2, quiet=True)
+
+
+def _reference_worker(rank, world, cfg, model_dir, lengths):
+    from posttrain.train.rl.reference import ShardedReference
+
+    torch.manual_seed(0)
+    model = load_pretrained(model_dir)
+    rolls = _rollouts(model, model.config.vocab_size, lengths)
+    ref = ShardedReference(model_dir, cfg, FlopsCost.from_config(model.config))
+    lps = ref.logprobs([r.input_ids for r in rolls], [r.prompt_len for r in rolls], rank=rank, world_size=world)
+    held = sum(t.numel() for t in ref.engine.parameters() if t.requires_grad)
+    micro = ref.microbatches
+    ref.close()
+    return lps, micro, held
+
+
+@pytest.mark.parametrize("dp", ["odc", "fsdp", "odc-collective"])
+def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, dp):
+    model_dir = tiny_model("llama")
+    cfg = RLConfig(dp=dp, balance="diff_micro", kl_coef=0.1, max_tokens=64)
+    results = run_ranks(_reference_worker, 2, cfg, model_dir, LENGTHS)
+    if cfg.odc_mode == "odc":
+        assert results[0][1] != results[1][1]  # the ranks ran different numbers of forward microbatches
+    model = load_pretrained(model_dir)
+    assert all(held == 0 for _, _, held in results)  # nothing of the reference is trainable
+    for r, got0, got1 in zip(_rollouts(model, model.config.vocab_size, LENGTHS), results[0][0], results[1][0]):
+        with torch.no_grad():
+            want = token_logprobs(model(r.input_ids[:-1].unsqueeze(0))[0][r.prompt_len - 1:], r.input_ids[r.prompt_len:])
+        torch.testing.assert_close(got0, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got0, got1)
+
+
+def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one(tmp_path, tiny_model, monkeypatch):
+    from posttrain.data.tasks import chat_task_records
+    from posttrain.train.dp import export_checkpoint
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
+    # A reward every response earns some of (the random model never answers the task right).
+    (tmp_path / "wordy.py").write_text("def reward(prompt, response):\n    return float(len(response))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="wordy:reward", samples_per_prompt=4,
+                    prompts_per_step=4, max_new_tokens=6, steps=3, max_tokens=128, kl_coef=0.05, lr=3e-3,
+                    temperature=1.5, deterministic=True)
+    whole = run_rl(replace(base, checkpoint_dir=str(tmp_path / "a"), metrics=str(tmp_path / "a.jsonl")),
+                   world_size=2, quiet=True)[0]["metrics"]
+    cut = replace(base, checkpoint_dir=str(tmp_path / "b"), metrics=str(tmp_path / "b.jsonl"))
+    first = run_rl(replace(cut, steps=2), world_size=2, quiet=True)[0]
+    rest = run_rl(cut, world_size=2, quiet=True)[0]
+    assert first["resumed_from"] == 0 and rest["resumed_from"] == 2
+    keys = ("reward_mean", "response_len_mean", "kl", "clip_fraction", "entropy")
+    assert any(r["updates"] for r in whole)  # the policy changed along the way
+    for a, b in zip(whole, first["metrics"] + rest["metrics"]):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert [json.loads(x)["step"] for x in (tmp_path / "b.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert run_rl(cut, world_size=2, quiet=True) == []  # nothing left to do
+    with pytest.raises(ValueError, match="--prompts-per-step=4, this run has 2"):
+        run_rl(replace(cut, prompts_per_step=2, steps=5), world_size=2, quiet=True)
+    # The checkpoint exports like a training checkpoint, to the same weights.
+    export_checkpoint(str(tmp_path / "a"), str(tmp_path / "ea"), log=lambda *a: None)
+    export_checkpoint(str(tmp_path / "b"), str(tmp_path / "eb"), log=lambda *a: None)
+    wa, wb = load_pretrained(str(tmp_path / "ea")).state_dict(), load_pretrained(str(tmp_path / "eb")).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

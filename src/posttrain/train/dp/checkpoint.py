@@ -5,6 +5,10 @@ optimizer, any world size can load it) and ``posttrain.json`` (steps done, data 
 run's configuration). A ``latest`` file names the newest; it is replaced atomically only after
 every rank has written, so an interrupted save never hides the previous checkpoint. The two
 newest checkpoints are kept.
+
+The same functions serve RL runs (:mod:`posttrain.train.rl`): a run's config names the fields that
+decide its data (``DATA_FIELDS``), the fields that decide the checkpoint's shapes
+(``STATE_FIELDS``) and how many records a step consumes (``sequences_per_step``).
 """
 
 from __future__ import annotations
@@ -39,10 +43,19 @@ def latest_checkpoint(root: str) -> tuple[str, dict] | None:
         raise ValueError(f"checkpoint {path} named by {pointer} is unreadable: {e}") from None
 
 
+def _fields(cfg) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    return getattr(cfg, "DATA_FIELDS", DATA_FIELDS), getattr(cfg, "STATE_FIELDS", STATE_FIELDS)
+
+
+def _per_step(cfg) -> int:
+    return int(getattr(cfg, "sequences_per_step", None) or cfg.sequences)
+
+
 def check_resumable(cfg: TrainConfig) -> dict | None:
     """Refuse, in one line naming the flag, to resume a checkpoint written with other data, another
     model shape or optimizer, or an engine whose checkpoints differ. Returns the checkpoint's
     metadata (``None``: nothing to resume). Runs before any rank starts."""
+    data_fields, state_fields = _fields(cfg)
     if not cfg.checkpoint_dir:
         return None
     found = latest_checkpoint(cfg.checkpoint_dir)
@@ -50,13 +63,13 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
         return None
     path, meta = found
     saved = meta.get("full_config", {})
-    for k in DATA_FIELDS:
+    for k in data_fields:
         if meta["config"].get(k) != getattr(cfg, k):
             raise ValueError(
                 f"checkpoint {path} was written with --{k.replace('_', '-')}={meta['config'].get(k)!r}, "
                 f"this run has {getattr(cfg, k)!r}; resuming would replay different data"
             )
-    checks = list(STATE_FIELDS) + ([("max_tokens", "--max-tokens")] if cfg.model == "gpt" else [])
+    checks = list(state_fields) + ([("max_tokens", "--max-tokens")] if getattr(cfg, "model", None) == "gpt" else [])
     for field, flag in checks:
         if field in saved and saved[field] != getattr(cfg, field):
             raise ValueError(
@@ -81,8 +94,8 @@ def save_checkpoint(cfg: TrainConfig, engine: DataParallelEngine, optimizer: tor
     path = os.path.join(root, name)
     dcp.save(engine.state_dict(optimizer), checkpoint_id=path)
     if rank == 0:
-        meta = {"steps_done": step + 1, "data_position": (step + 1) * cfg.sequences,
-                "config": {k: getattr(cfg, k) for k in DATA_FIELDS}, "full_config": asdict(cfg),
+        meta = {"steps_done": step + 1, "data_position": (step + 1) * _per_step(cfg),
+                "config": {k: getattr(cfg, k) for k in _fields(cfg)[0]}, "full_config": asdict(cfg),
                 "checkpoint_format": engine.checkpoint_format, "world_size": dist.get_world_size()}
         with open(os.path.join(path, "posttrain.json"), "w") as f:
             json.dump(meta, f, indent=1)
@@ -108,7 +121,7 @@ def resume(cfg: TrainConfig, engine: DataParallelEngine, optimizer: torch.optim.
     dcp.load(state, checkpoint_id=path)
     engine.load_state_dict(state, optimizer)
     steps_done = int(meta["steps_done"])
-    if meta["data_position"] != steps_done * cfg.sequences:
+    if meta["data_position"] != steps_done * _per_step(cfg):
         raise ValueError(f"checkpoint {path}: data position {meta['data_position']} does not match "
-                         f"{steps_done} steps of {cfg.sequences} sequences")
+                         f"{steps_done} steps of {_per_step(cfg)} records")
     return steps_done

@@ -141,8 +141,8 @@ def _export_worker(rank: int, world_size: int, cfg: TrainConfig, path: str, voca
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
-    """Turn a training checkpoint (a ``--checkpoint-dir``, or one ``step-N`` folder in it) into a
-    ``transformers`` model directory at ``out_dir``, on one process (DCP reshards to it).
+    """Turn a training or RL checkpoint (a ``--checkpoint-dir``, or one ``step-N`` folder in it) into
+    a ``transformers`` model directory at ``out_dir``, on one process (DCP reshards to it).
 
     The run must have trained a ``transformers`` model (``--model-path``, whose directory still
     gives the config and tokenizer, or ``--model llama``)."""
@@ -153,7 +153,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
     if not saved:
         raise ValueError(f"{path}: the checkpoint does not record its run's configuration; it cannot be exported")
     known = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    kw = {k: v for k, v in saved.items() if k in known}
+    if kw.get("model_path"):
+        kw.pop("max_tokens", None)  # shapes nothing of a transformers model (and RL runs have no --max-len)
+    cfg = TrainConfig(**kw)
     cfg = replace(cfg, output_dir=out_dir, save_every=0, checkpoint_dir=None, replicas=1, progress=False)
     if cfg.model_path and not os.path.isdir(cfg.model_path):
         raise ValueError(f"{path} was trained from --model-path {cfg.model_path}, which is gone; export needs its "

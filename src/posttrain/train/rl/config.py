@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from posttrain.balance import METHODS
 from posttrain.dp import DP_ALIASES, EngineConfig, engine_names, resolve_dp
@@ -51,6 +51,10 @@ class RLConfig:
         metrics: append every step's metrics here (``.csv``, else JSON lines).
         tensorboard: also write them as TensorBoard events into this directory.
         output_dir: write the trained policy as a ``transformers`` model directory here at the end.
+        checkpoint_dir: save checkpoints (policy and optimizer, sharded) here and resume from the
+            newest one found there; the step's prompts and sampling seeds follow from ``seed``
+            and the step, so a resumed run samples what the uninterrupted one would have.
+        checkpoint_every: save every this many steps (0: only after the last step).
         record: append every step's rollouts (token ids, prompt length, advantage) here as JSON
             lines, for ``posttrain bench rl --rollouts``.
     """
@@ -83,8 +87,15 @@ class RLConfig:
     metrics: str | None = None
     tensorboard: str | None = None
     output_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
     record: str | None = None
     progress: bool = field(default=False, metadata={"cli": False})
+
+    #: Fields that decide which prompts each step sees; a resumed run must agree on them.
+    DATA_FIELDS: ClassVar[tuple[str, ...]] = ("prompts", "prompts_per_step", "seed")
+    #: Fields that decide the shapes a checkpoint holds, with their flags.
+    STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (("model_path", "--model-path"), ("optimizer", "--optimizer"))
 
     def __post_init__(self) -> None:
         engine, mode = resolve_dp(self.dp, self.odc_mode)
@@ -105,6 +116,8 @@ class RLConfig:
             raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
         if self.dp == "fsdp" and self.deterministic:
             raise ValueError("--deterministic is for the ODC engines (--dp odc or odc-fsdp2)")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef={self.kl_coef} must be non-negative")
         if not self.lr > 0:
@@ -112,6 +125,11 @@ class RLConfig:
         if self.minibatches > self.prompts_per_step * self.samples_per_prompt:
             raise ValueError(f"--minibatches={self.minibatches} exceeds the {self.prompts_per_step * self.samples_per_prompt} "
                              "samples of a step")
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Prompts a step consumes (a checkpoint's data position counts them)."""
+        return self.prompts_per_step
 
     @property
     def dp_label(self) -> str:

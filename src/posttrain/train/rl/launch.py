@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from posttrain.launch import run_job
 from posttrain.rl import load_reward
+from posttrain.train.dp.checkpoint import check_resumable
 from posttrain.train.dp.launch import check_output_path
 
 from .config import RLConfig
@@ -30,6 +31,8 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
         check_output_path(flag, path, directory=False)
     check_output_path("--tensorboard", cfg.tensorboard, directory=True)
     check_output_path("--output-dir", cfg.output_dir, directory=True)
+    check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
+    meta = check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
@@ -41,8 +44,13 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     say(f"posttrain rl: {cfg.advantage} with {cfg.dp_label}+{cfg.balance} updates on {world_size} CPU processes, "
         f"{cfg.prompts_per_step} of {len(prompts)} prompts x {cfg.samples_per_prompt} samples per step, {cfg.steps} steps",
         flush=True)
-    if cfg.record and os.path.exists(cfg.record):
-        os.remove(cfg.record)  # a fresh record per run
+    if meta is not None:
+        if meta["steps_done"] >= cfg.steps:
+            say(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {meta['steps_done']} steps")
+            return []
+        say(f"resuming from {cfg.checkpoint_dir} after step {meta['steps_done']}")
+    elif cfg.record and os.path.exists(cfg.record):
+        os.remove(cfg.record)  # a fresh record per run (a resumed run appends)
     results = run_job(rl_worker, world_size, cfg, timeout_s=24 * 3600)
     m = results[0]["metrics"]
     say(f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}; rollout "

@@ -5,9 +5,10 @@ Each step:
 1. rollout: the engine's full parameters are loaded into this rank's unsharded rollout copy (a
    collective, a part at a time); the rank samples ``samples_per_prompt`` responses for its share
    of the step's prompts (every ``world_size``-th), scores them with the reward function, and
-   computes the rollout policy's log-probs (and the reference's, with ``kl_coef``);
+   computes the rollout policy's log-probs;
 2. every rank receives every rank's samples (one all-gather of token ids and numbers), so all
-   compute the same advantages and the same balancing plans; groups whose rewards are all equal
+   compute the same advantages and the same balancing plans (with ``kl_coef``, the frozen
+   reference's log-probs are computed then, sharded like the policy: :mod:`.reference`); groups whose rewards are all equal
    have zero advantage and are left out of the update (counted);
 3. update: ``ppo_epochs`` passes, each over the samples split into ``minibatches``; every
    minibatch is balanced (``balance``) and run under the engine, its loss aggregated as
@@ -39,10 +40,11 @@ from posttrain.rl import (
     load_reward,
     loss_units,
     policy_loss,
-    token_logprobs,
 )
+from posttrain.train.dp.checkpoint import resume, save_checkpoint
 
 from .config import RLConfig
+from .reference import ShardedReference
 
 __all__ = ["RL_SCALARS", "Prompt", "load_prompts", "rl_worker", "update_minibatch"]
 
@@ -148,8 +150,9 @@ def _make_optimizer(cfg: RLConfig, params) -> torch.optim.Optimizer:
 
 
 def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
-    """Run ``cfg`` on this rank (inside an initialized process group). Returns ``{"metrics": [...]}``,
-    one dict per step with the step's global figures."""
+    """Run ``cfg`` on this rank (inside an initialized process group), resuming from
+    ``cfg.checkpoint_dir`` when it holds a checkpoint. Returns ``{"metrics": [...], "resumed_from": N}``,
+    one dict per step run with the step's global figures."""
     from transformers import AutoTokenizer
 
     from posttrain.models import save_pretrained, tied_names
@@ -165,18 +168,22 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
     optimizer = _make_optimizer(cfg, engine.parameters())
     rollout = HFRollout(load_pretrained(cfg.model_path).hf, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                         temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
-    reference = load_pretrained(cfg.model_path).hf.eval() if cfg.kl_coef else None
+    reference = ShardedReference(cfg.model_path, cfg, cost) if cfg.kl_coef else None
     n = cfg.samples_per_prompt
-    log = (MetricsLog(cfg.metrics, cfg.tensorboard, scalars=RL_SCALARS)
+    done = resume(cfg, engine, optimizer) if cfg.checkpoint_dir else 0
+    log = (MetricsLog(cfg.metrics, cfg.tensorboard, scalars=RL_SCALARS, resume=done > 0)
            if rank == 0 and (cfg.metrics or cfg.tensorboard) else None)
     bar = None
     if cfg.progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=f"rl {cfg.dp_label}+{cfg.balance}", unit="step", leave=False, disable=None)
+        bar = tqdm(total=cfg.steps, initial=done, desc=f"rl {cfg.dp_label}+{cfg.balance}", unit="step", leave=False,
+                   disable=None)
+        if done:
+            bar.write(f"resumed from {cfg.checkpoint_dir} after step {done}")
     metrics = []
     try:
-        for step in range(cfg.steps):
+        for step in range(done, cfg.steps):
             rng = random.Random(cfg.seed * 1_000_003 + step)
             batch = [prompts[(step * cfg.prompts_per_step + k) % len(prompts)] for k in range(cfg.prompts_per_step)]
             rng.shuffle(batch)
@@ -195,20 +202,22 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
             seqs = [torch.tensor(s["ids"]) for s in local]
             for s, lp in zip(local, rollout.logprobs(seqs, [s["prompt_len"] for s in local])):
                 s["old"] = lp.tolist()
-            if reference is not None:
-                with torch.no_grad():
-                    for s, seq in zip(local, seqs):
-                        logits = reference(input_ids=seq[:-1].unsqueeze(0), use_cache=False).logits[0]
-                        s["ref"] = token_logprobs(logits[s["prompt_len"] - 1:], seq[s["prompt_len"]:]).tolist()
             t_gen = time.perf_counter() - t0
             every: list = [None] * world_size
             dist.all_gather_object(every, local)
             samples = sorted((s for part in every for s in part), key=lambda s: (s["prompt"], s["sample"]))
+            t_ref = time.perf_counter()
+            if reference is not None:
+                lps = reference.logprobs([torch.tensor(s["ids"]) for s in samples], [s["prompt_len"] for s in samples],
+                                         rank=rank, world_size=world_size)
+                for s, lp in zip(samples, lps):
+                    s["ref"] = lp
+            t_ref = time.perf_counter() - t_ref
             adv = compute_advantages([s["reward"] for s in samples], n, estimator=cfg.advantage,
                                      normalize_std=cfg.scale_rewards == "std")
             skip = set(adv.zero_groups)
             rollouts = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], a, torch.tensor(s["old"]),
-                                torch.tensor(s["ref"]) if "ref" in s else None, s["reward"])
+                                s.get("ref"), s["reward"])
                         for s, a in zip(samples, adv.values) if s["prompt"] not in skip]
             if cfg.record and rank == 0:
                 with open(cfg.record, "a") as f:
@@ -230,7 +239,7 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
                             totals[k] += st[k]
                         updates += 1
             t_upd = time.perf_counter() - t1
-            gen_max = torch.tensor([t_gen, t_upd], dtype=torch.float64)
+            gen_max = torch.tensor([t_gen, t_upd, t_ref], dtype=torch.float64)
             dist.all_reduce(gen_max, op=dist.ReduceOp.MAX)
             rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
             lens = torch.tensor([s["len"] for s in samples], dtype=torch.float64)
@@ -242,6 +251,7 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
                 "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
                 "entropy": totals["entropy"] / tok_n,
                 "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]),
+                "reference_s": float(gen_max[2]) if reference is not None else None,
                 "rollout_tokens_per_s": float(lens.sum()) / max(1e-9, float(gen_max[0])),
                 "update_tokens_per_s": sum(len(r) - 1 for r in rollouts) * cfg.ppo_epochs / max(1e-9, float(gen_max[1])),
             }
@@ -253,6 +263,9 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
                           f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "
                           f"({row['update_tokens_per_s']:.0f} tokens/s)  skipped groups {len(skip)}")
                 bar.update(1)
+            due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+            if cfg.checkpoint_dir and due:
+                save_checkpoint(cfg, engine, optimizer, step, rank)
         if cfg.output_dir:
             save_pretrained(engine.iter_full_state(), cfg.output_dir, config=policy.config, tokenizer=tok,
                             generation_config=getattr(rollout.model, "generation_config", None), skip=tied,
@@ -264,4 +277,6 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
         if log is not None:
             log.close()
         engine.close()
-    return {"metrics": metrics}
+        if reference is not None:
+            reference.close()
+    return {"metrics": metrics, "resumed_from": done}

@@ -1,0 +1,84 @@
+"""The frozen reference policy of the KL term, sharded like the policy.
+
+A full copy of the reference on every rank would cost each rank a whole model of memory, more
+than the sharded policy itself. Instead the reference is built by the same data-parallel engine
+as the policy, with every parameter frozen: each rank holds ``1 / world_size`` of it, and its
+log-probs are computed in forward-only minibatches, balanced over the ranks like an update
+minibatch (under ODC the ranks may run different numbers of microbatches; engines with a
+rendezvous per layer get matching dummy forwards), then shared with every rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from posttrain.balance import CostModel, plan_minibatch
+from posttrain.dp import build_engine
+from posttrain.models import load_pretrained
+from posttrain.rl import token_logprobs
+
+from .config import RLConfig
+
+__all__ = ["ShardedReference"]
+
+_DUMMY = torch.zeros(1, 1, dtype=torch.long)
+
+
+class ShardedReference:
+    """The policy at ``model_path``, frozen and sharded by ``cfg.dp`` (a collective to build).
+
+    Attributes:
+        model: the frozen module (its parameters are the engine's between calls).
+        microbatches: forward microbatches this rank ran in the last :meth:`logprobs` call.
+    """
+
+    def __init__(self, model_path: str, cfg: RLConfig, cost: CostModel | None = None) -> None:
+        model = load_pretrained(model_path)
+        model.requires_grad_(False)
+        model.eval()
+        self.model = model
+        self.cfg = cfg
+        self.cost = cost
+        self.engine = build_engine(cfg.dp, model, cfg.engine_config())
+        self.microbatches = 0
+
+    def logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int], *, rank: int,
+                 world_size: int) -> list[torch.Tensor]:
+        """The reference's log-probs of each sequence's response tokens (``sequences[i][prompt_lens[i]:]``).
+        A collective: every rank passes the same sequences and gets every result."""
+        plan = plan_minibatch([len(s) - 1 for s in sequences], world_size=world_size, max_tokens=self.cfg.max_tokens,
+                              method=self.cfg.balance, cost=self.cost)
+        mine = [m.sequence_ids for m in plan.microbatches_for(rank) if m.sequence_ids]
+        rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+        out: dict[int, list[float]] = {}
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="no rank ran a backward")  # forward only, by design
+            self._forward(sequences, prompt_lens, mine, rounds, out)
+        self.microbatches = len(mine)
+        every: list = [None] * world_size
+        dist.all_gather_object(every, out)
+        merged = {i: v for part in every for i, v in part.items()}
+        return [torch.tensor(merged[i]) for i in range(len(sequences))]
+
+    def _forward(self, sequences, prompt_lens, mine, rounds, out) -> None:
+        with self.engine.minibatch(0):
+            for j in range(rounds if self.engine.equal_microbatches else len(mine)):
+                if j >= len(mine):
+                    self.model(_DUMMY)  # keeps per-layer rendezvous matched
+                    continue
+                ids = mine[j]
+                inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0)
+                targets = torch.cat([sequences[i][1:] for i in ids])
+                lengths = [len(sequences[i]) - 1 for i in ids]
+                lp = token_logprobs(self.model(inputs, document_lengths=lengths)[0], targets)
+                start = 0
+                for i, n in zip(ids, lengths):
+                    out[i] = lp[start + prompt_lens[i] - 1:start + n].tolist()
+                    start += n
+
+    def close(self) -> None:
+        self.engine.close()
