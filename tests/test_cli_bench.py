@@ -122,6 +122,8 @@ def test_bench_rl_replays_the_same_rollouts_under_three_engines(cli, tmp_path):
         median, lo, hi = got[key]
         assert 0 < lo <= median <= hi
     assert "mechanism" in stdout and "ODC's own" in stdout
+    pred = got["predicted"]  # the simulator for the same plans, beside the measurement
+    assert pred["mechanism"] > 0 and pred["headroom"] > 0 and "simulator" in stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"x": 1}\n')
     rc, _, err = cli("bench", "rl", "--rollouts", str(bad))

@@ -53,7 +53,7 @@ def _rl(args: argparse.Namespace) -> int:
     model_cfg = GPTConfig(vocab_size=max(vocab, 2), dim=args.dim, num_layers=args.layers, num_heads=max(1, args.dim // 32),
                           max_seq_len=max_tokens)
     bench_rl(steps, model_cfg=model_cfg, max_tokens=max_tokens, world_size=args.world_size, repeats=args.repeats,
-             json_path=args.json or None)
+             predict=not args.no_predict, json_path=args.json or None)
     return 0
 
 
@@ -135,6 +135,7 @@ def add_parser(sub) -> None:
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
     rl.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
+    rl.add_argument("--no-predict", action="store_true", help="skip the calibrated simulator's prediction")
     rl.add_argument("--json", default="out/bench_rl.json", help="results file (default out/bench_rl.json)")
     rl.set_defaults(func=_rl)
 

@@ -46,7 +46,8 @@ from posttrain.train.dp import (
     train_worker,
 )
 
-__all__ = ["calibrate_odc", "calibrate_pipeline", "measure_machine", "measure_sweep_machine", "predict_mechanism"]
+__all__ = ["calibrate_odc", "calibrate_pipeline", "machine_from_shapes", "measure_machine", "measure_sweep_machine",
+           "predict_mechanism", "predict_plans"]
 
 
 def _plans(cfg: TrainConfig, world_size: int, method: str):
@@ -169,13 +170,22 @@ def measure_sweep_machine(base: TrainConfig, points: list[TrainConfig], *, world
         largest = max(shapes, key=sum)
         shapes = sorted({largest, *random.Random(0).sample(shapes, max_shapes - 1)})
     seconds = run_ranks(_compute_worker, world_size, base, [list(s) for s in shapes], iters, timeout_s=3600)[0]
-    per_layer = [t / base.num_layers for t in seconds]
-    cost = LayerCost.fit([list(s) for s in shapes], per_layer)
-    pred = [(1 + cost.backward_ratio) * cost.forward(list(s)) for s in shapes]
+    ref = max(points, key=lambda c: c.max_tokens)
+    return machine_from_shapes(ref, [list(s) for s in shapes], seconds, world_size=world_size, log=log)
+
+
+def machine_from_shapes(ref: TrainConfig, shapes: list[list[int]], seconds: list[float], *, world_size: int = 2,
+                        log=print) -> dict:
+    """What :func:`predict_plans` needs: the per-layer cost fitted to ``seconds`` (forward and
+    backward of the whole ``ref.num_layers``-layer model on each microbatch shape, measured with
+    every rank computing at once), and flat ODC's costs in both modes, measured on ``ref``'s
+    model on equal-length sequences."""
+    per_layer = [t / ref.num_layers for t in seconds]
+    cost = LayerCost.fit(shapes, per_layer)
+    pred = [(1 + cost.backward_ratio) * cost.forward(s) for s in shapes]
     err = statistics.median(abs(p - m) / m for p, m in zip(pred, per_layer))
     log(f"  layer cost fit over {len(shapes)} microbatch shapes: forward {cost.linear * 1e6:.3f} us/token + "
         f"{cost.quadratic * 1e9:.4f} ns/token^2 + {cost.overhead * 1e3:.3f} ms; median error {err:.1%}", flush=True)
-    ref = max(points, key=lambda c: c.max_tokens)
     engine = {mode: _engine_costs(ref, "odc", world_size, log, mode=mode) for mode in ("odc", "collective")}
     return {"layer_cost": cost, "fit_median_error": err, "shapes": len(shapes), "engine": engine}
 
@@ -191,27 +201,35 @@ def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -
     Both runs use flat ODC's measured per-layer and per-step costs of their mode, and no overlap
     (on CPU the engine copies synchronously).
     """
+    return predict_plans(_plans(cfg, world_size, "same_micro"), _plans(cfg, world_size, "diff_micro"), machine,
+                         num_layers=cfg.num_layers, max_tokens=cfg.max_tokens, world_size=world_size)
+
+
+def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_layers: int, max_tokens: int,
+                  world_size: int = 2) -> dict:
+    """:func:`predict_mechanism` for given plans: ``same_micro`` and ``diff_micro`` hold each
+    step's :class:`~posttrain.balance.Plan` of the same minibatches under those methods."""
     from posttrain.balance import pack_share
     from posttrain.balance.exact import min_max_partition
 
     cost = machine["layer_cost"]
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
     times = {}
-    for mode, strategy, method in (("collective", "fsdp", "same_micro"), ("odc", "odc", "diff_micro")):
+    for mode, strategy, plans in (("collective", "fsdp", same_micro), ("odc", "odc", diff_micro)):
         eng = machine["engine"][mode]
         per_op = eng["per_layer_microbatch"] / 3
-        model = SimModel(num_layers=cfg.num_layers, layer_cost=cost, layer_param_bytes=0.0, layer_grad_bytes=0.0,
+        model = SimModel(num_layers=num_layers, layer_cost=cost, layer_param_bytes=0.0, layer_grad_bytes=0.0,
                          optimizer_s=eng["per_step"])
         ops = {"gather": per_op, "reduce": per_op, **({"add": 0.0} if strategy == "odc" else {})}
-        times[mode] = simulate_dp(_plans(cfg, world_size, method), strategy=strategy, model=model, cluster=cluster,
-                                  op_times=ops, overlap=False).time
-    layers = cfg.num_layers * (1 + cost.backward_ratio)
+        times[mode] = simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, op_times=ops,
+                                  overlap=False).time
+    layers = num_layers * (1 + cost.backward_ratio)
     partition = 0.0
-    for plan in _plans(cfg, world_size, "diff_micro"):
+    for plan in diff_micro:
         lengths = plan.lengths
         parts, _ = min_max_partition([layers * cost.forward([n]) for n in lengths], world_size)
         partition += max(sum(layers * cost.forward([lengths[i] for i in mb])
-                             for mb in pack_share(lengths, part, cfg.max_tokens)) for part in parts)
+                             for mb in pack_share(lengths, part, max_tokens)) for part in parts)
     return {"headroom": times["collective"] / partition, "mechanism": times["collective"] / times["odc"],
             "collective_s": times["collective"], "odc_s": times["odc"], "partition_s": partition}
 

@@ -12,6 +12,12 @@ here with that shape: a share of responses cut at ``--max-new-tokens``, the rest
 interleaved over rounds, and reports update tokens/s, the total gain over FSDP2 and ODC's own
 mechanism (``odc+diff_micro`` over ``odc-collective+same_micro``), medians with the lowest and
 highest round. Only the update phase is timed: rollout does not depend on the engine.
+
+Beside the measured mechanism it prints the simulator's prediction for the same response lengths
+(``predict=True``): the update's plans under same_micro and diff_micro, replayed by
+:func:`posttrain.lab.calibrate.predict_plans` with a per-layer cost fitted to this model's
+forward and backward of the plans' own microbatch shapes (the RL loss, measured here) and flat
+ODC's engine costs measured on equal-length sequences of the same model shape.
 """
 
 from __future__ import annotations
@@ -26,14 +32,14 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from posttrain.balance import FlopsCost
+from posttrain.balance import FlopsCost, plan_minibatch
 from posttrain.dp import build_engine
 from posttrain.launch import run_ranks
 from posttrain.models import GPT, GPTConfig
-from posttrain.rl import Rollout
+from posttrain.rl import Rollout, policy_loss
 from posttrain.train.rl import RLConfig, update_minibatch
 
-__all__ = ["VARIANTS", "bench_rl", "draw_rollouts"]
+__all__ = ["VARIANTS", "bench_rl", "draw_rollouts", "predict_rl"]
 
 VARIANTS = (("fsdp", "odc", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "odc", "diff_micro"))
 
@@ -66,8 +72,7 @@ def _worker(rank: int, world_size: int, cfg: RLConfig, model_cfg: GPTConfig, ste
     times = []
     try:
         for k, step in enumerate(steps):
-            rolls = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], s["advantage"],
-                             torch.zeros(len(s["ids"]) - s["prompt_len"])) for s in step]
+            rolls = _rollouts(step)
             dist.barrier()
             t0 = time.perf_counter()
             update_minibatch(engine, model, opt, rolls, cfg, rank, world_size, cost)
@@ -80,10 +85,69 @@ def _worker(rank: int, world_size: int, cfg: RLConfig, model_cfg: GPTConfig, ste
     return times
 
 
+def _rollouts(step: list[dict]) -> list[Rollout]:
+    return [Rollout(torch.tensor(s["ids"]), s["prompt_len"], s["advantage"], torch.zeros(len(s["ids"]) - s["prompt_len"]))
+            for s in step]
+
+
+def _compute_worker(rank: int, world_size: int, model_cfg: GPTConfig, shapes: list[list[tuple[int, int]]],
+                    iters: int) -> list[float]:
+    """Forward and backward of the RL loss on a plain model for each microbatch shape (a list of
+    (prompt, response) lengths), every rank at once; the slowest rank's median seconds."""
+    torch.manual_seed(0)
+    model = GPT(model_cfg)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for shape in shapes:
+        rolls = [Rollout(torch.randint(0, model_cfg.vocab_size, (p + n,), generator=g), p, 1.0, torch.zeros(n))
+                 for p, n in shape]
+        times = []
+        for _ in range(iters + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            policy_loss(model, rolls)[0].backward()
+            times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.append(float(t))
+    return out
+
+
+def predict_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, world_size: int = 2,
+               iters: int = 3, max_shapes: int = 48, log=print) -> dict:
+    """The calibrated simulator's headroom and mechanism for the update steps ``steps[1:]`` (see
+    the module docstring)."""
+    import random
+
+    from posttrain.lab.calibrate import machine_from_shapes, predict_plans
+    from posttrain.train.dp import TrainConfig
+
+    cost = FlopsCost.from_config(model_cfg)
+    plans = {m: [plan_minibatch([len(s["ids"]) - 1 for s in step], world_size=world_size, max_tokens=max_tokens,
+                                method=m, cost=cost) for step in steps[1:]] for m in ("same_micro", "diff_micro")}
+    shapes = sorted({tuple(sorted((step[i]["prompt_len"], len(step[i]["ids"]) - step[i]["prompt_len"])
+                                  for i in mb.sequence_ids))
+                     for m in plans for step, plan in zip(steps[1:], plans[m]) for mbs in plan.ranks for mb in mbs
+                     if mb.sequence_ids})
+    if len(shapes) > max_shapes:
+        largest = max(shapes, key=lambda sh: sum(p + n for p, n in sh))
+        shapes = sorted({largest, *random.Random(0).sample(shapes, max_shapes - 1)})
+    log(f"calibrating the simulator: the RL loss on {len(shapes)} microbatch shapes ...", flush=True)
+    seconds = run_ranks(_compute_worker, world_size, model_cfg, [list(sh) for sh in shapes], iters, timeout_s=3600)[0]
+    # The fit is per token of the model's input: a rollout of p + n ids is p + n - 1 inputs.
+    token_shapes = [[p + n - 1 for p, n in sh] for sh in shapes]
+    ref = TrainConfig(model="gpt", dim=model_cfg.dim, num_layers=model_cfg.num_layers, max_tokens=max_tokens,
+                      max_len=max_tokens, sequences=len(steps[0]), steps=4)
+    machine = machine_from_shapes(ref, token_shapes, seconds, world_size=world_size, log=log)
+    return predict_plans(plans["same_micro"], plans["diff_micro"], machine, num_layers=model_cfg.num_layers,
+                         max_tokens=max_tokens, world_size=world_size)
+
+
 def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, world_size: int = 2,
-             repeats: int = 5, json_path: str | None = None, log=print) -> dict:
+             repeats: int = 5, predict: bool = True, json_path: str | None = None, log=print) -> dict:
     """Replay ``steps`` (rollout dicts per step; the first is warm-up) under every variant,
-    ``repeats`` interleaved rounds; print and return tokens/s and ratios."""
+    ``repeats`` interleaved rounds; print and return tokens/s and ratios, and with ``predict``
+    the calibrated simulator's prediction for the same plans (``result["predicted"]``)."""
     tokens = sum(len(s["ids"]) - 1 for step in steps[1:] for s in step)
     base = RLConfig(max_tokens=max_tokens, samples_per_prompt=2, prompts_per_step=1)
     rounds = []
@@ -96,6 +160,8 @@ def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, 
             got[name] = tokens / sum(times)
             log(f"  round {r + 1}/{repeats}  {name:28s} {got[name]:8.0f} update tokens/s", flush=True)
         rounds.append(got)
+    predicted = (predict_rl(steps, model_cfg=model_cfg, max_tokens=max_tokens, world_size=world_size, log=log)
+                 if predict else None)
     names = list(rounds[0])
     fsdp, coll, odc = names
 
@@ -108,6 +174,7 @@ def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, 
         "tokens_per_s": {n: statistics.median(x[n] for x in rounds) for n in names},
         "total": ratio(odc, fsdp), "mechanism": ratio(odc, coll), "transport_and_engine": ratio(coll, fsdp),
         "rounds": rounds, "response_lengths": {"mean": statistics.mean(lengths), "max": max(lengths)},
+        "predicted": predicted,
     }
     log(f"RL update phase, {world_size} ranks, gpt {model_cfg.num_layers}x{model_cfg.dim}, {len(steps[0])} samples a "
         f"step, responses mean {result['response_lengths']['mean']:.0f} max {result['response_lengths']['max']} tokens, "
@@ -118,6 +185,9 @@ def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, 
                        ("mechanism", f"ODC's own: {odc} / {coll}")):
         m, lo, hi = result[key]
         log(f"  {key:22s} {m:5.2f}x  ({lo:.2f}-{hi:.2f})  {label}")
+    if predicted:
+        log(f"  simulator              {predicted['mechanism']:5.2f}x  ODC's own, predicted for the same plans "
+            f"(headroom {predicted['headroom']:.2f}x: collective+same_micro over the best whole-sequence partition)")
     if json_path:
         import os
 
