@@ -166,9 +166,9 @@ def plot_pipeline_sim(res, path: str | Path) -> Path:
 
 
 
-def plot_reward_curve(rows: Sequence[Mapping], path: str | Path, *, title: str = "") -> Path:
-    """Write a PNG of an RL run's mean reward per step (``posttrain rl`` metrics rows), with the
-    band of one standard deviation over the step's samples."""
+def plot_reward_curve(rows: Sequence[Mapping], path: str | Path, *, title: str = "", window: int = 5) -> Path:
+    """Write a PNG of an RL run's mean reward per step (``posttrain rl`` metrics rows) and its
+    running mean over ``window`` steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,16 +176,16 @@ def plot_reward_curve(rows: Sequence[Mapping], path: str | Path, *, title: str =
 
     steps = [r["step"] for r in rows]
     mean = [r["reward_mean"] for r in rows]
-    std = [r["reward_std"] for r in rows]
+    running = [sum(mean[max(0, i - window + 1):i + 1]) / len(mean[max(0, i - window + 1):i + 1])
+               for i in range(len(mean))]
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(steps, mean, color=COLORS["compute"], label="mean reward")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                    color=COLORS["compute"], alpha=0.15, label="+- one standard deviation")
+    ax.plot(steps, mean, color=COLORS["compute"], alpha=0.35, marker=".", linewidth=1, label="mean reward of the step")
+    ax.plot(steps, running, color=COLORS["compute"], linewidth=2, label=f"running mean over {window} steps")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(min(0.0, min(mean)) - 0.05, max(1.0, max(mean)) + 0.05)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
