@@ -23,7 +23,11 @@ with every message, each received when needed); a shape change without it is a c
 failure is raised as :class:`PipelineActionError` naming rank, stage, action and microbatch.
 
 Loss: the last stage computes ``loss_fn(logits, target) / num_microbatches`` per microbatch, so
-the gradients equal one backward of the mean microbatch loss on the whole model.
+the gradients equal one backward of the mean microbatch loss on the whole model; or, with
+``step(..., loss_divisor=D)``, ``loss_fn(logits, target) / D`` (a summed token loss over the step's
+trained tokens: token-weighted like the data-parallel trainer). What a stage needs besides the
+activation (``step(..., extras=...)``: e.g. the document lengths of packed sequences) is known to
+every rank from the step's plan and given to each stage's forward; it is not sent.
 """
 
 from __future__ import annotations
@@ -125,6 +129,14 @@ def to_torch_actions(actions: dict[int, list[Action]]):
                              f"run offload schedules with posttrain's PipelineRunner")
         out[rank] = [TorchAction(a.stage, kinds[a.kind], a.microbatch) for a in acts]
     return out
+
+
+def _to(target, device: torch.device):
+    if target is None:
+        return None
+    if isinstance(target, tuple | list):
+        return type(target)(_to(t, device) for t in target)
+    return target.to(device)
 
 
 class PipelineRunner:
@@ -241,13 +253,25 @@ class PipelineRunner:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self, inputs: Sequence[torch.Tensor] | None = None,
-             targets: Sequence[torch.Tensor] | None = None) -> StepResult:
+             targets: Sequence | None = None, *, extras: Sequence[dict] | None = None,
+             loss_divisor: float | None = None) -> StepResult:
         """One pass over all microbatches; gradients accumulate into the stages' ``.grad``.
 
         Args:
             inputs: the ``num_microbatches`` token tensors (used by the rank holding stage 0).
-            targets: the matching targets (used by the rank holding the last stage).
+            targets: the matching targets (used by the rank holding the last stage): tensors, or
+                tuples of tensors that ``loss_fn`` takes apart (e.g. target ids and token weights).
+            extras: per microbatch, keyword arguments every stage's forward receives besides the
+                activation (e.g. ``document_lengths`` of packed sequences, from which each stage
+                rebuilds position ids and the attention mask). Every rank must pass the same; they
+                cost no communication.
+            loss_divisor: divide each microbatch's loss by this instead of by the number of
+                microbatches (e.g. the step's trained tokens, with a summed ``loss_fn``).
         """
+        if extras is not None and len(extras) != self.m:
+            raise ValueError(f"extras: {len(extras)} entries for {self.m} microbatches")
+        self._extras = extras
+        self._divisor = float(loss_divisor) if loss_divisor is not None else float(self.m)
         if 0 in self.stages and (inputs is None or len(inputs) != self.m):
             raise ValueError(f"the rank holding stage 0 needs {self.m} microbatch inputs, got "
                              f"{None if inputs is None else len(inputs)}")
@@ -304,9 +328,9 @@ class PipelineRunner:
                 raise RuntimeError("input not received (RECV_F missing before this forward)")
             self._inputs[key] = x
             with self.store.hooks(s, j):
-                y = self.stages[s](x)
+                y = self.stages[s](x, **(self._extras[j] if self._extras is not None else {}))
                 if s == self._last:
-                    y = self.loss_fn(y, targets[j].to(self.device)) / self.m
+                    y = self.loss_fn(y, _to(targets[j], self.device)) / self._divisor
             self._outputs[key] = y
             if s < self._last and self.layout.rank_of(s + 1) == self.rank:
                 self._inputs[(s + 1, j)] = y.detach().requires_grad_()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from posttrain.models import MODELS
 from posttrain.models.gpt import GPTConfig
@@ -33,6 +34,21 @@ class PipelineConfig:
         steps: optimizer steps.
         lr: AdamW learning rate.
         seed: data and initialization seed.
+        model_path: train this local ``transformers`` causal LM (with its weights) instead of a
+            built-in model; its blocks are spread over the stages by cost.
+        data: train on this data (the formats, masks and loss normalization of ``posttrain
+            train``; needs ``model_path``) instead of the synthetic task: each step takes
+            ``sequences`` records and packs them into ``microbatches`` microbatches of at most
+            ``max_tokens`` tokens, balanced by cost; the loss is normalized over the step's trained
+            tokens (or sequences).
+        tokenizer: tokenizer directory for ``data`` (default: ``model_path``'s).
+        sequences: records per step with ``data``.
+        max_tokens: most tokens in one packed microbatch with ``data``.
+        train_on_prompt: also train on prompt tokens.
+        loss_norm: ``token``: every trained token weighs the same; ``sequence``: every sequence does.
+        truncate: cut records longer than ``max_tokens`` + 1 tokens instead of refusing them.
+        skip_long: leave out records longer than ``max_tokens`` + 1 tokens instead of refusing them.
+        output_dir: write the trained model as a ``transformers`` directory here (needs ``model_path``).
     """
 
     schedule: str = field(default="1f1b", metadata={"choices": lambda: SCHEDULES})
@@ -51,6 +67,16 @@ class PipelineConfig:
     steps: int = 3
     lr: float = 3e-3
     seed: int = 0
+    model_path: str | None = None
+    data: str | None = None
+    tokenizer: str | None = None
+    sequences: int = 16
+    max_tokens: int = 512
+    train_on_prompt: bool = False
+    loss_norm: Literal["token", "sequence"] = "token"
+    truncate: bool = False
+    skip_long: bool = False
+    output_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -67,6 +93,23 @@ class PipelineConfig:
             raise ValueError(f"--layers={self.num_layers} cannot be cut into {self.num_stages} stages "
                              f"({self.num_ranks} ranks x {self.num_chunks} chunks): need at least one block each")
         OffloadPolicy.parse(self.offload, self.num_chunks)
+        self._check_data()
+
+    def _check_data(self) -> None:
+        if self.data and not self.model_path:
+            raise ValueError("--data needs --model-path (a transformers model directory to train)")
+        if self.output_dir and not self.model_path:
+            raise ValueError("--output-dir writes a transformers model: give --model-path")
+        if self.loss_norm not in ("token", "sequence"):
+            raise ValueError(f"--loss-norm={self.loss_norm!r} is not one of token, sequence")
+        if self.truncate and self.skip_long:
+            raise ValueError("--truncate and --skip-long exclude each other")
+        for name in ("sequences", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
+        if self.data and self.sequences < self.num_microbatches:
+            raise ValueError(f"--sequences={self.sequences} is fewer than --microbatches={self.num_microbatches}: "
+                             "every microbatch needs a sequence")
 
     @property
     def num_chunks(self) -> int:

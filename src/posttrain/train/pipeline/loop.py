@@ -21,6 +21,7 @@ from posttrain.pipeline import PipelineRunner, add_offload, simulate
 from posttrain.pipeline.stages import split_model
 
 from .config import PipelineConfig
+from .data import PipelineData, packed_loss
 
 __all__ = [
     "build_pipeline_model", "microbatch_loss", "predicted_peaks", "reference_gradients", "run_pipeline",
@@ -42,9 +43,24 @@ def microbatch_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def build_pipeline_model(cfg: PipelineConfig):
-    """The unsplit model of ``cfg`` (seeded)."""
+    """The unsplit model of ``cfg``: ``model_path``'s with its weights, else the built-in one (seeded)."""
+    if cfg.model_path:
+        from posttrain.models import load_pretrained
+
+        return load_pretrained(cfg.model_path)
     torch.manual_seed(cfg.seed)
     return build_model(cfg.model, cfg.model_config())
+
+
+def _model_config(model):
+    return getattr(model, "config", None) or getattr(model, "cfg", None)
+
+
+def _tied_weight(model, stages: list) -> torch.nn.Parameter | None:
+    """The parameter shared by the first stage (embedding) and the last (LM head), if any."""
+    first = {id(p): p for p in stages[0].parameters()}
+    shared = [p for p in stages[-1].parameters() if id(p) in first]
+    return shared[0] if shared else None
 
 
 def predicted_peaks(cfg: PipelineConfig) -> list[int]:
@@ -56,26 +72,71 @@ def predicted_peaks(cfg: PipelineConfig) -> list[int]:
 
 def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
     """One rank of :func:`run_pipeline`."""
+    import torch.distributed as dist
+
     sched = cfg.build()
     model = build_pipeline_model(cfg)
     stages = split_model(model, cfg.num_stages)
     mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
-    runner = PipelineRunner(mine, sched, loss_fn=microbatch_loss, offload=cfg.policy())
-    params = [p for mod in mine.values() for p in mod.parameters()]
+    data = PipelineData(cfg, _model_config(model)) if cfg.data else None
+    runner = PipelineRunner(mine, sched, loss_fn=packed_loss if data else microbatch_loss, offload=cfg.policy(),
+                            static_shapes=data is None)
+    params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr)
+    # Tied input and output embeddings on two ranks: two copies whose gradients are summed after
+    # every step (Megatron's embedding group), so they stay equal.
+    tied, tie_group = _tied_weight(model, stages), None
+    ends = sorted({sched.layout.rank_of(0), sched.layout.rank_of(cfg.num_stages - 1)})
+    if tied is not None and len(ends) == 2:
+        tie_group = dist.new_group(ends)  # every rank takes part in creating it
     losses, times, grads, result = [], [], {}, None
     for step in range(cfg.steps):
-        inputs, targets = step_batch(cfg, step)
         opt.zero_grad(set_to_none=True)
-        result = runner.step(inputs, targets)
+        if data is not None:
+            batch = data.step(step)
+            result = runner.step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=batch.loss_divisor)
+        else:
+            inputs, targets = step_batch(cfg, step)
+            result = runner.step(inputs, targets)
+        if tie_group is not None and rank in ends:
+            dist.all_reduce(tied.grad, group=tie_group)
         if step == 0 and return_grads:
             ids = {id(p) for p in params}
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if id(p) in ids and p.grad is not None}
         opt.step()
         losses.append(result.loss)
         times.append(result.step_time_s)
+    if cfg.output_dir:
+        # the tied weight's copy on the last stage's rank is not written twice
+        skip = tied if tied is not None and rank != sched.layout.rank_of(0) else None
+        _export(cfg, model, [p for p in params if p is not skip], rank, world_size)
     return {"rank": rank, "losses": losses, "step_times": times, "result": asdict(result), "grads": grads,
             "stages": sorted(mine)}
+
+
+def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int) -> None:
+    """Write the trained model as a ``transformers`` directory: each rank's parameters are sent to
+    rank 0 in turn (one rank's part held at a time there), which writes one file per part."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from posttrain.models import save_pretrained, tied_names
+
+    ids = {id(p) for p in params}
+    own = {n: p.detach() for n, p in model.named_parameters() if id(p) in ids}
+
+    def parts():
+        for r in range(world_size):
+            box = [own if r == rank else None]
+            dist.broadcast_object_list(box, src=r)
+            yield box[0]
+
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_path)
+    hf = getattr(model, "hf", model)
+    save_pretrained(parts(), cfg.output_dir, config=hf.config, tokenizer=tok,
+                    generation_config=getattr(hf, "generation_config", None), skip=tied_names(model),
+                    write=rank == 0)
+    dist.barrier()
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:
