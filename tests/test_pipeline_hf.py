@@ -111,3 +111,15 @@ def test_bad_pipeline_data_flags_are_named(deep_model, chat_data):
     cfg = PipelineConfig(model_path=deep_model("llama"), data=chat_data, sequences=16, num_microbatches=2, max_tokens=40)
     with pytest.raises(ValueError, match="do not fit in --microbatches=2 microbatches of at most --max-tokens=40"):
         PipelineData(replace(cfg), load_pretrained(cfg.model_path).config).step(0)
+
+
+def test_the_pipeline_command_trains_a_model_directory_on_chat_data(cli, deep_model, chat_data, tmp_path):
+    out = tmp_path / "trained"
+    rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--ranks", "2",
+                          "--microbatches", "4", "--sequences", "8", "--max-tokens", "128", "--steps", "1",
+                          "--offload", "full", "--output-dir", str(out), "--chart", "")
+    assert rc == 0, err
+    assert f"wrote {out}" in stdout and (out / "config.json").exists()
+    rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--ranks", "2",
+                     "--chunks", "4", "--schedule", "interleaved_1f1b", "--microbatches", "4")
+    assert rc == 2 and "has 4 decoder layers, fewer than the 8 stages" in err

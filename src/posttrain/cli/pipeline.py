@@ -18,6 +18,8 @@ def _run(args: argparse.Namespace) -> int:
           f"offload {cfg.offload}; {cfg.steps} steps on {cfg.num_ranks} CPU processes", flush=True)
     results = run_pipeline(cfg)
     print(format_report(results, predicted_peaks(cfg)))
+    if cfg.output_dir:
+        print(f"wrote {cfg.output_dir}")
     if args.chart:
         path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
                              f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")

@@ -89,7 +89,7 @@ class PipelineConfig:
         for name, flag in flags.items():
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag}={getattr(self, name)} must be at least 1")
-        if self.num_layers < self.num_stages:
+        if self.model_path is None and self.num_layers < self.num_stages:
             raise ValueError(f"--layers={self.num_layers} cannot be cut into {self.num_stages} stages "
                              f"({self.num_ranks} ranks x {self.num_chunks} chunks): need at least one block each")
         OffloadPolicy.parse(self.offload, self.num_chunks)

@@ -24,7 +24,7 @@ from .config import PipelineConfig
 from .data import PipelineData, packed_loss
 
 __all__ = [
-    "build_pipeline_model", "microbatch_loss", "predicted_peaks", "reference_gradients", "run_pipeline",
+    "build_pipeline_model", "check_model_and_data", "microbatch_loss", "predicted_peaks", "reference_gradients", "run_pipeline",
     "step_batch",
 ]
 
@@ -146,8 +146,34 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
         ValueError: bad configuration, or a rank rejected its input.
     """
     cfg.build()  # schedule errors surface here, before any process starts
+    if cfg.model_path:
+        check_model_and_data(cfg)
     out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
     return [out[r] for r in range(cfg.num_ranks)]
+
+
+def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
+    """Refuse, in this process and before any rank starts, what would fail later: a model
+    directory that does not load as a causal LM or has fewer decoder layers than stages, an
+    output path that cannot be written, unreadable data, or a step whose records do not fit in
+    the microbatches. Tokenizes the data into its cache once, so the ranks only read it."""
+    from transformers import AutoConfig
+
+    from posttrain.train.dp.launch import check_output_path
+
+    check_output_path("--output-dir", cfg.output_dir, directory=True)
+    try:
+        config = AutoConfig.from_pretrained(cfg.model_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model-path {cfg.model_path}: not a transformers model directory ({e})") from None
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and layers < cfg.num_stages:
+        raise ValueError(f"--model-path {cfg.model_path} has {layers} decoder layers, fewer than the {cfg.num_stages} "
+                         f"stages (--ranks {cfg.num_ranks} x --chunks {cfg.num_chunks}): every stage needs one")
+    if cfg.data:
+        data = PipelineData(cfg, config, log=log)
+        for step in range(cfg.steps):
+            data.step(step)
 
 
 def reference_gradients(cfg: PipelineConfig) -> tuple[float, dict[str, torch.Tensor]]:
