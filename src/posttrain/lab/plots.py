@@ -73,12 +73,16 @@ def plot_lanes(runs: Mapping[str, Sequence[Span]], path: str | Path, *, title: s
         t0 = origin[label]
         for r in range(ranks[label]):
             ax.broken_barh([(0, length[label] * 1e3)], (r + 0.1, 0.8), color="#f2f2f2")
+        # One collection per (row band, colour): thousands of spans draw in one call each, not one by one.
+        bars: dict[tuple, list[tuple[float, float]]] = {}
         for s in sorted(spans_of[label], key=lambda s: s.lane != "compute"):  # compute first, thin bands on top
             off, h = _BANDS.get(s.lane, (0.1, 0.8))
             color = _color(s)
             used.setdefault(s.name.strip("0123456789") if s.name.strip("0123456789") in COLORS else s.lane, color)
-            ax.broken_barh([((s.start - t0) * 1e3, max(s.duration * 1e3, 1e-3))], (s.rank + off, h), color=color,
-                           edgecolor="white" if s.lane == "compute" else None, linewidth=0.3)
+            bars.setdefault((s.rank + off, h, color, s.lane == "compute"), []).append(
+                ((s.start - t0) * 1e3, max(s.duration * 1e3, 1e-3)))
+        for (y, h, color, compute), xs in bars.items():
+            ax.broken_barh(xs, (y, h), color=color, edgecolor="white" if compute else None, linewidth=0.3)
         for rank, steps in ((curves or {}).get(label) or {}).items():
             if rank >= ranks[label] or not steps:
                 continue
