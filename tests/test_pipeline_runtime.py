@@ -29,7 +29,7 @@ _GROUP = {"group_interleaved": lambda r: 1, "interleaved_zb": lambda r: 1, "grou
 @pytest.mark.parametrize("ranks,schedule,chunks,offload", _CASES,
                          ids=[f"{r}r-{s}-{o}" for r, s, _, o in _CASES])
 def test_gradients_match_one_process_and_memory_matches_schedule(ranks, schedule, chunks, offload):
-    cfg = PipelineConfig(schedule=schedule, num_ranks=ranks, chunks=1 if schedule == "zbv" else chunks,
+    cfg = PipelineConfig(schedule=schedule, num_ranks=ranks, chunks=chunks,
                          num_microbatches=2 * ranks, group_size=_GROUP.get(schedule, lambda r: None)(ranks),
                          offload=offload, num_layers=ranks * chunks, dim=32, seq_len=32, steps=1)
     outs = run_pipeline(cfg, return_grads=True, timeout_s=120)

@@ -27,6 +27,10 @@ def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
                  "--offload-chunks", "1", "--chart", str(chart)]) == 0
     out = capsys.readouterr().out
     assert "makespan" in out and "k = (D2H + H2D)" in out and chart.read_bytes()[:4] == b"\x89PNG"
+    # zbv and the one-chunk schedules run with their own chunk count when --chunks is not given
+    for name in ("zbv", "1f1b", "zb_h1"):
+        assert main(["simulate", "pipeline", "--schedule", name, "--ranks", "4", "--microbatches", "8", "--chart", ""]) == 0
+    assert "zbv: 4 ranks x 2 chunks" in capsys.readouterr().out.split("1f1b:")[0]
     assert main(["simulate", "pipeline", "--paper-table"]) == 0
     assert "group_interleaved_zb  2  1  13,5,2" in capsys.readouterr().out
 
@@ -58,10 +62,32 @@ def test_plan_odc_and_pipeline(capsys):
     (["simulate", "odc", "--lengths-file", "/nonexistent"], "does not exist"),
     (["plan", "pipeline", "--memory-gib", "-1"], "--memory-gib"),
     (["simulate", "table", "--gpus", "8,x"], "comma-separated"),
+    # flags a schedule would ignore, and counts and costs out of range, named by flag
+    (["simulate", "pipeline", "--stages", "0"], "num_ranks=0 must be at least 1 (--ranks)"),
+    (["simulate", "pipeline", "--microbatches", "0"], "(--microbatches)"),
+    (["simulate", "pipeline", "--host-gbps", "0"], "--host-gbps=0.0 must be a positive"),
+    (["simulate", "pipeline", "--forward-ms", "-1"], "--forward-ms=-1.0 must be a non-negative"),
+    (["simulate", "pipeline", "--weight-ms", "nan"], "--weight-ms=nan"),
+    (["simulate", "pipeline", "--activation-mib", "-2"], "--activation-mib=-2.0"),
+    (["simulate", "pipeline", "--schedule", "zbv", "--chunks", "3"], "(--chunks)"),
+    (["simulate", "pipeline", "--schedule", "1f1b", "--chunks", "2"], "(--chunks)"),
+    (["simulate", "pipeline", "--schedule", "zb_h1", "--group-size", "2"], "(--group-size)"),
+    (["simulate", "pipeline", "--schedule", "interleaved_1f1b", "--group-size", "8"], "(--group-size)"),
+    (["simulate", "pipeline", "--group-size", "9"], "(--group-size)"),
+    (["simulate", "pipeline", "--offload-chunks", "3"], "(--offload-chunks)"),
+    (["simulate", "pipeline", "--offload-chunks", "-1"], "(--offload-chunks)"),
+    (["plan", "pipeline", "--stages", "0", "--memory-gib", "4"], "num_ranks=0 must be at least 1 (--ranks)"),
+    (["plan", "pipeline", "--microbatches", "0", "--memory-gib", "4"], "(--microbatches)"),
+    (["plan", "pipeline", "--host-gbps", "0", "--memory-gib", "4"], "--host-gbps"),
+    (["plan", "pipeline", "--backward-ms", "-1", "--memory-gib", "4"], "--backward-ms"),
+    (["plan", "pipeline", "--top", "0", "--memory-gib", "4"], "--top"),
+    (["plan", "odc", "--top", "0"], "--top"),
 ])
 def test_bad_input_exits_2_with_a_message(argv, message, capsys):
-    assert main(argv + (["--trace", "", "--png", ""] if argv[:2] == ["simulate", "odc"] else [])) == 2
-    assert message in capsys.readouterr().err
+    extra = {"odc": ["--trace", "", "--png", ""], "pipeline": ["--chart", ""]}.get(argv[1], []) if argv[0] == "simulate" else []
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) <= 2  # one line (and a deprecation note)
 
 
 def test_unknown_profile_is_rejected_by_the_parser(capsys):

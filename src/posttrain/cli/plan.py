@@ -12,6 +12,8 @@ __all__ = ["add_parser"]
 def _odc(args: argparse.Namespace) -> int:
     from posttrain.sim.planner import plan_odc
 
+    if args.top < 1:
+        raise ValueError(f"--top={args.top} must be at least 1")
     cluster, model, batches, _ = dp_inputs(args)
     longest = max(max(b) for b in batches)  # what was drawn, not the profile's bound
     if args.max_tokens:
@@ -33,6 +35,8 @@ def _odc(args: argparse.Namespace) -> int:
 def _pipeline(args: argparse.Namespace) -> int:
     from posttrain.sim.planner import plan_pipeline
 
+    if args.top < 1:
+        raise ValueError(f"--top={args.top} must be at least 1")
     w = workload(args)
     fits, tried = plan_pipeline(num_ranks=args.num_ranks, num_microbatches=args.num_microbatches, workload=w,
                                 memory_budget=args.memory_gib * 2**30)

@@ -50,10 +50,13 @@ from ._ir import Action, format_schedule
 from .deps import SimResult, simulate
 from .layout import StageLayout
 
-__all__ = ["SCHEDULES", "Schedule", "build_schedule"]
+__all__ = ["GROUPED_SCHEDULES", "ONE_CHUNK_SCHEDULES", "SCHEDULES", "Schedule", "build_schedule",
+           "check_schedule_options", "default_chunks"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "group_interleaved_zb", "interleaved_zb",
              "zb_h1", "zbv")
+ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb_h1")  # one chunk per rank
+GROUPED_SCHEDULES = ("group_interleaved", "group_interleaved_zb", "interleaved_zb")  # take a group size
 
 
 @dataclass(frozen=True)
@@ -165,20 +168,56 @@ def _stage_queues(layout: StageLayout, m: int, group_size: int, *, reverse_chunk
     return out
 
 
+def default_chunks(name: str) -> int:
+    """Chunks per rank ``name`` runs when none is asked for: 1 for the one-chunk schedules, 2 for
+    ``zbv`` (always) and the interleaved families."""
+    return 1 if name in ONE_CHUNK_SCHEDULES else 2
+
+
+def check_schedule_options(name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
+                           group_size: int | None = None) -> None:
+    """Refuse what ``name`` cannot run or would ignore: an unknown name, no ranks or microbatches,
+    a chunk count other than its own (one-chunk schedules: 1, ``zbv``: 2), or a group size for a
+    schedule without microbatch groups. Messages name the parameter and its command-line flag.
+
+    Raises:
+        ValueError: the first problem found.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    if num_ranks < 1:
+        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1 (--ranks)")
+    if num_microbatches < 1:
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be at least 1 (--microbatches)")
+    if num_chunks is not None:
+        if name in ONE_CHUNK_SCHEDULES and num_chunks != 1:
+            raise ValueError(f"{name} runs one chunk per rank, got num_chunks={num_chunks} (--chunks): drop it")
+        if name == "zbv" and num_chunks != 2:
+            raise ValueError(f"zbv runs 2 chunks per rank (a V), got num_chunks={num_chunks} (--chunks): drop it")
+        if num_chunks < 1:
+            raise ValueError(f"{name}: num_chunks={num_chunks} must be at least 1 (--chunks)")
+    if group_size is not None and name not in GROUPED_SCHEDULES:
+        why = " (its group is the ranks: group_interleaved with group_size=num_ranks)" if name == "interleaved_1f1b" else ""
+        raise ValueError(f"{name} takes no group size{why}, got group_size={group_size} (--group-size): drop it; "
+                         f"only {', '.join(GROUPED_SCHEDULES)} group microbatches")
+
+
 def _check_counts(name: str, num_ranks: int, num_microbatches: int, minimum: int) -> None:
     if num_ranks < 1:
-        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1")
+        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1 (--ranks)")
     if num_microbatches < minimum:
         raise ValueError(f"{name} needs at least {minimum} microbatches for {num_ranks} ranks, "
-                         f"got num_microbatches={num_microbatches}")
+                         f"got num_microbatches={num_microbatches} (--microbatches)")
 
 
 def _check_groups(name: str, num_ranks: int, num_microbatches: int, group_size: int) -> None:
+    _check_counts(name, num_ranks, num_microbatches, 1)
     if not 1 <= group_size <= num_ranks:
-        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
+        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}] (--group-size)")
     _check_counts(name, num_ranks, num_microbatches, group_size)
     if num_microbatches % group_size:
-        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size} "
+                         "(--microbatches, --group-size)")
 
 
 def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None, block_times=None) -> Schedule:
@@ -387,7 +426,7 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     return _finish("zbv", layout, m, actions)
 
 
-def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                    group_size: int | None = None) -> Schedule:
     """The named schedule.
 
@@ -395,16 +434,19 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
         name: one of :data:`SCHEDULES`.
         num_ranks: pipeline ranks.
         num_microbatches: microbatches per step.
-        num_chunks: chunks per rank (interleaved families; ``zbv`` always uses 2).
+        num_chunks: chunks per rank (default :func:`default_chunks`; one-chunk schedules take only
+            1, ``zbv`` only 2).
         group_size: microbatch group size for ``group_interleaved``, ``group_interleaved_zb`` and
-            ``interleaved_zb`` (default ``num_ranks``).
+            ``interleaved_zb`` (default ``num_ranks``); the others take none.
+
+    Raises:
+        ValueError: see :func:`check_schedule_options`, or too few microbatches for the schedule.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    check_schedule_options(name, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
+                           group_size=group_size)
+    num_chunks = default_chunks(name) if num_chunks is None else num_chunks
     single = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
     if name in single:
-        if num_chunks != 1 and name != "zbv":
-            raise ValueError(f"{name} runs one chunk per rank, got num_chunks={num_chunks}")
         return single[name](num_ranks, num_microbatches)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, num_chunks=num_chunks)

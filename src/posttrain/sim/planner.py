@@ -84,6 +84,10 @@ def plan_pipeline(*, num_ranks: int, num_microbatches: int, workload: PipelineWo
 
     ``workload`` is per chunk-microbatch at one chunk per rank; with ``v`` chunks each chunk holds
     ``1/v`` of a rank's layers, so its times and activation bytes are divided by ``v``."""
+    for name, value, flag in (("num_ranks", num_ranks, "--ranks"), ("num_microbatches", num_microbatches,
+                                                                    "--microbatches")):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1 ({flag})")
     if not memory_budget > 0:
         raise ValueError(f"memory_budget={memory_budget} must be positive (--memory-gib)")
     fits, tried = [], 0

@@ -84,7 +84,6 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
     Raises:
         ValueError: bad configuration, or a rank rejected its input.
     """
-    cfg.build()  # schedule errors surface here, before any process starts
     out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
     return [out[r] for r in range(cfg.num_ranks)]
 
