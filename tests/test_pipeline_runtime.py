@@ -17,7 +17,8 @@ from posttrain.train.pipeline import PipelineConfig, predicted_peaks, reference_
 _CASES = []
 for _ranks in (2, 4):
     for _name, _chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("group_interleaved", 2),
-                           ("group_interleaved_zb", 2), ("interleaved_zb", 2), ("zb_h1", 1), ("zbv", 2)):
+                           ("group_interleaved_zb", 2), ("interleaved_zb", 2), ("zb_h1", 1), ("zb_h1_tight", 1),
+                           ("zbv", 2)):
         for _off in sorted({"none", str(_chunks // 2), "full"} - ({"0"} if _chunks // 2 == 0 else set())):
             _CASES.append((_ranks, _name, _chunks, _off))
 

@@ -36,7 +36,9 @@ def test_action_text_round_trips_for_every_kind():
 GOLDEN = {
     ("gpipe", 2, 3, 1): {0: "0F0 0F1 0F2 0B0 0B1 0B2", 1: "1F0 1F1 1F2 1B0 1B1 1B2"},
     ("1f1b", 2, 3, 1): {0: "0F0 0F1 0B0 0F2 0B1 0B2", 1: "1F0 1B0 1F1 1B1 1F2 1B2"},
-    ("zb_h1", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2"},
+    # ZB-H1 as published: rank 1 holds its W back one backward; zb_h1_tight runs each W at once
+    ("zb_h1", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"},
+    ("zb_h1_tight", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2"},
     ("interleaved_1f1b", 2, 4, 2): {
         0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
         1: "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
@@ -65,7 +67,8 @@ def test_golden_action_strings(key):
 def test_stated_peaks_and_the_1f1b_bubble():
     p, m = 4, 8
     assert build_schedule("1f1b", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
-    assert build_schedule("zb_h1", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
+    assert build_schedule("zb_h1_tight", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
+    assert build_schedule("zb_h1", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 4, 4, 4)
     assert build_schedule("gpipe", num_ranks=p, num_microbatches=m).predicted_peaks == (8,) * 4
     sim = build_schedule("1f1b", num_ranks=p, num_microbatches=m).simulate()
     assert sim.makespan == 3 * (m + p - 1)  # F=1, B=2
@@ -74,6 +77,26 @@ def test_stated_peaks_and_the_1f1b_bubble():
     # Megatron's interleaved warm-up: 2(p-r-1) + (v-1)p forwards, plus the one in steady state
     inter = build_schedule("interleaved_1f1b", num_ranks=p, num_microbatches=m, num_chunks=2)
     assert inter.predicted_peaks == tuple(2 * (p - r - 1) + p + 1 for r in range(p))
+
+
+def test_zb_h1_is_the_published_schedule_a_third_of_1f1bs_bubble_and_p_on_every_rank():
+    """Qi et al. 2023 (ZB-H1): on the unit clock F = I = W = 1 (B = 2), m >= p, the makespan is
+    3m + (p-1) (1F1B: 3m + 3(p-1)), and every rank holds p chunk-microbatches at its peak, 1F1B's
+    peak over all ranks. zb_h1_tight keeps 1F1B's per-rank p - r at a bubble of 2(p-1)."""
+    for p in range(1, 10):
+        for m in (p, p + 1, 2 * p + 3, 4 * p):
+            zb = build_schedule("zb_h1", num_ranks=p, num_microbatches=m)
+            tight = build_schedule("zb_h1_tight", num_ranks=p, num_microbatches=m)
+            one = build_schedule("1f1b", num_ranks=p, num_microbatches=m)
+            assert zb.simulate().makespan == 3 * m + (p - 1), (p, m)
+            assert one.simulate().makespan == 3 * m + 3 * (p - 1), (p, m)
+            assert zb.predicted_peaks == (p,) * p == (max(one.predicted_peaks),) * p
+            assert tight.predicted_peaks == one.predicted_peaks == tuple(p - r for r in range(p))
+            if p > 1:
+                assert tight.simulate().makespan == 3 * m + 2 * (p - 1), (p, m)
+    assert build_schedule("zb_h1", num_ranks=8, num_microbatches=32).simulate().makespan == 103  # the issue's figure
+    # fewer microbatches than ranks: one microbatch goes down and back up, then its W
+    assert build_schedule("zb_h1", num_ranks=4, num_microbatches=1).simulate().makespan == 2 * 4 + 1
 
 
 @pytest.mark.parametrize("p,v,g", [(8, 2, 8), (8, 2, 1), (4, 2, 2), (3, 3, 1), (8, 4, 2), (2, 1, 1)])

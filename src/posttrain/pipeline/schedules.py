@@ -32,8 +32,14 @@ waits. The queues and caps define the family:
   "Pipeline Parallelism with Controllable Memory"): one block of ``g`` microbatches laid out once
   on a unit clock, each microbatch's F chain down and I chain up placed without waits where that
   fits, repeated every ``3vg`` units; a ``W`` takes the first free unit after its ``I``.
-- ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order and memory
-  with the backward split into ``I`` and ``W``; ``W`` fills the bubbles.
+- ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, the handcrafted ZB-H1):
+  not the greedy rule but the published order: 1F1B's warm-up (``p - r - 1`` forwards on rank
+  ``r``), then ``F`` and ``I`` alternately, each ``W`` held back ``r`` backwards so the later ranks
+  start their ``I`` chain sooner; the held ``W`` fill the tail. Every rank holds at most ``p``
+  chunk-microbatches (1F1B's peak over all ranks, reached on every rank); on the unit clock
+  (``F = I = W = 1``, ``m >= p``) the bubble is ``p - 1`` units, a third of 1F1B's ``3(p - 1)``.
+- ``zb_h1_tight``: the greedy rule with 1F1B's per-rank cap ``p - r`` and split backward: the
+  memory of 1F1B on every rank, a bubble of ``2(p - 1)`` units.
 - ``zbv``: V-shape placement (rank 0 holds the first and the last stage), split backward,
   cap ``2p`` (1F1B's activation memory, counted in half-size chunks); deeper stages first.
 
@@ -54,8 +60,8 @@ __all__ = ["GROUPED_SCHEDULES", "ONE_CHUNK_SCHEDULES", "SCHEDULES", "Schedule", 
            "check_schedule_options", "default_chunks"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "group_interleaved_zb", "interleaved_zb",
-             "zb_h1", "zbv")
-ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb_h1")  # one chunk per rank
+             "zb_h1", "zb_h1_tight", "zbv")
+ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h1_tight")  # one chunk per rank
 GROUPED_SCHEDULES = ("group_interleaved", "group_interleaved_zb", "interleaved_zb")  # take a group size
 
 
@@ -408,8 +414,37 @@ def interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, gr
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1: 1F1B's memory, backward split into I and W, W filling the bubbles."""
-    return _one_chunk_1f1b("zb_h1", num_ranks, num_microbatches, split=True)
+    """ZB-H1 as published (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Figure 3):
+    1F1B with the backward split, rank ``r`` holding back its ``W`` by ``r`` backwards.
+
+    Rank ``r`` runs ``p - r - 1`` warm-up forwards, then ``F`` and ``I`` in turn, each ``I``
+    followed by the oldest pending ``W`` once more than ``r`` are pending, and the pending ``W``
+    at the end. Holding back ``r`` of them lets rank ``r`` run its ``I`` as soon as the gradient
+    arrives, so the ``I`` chain climbs the ranks without waiting, at the price of ``r`` more
+    chunk-microbatches than 1F1B on rank ``r``: ``p`` on every rank, 1F1B's peak over all ranks.
+    On the unit clock with ``m >= p`` the makespan is ``3m + p - 1``."""
+    _check_counts("zb_h1", num_ranks, num_microbatches, 1)
+    layout = StageLayout(num_ranks)
+    m, actions = num_microbatches, {}
+    for r in range(num_ranks):
+        warm = min(num_ranks - r - 1, m)
+        acts = [Action(r, "F", j) for j in range(warm)]
+        pending: deque[int] = deque()
+        for k in range(m):
+            if warm + k < m:
+                acts.append(Action(r, "F", warm + k))
+            acts.append(Action(r, "I", k))
+            pending.append(k)
+            if len(pending) > r:
+                acts.append(Action(r, "W", pending.popleft()))
+        actions[r] = acts + [Action(r, "W", k) for k in pending]
+    return _finish("zb_h1", layout, m, actions)
+
+
+def zb_h1_tight(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 held to 1F1B's per-rank memory: the greedy rule with cap ``p - r`` and split
+    backward (bubble ``2(p - 1)`` units on the unit clock)."""
+    return _one_chunk_1f1b("zb_h1_tight", num_ranks, num_microbatches, split=True)
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -445,7 +480,7 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
     check_schedule_options(name, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
                            group_size=group_size)
     num_chunks = default_chunks(name) if num_chunks is None else num_chunks
-    single = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
+    single = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h1_tight": zb_h1_tight, "zbv": zbv}
     if name in single:
         return single[name](num_ranks, num_microbatches)
     if name == "interleaved_1f1b":

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from posttrain.balance import METHODS, plan_minibatch
-from posttrain.pipeline import SCHEDULES
+from posttrain.pipeline import ONE_CHUNK_SCHEDULES, SCHEDULES
 
 from .cluster import Cluster
 from .costs import SimModel
@@ -62,7 +62,7 @@ def pipeline_candidates(num_ranks: int, chunk_options: Sequence[int] = (2, 4)) -
     for name in SCHEDULES:
         if name in ("gpipe",):
             continue
-        if name in ("1f1b", "zb_h1"):
+        if name in ONE_CHUNK_SCHEDULES:
             out += [{"schedule": name, "num_chunks": 1, "group_size": None, "offload_chunks": k} for k in (0, 1)]
         elif name == "zbv":
             out += [{"schedule": name, "num_chunks": 2, "group_size": None, "offload_chunks": k} for k in (0, 1, 2)]
