@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.pipeline import (
+    GROUPED_SCHEDULES,
     KINDS,
+    ONE_CHUNK_SCHEDULES,
     SCHEDULES,
     Action,
     ScheduleError,
@@ -290,3 +292,45 @@ def test_interleaved_1f1b_is_torchs_action_order(p, m, v):
                                   submod=torch.nn.Linear(1, 1), scale_grads=True) for c in range(v)]
         theirs = ScheduleInterleaved1F1B(stages, m).pipeline_order[r]
         assert ours[r] == " ".join(str(a) for a in theirs if a is not None)
+
+
+def _variants():
+    """Every generator at 2-4 ranks, 1-3 chunks, every group size, 1 and 2 microbatches per rank."""
+    for p in range(2, 5):
+        for k in (1, 2):
+            m = p * k
+            for name in SCHEDULES:
+                if name in ONE_CHUNK_SCHEDULES or name == "zbv":
+                    yield name, p, m, None, None
+                    continue
+                for v in (1, 2, 3):
+                    groups = [g for g in range(1, p + 1) if m % g == 0] if name in GROUPED_SCHEDULES else [None]
+                    for g in groups:
+                        yield name, p, m, v, g
+
+
+def test_lowering_send_recv_changes_no_time_and_no_peak_on_any_generated_schedule():
+    """One memory accounting: a schedule with OFFLOAD/RELOAD has the same per-rank peaks, start
+    times and makespan once SEND/RECV are added (what the runtime runs and measures), under free
+    and costly copies. A failure names the schedule whose copies moved (e.g. a reload issued at a
+    send instead of at the compute action in front of it, which once gave interleaved_1f1b p=2 m=8
+    full offload a peak of 2 where the runtime measures 3)."""
+    from posttrain.pipeline import Durations, OffloadPolicy, add_offload, add_send_recv
+
+    clocks = (Durations(), Durations(F=1, B=2.5, I=2, W=0.5, OFFLOAD=1.5, RELOAD=1.5))
+    checked = 0
+    for name, p, m, v, g in _variants():
+        s = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v, group_size=g)
+        for k in range(s.layout.num_chunks + 1):
+            for d in clocks:
+                off = add_offload(s.actions, s.layout, m, OffloadPolicy(k), durations=d)
+                plain, lowered = simulate(off, s.layout, m, durations=d), simulate(add_send_recv(off, s.layout),
+                                                                                   s.layout, m, durations=d)
+                key = (name, p, m, v, g, k, d)
+                assert lowered.peaks() == plain.peaks() and lowered.makespan == plain.makespan, key
+                assert {a: t for a, t in lowered.start.items() if a[1].kind in "FBIW OFFLOAD RELOAD"} == plain.start, key
+                checked += 1
+    assert checked > 800
+    s = build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=8, num_chunks=2)
+    off = add_offload(s.actions, s.layout, 8, OffloadPolicy(2))
+    assert simulate(add_send_recv(off, s.layout), s.layout, 8).peaks() == [3, 3]
