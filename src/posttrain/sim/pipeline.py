@@ -88,6 +88,11 @@ class PipelineSimResult:
         return max(self.peaks) * self.workload.activation_bytes
 
     @property
+    def offloaded_bytes(self) -> float:
+        """Bytes a step copies to host memory, over all ranks (each comes back once)."""
+        return sum(a.kind == "OFFLOAD" for _, a in self.sim.start) * self.workload.activation_bytes
+
+    @property
     def overhead(self) -> float:
         """Makespan with offload over without, minus one (0: the offload hides completely)."""
         return self.makespan / self.base_makespan - 1.0 if self.base_makespan > 0 else 0.0
