@@ -334,3 +334,28 @@ def test_lowering_send_recv_changes_no_time_and_no_peak_on_any_generated_schedul
     s = build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=8, num_chunks=2)
     off = add_offload(s.actions, s.layout, 8, OffloadPolicy(2))
     assert simulate(add_send_recv(off, s.layout), s.layout, 8).peaks() == [3, 3]
+
+
+def _full_offload_peak(name, p, m, v=None, g=None):
+    from posttrain.pipeline import OffloadPolicy, add_offload, add_send_recv
+
+    s = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v, group_size=g)
+    lowered = add_send_recv(add_offload(s.actions, s.layout, m, OffloadPolicy(s.layout.num_chunks)), s.layout)
+    return max(simulate(lowered, s.layout, m).peaks())
+
+
+def test_full_offload_keeps_a_constant_few_resident_except_where_w_comes_late():
+    """docs/pipeline.md: with full offload gpipe, 1f1b, interleaved_1f1b and group_interleaved keep
+    at most 3 chunk-microbatches resident, group_interleaved_zb and zb_h1_tight at most 2, at any
+    number of ranks; zb_h1, zbv and interleaved_zb keep a reloaded chunk-microbatch until its
+    late W and hold more (the figures the docs give)."""
+    bound = {"gpipe": 3, "1f1b": 3, "interleaved_1f1b": 3, "group_interleaved": 3, "group_interleaved_zb": 2,
+             "zb_h1_tight": 2}
+    for name, most in bound.items():
+        for p in (2, 4, 8):
+            for v in ((None,) if name in ONE_CHUNK_SCHEDULES else (2, 3)):
+                for g in ((1, p // 2, p) if name in GROUPED_SCHEDULES else (None,)):
+                    assert _full_offload_peak(name, p, 2 * p, v, g) <= most, (name, p, v, g)
+    assert _full_offload_peak("zb_h1", 8, 32) == 8  # rank r holds r W back: p on the last rank
+    assert _full_offload_peak("zbv", 8, 32) == 13
+    assert _full_offload_peak("interleaved_zb", 8, 32, 4, 8) == 21
