@@ -3,8 +3,8 @@
 - :func:`plan_odc`: for a dataset and cluster, every balancing method x ``max_tokens`` candidate
   under FSDP and ODC, ranked by simulated throughput.
 - :func:`plan_pipeline`: every schedule, group size and offload count that fits a memory budget,
-  ranked by simulated step time; :func:`recommend_pipeline` picks one: no offload when anything
-  fits without it, else the least offload that fits.
+  ranked by simulated step time; :func:`recommend_pipeline` picks one: the least offload among
+  those within 1% of the fastest that fits (no offload when something fits without it that fast).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ class PipelineConfig:
     Attributes:
         schedule: the schedule (one of posttrain.pipeline.SCHEDULES).
         num_ranks: pipeline ranks, one CPU process each (a rank runs one stage per chunk).
-        chunks: model chunks per rank (default: 1 for gpipe, 1f1b and zb_h1, which take only 1;
-            2 for zbv, which takes only 2, and for the interleaved families).
+        chunks: model chunks per rank (default: 1 for gpipe, 1f1b, zb_h1 and zb_h1_tight, which
+            take only 1; 2 for zbv, which takes only 2, and for the interleaved families).
         num_microbatches: microbatches per step.
         group_size: group size of group_interleaved, group_interleaved_zb and interleaved_zb
             (default: the number of ranks); the other schedules take none.
