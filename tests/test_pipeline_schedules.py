@@ -295,7 +295,7 @@ def test_interleaved_1f1b_is_torchs_action_order(p, m, v):
 
 
 def _variants():
-    """Every generator at 2-4 ranks, 1-3 chunks, every group size, 1 and 2 microbatches per rank."""
+    """Every generator at 2-4 ranks, 1-2 chunks, every group size, 1 and 2 microbatches per rank."""
     for p in range(2, 5):
         for k in (1, 2):
             m = p * k
@@ -303,7 +303,7 @@ def _variants():
                 if name in ONE_CHUNK_SCHEDULES or name == "zbv":
                     yield name, p, m, None, None
                     continue
-                for v in (1, 2, 3):
+                for v in (1, 2):
                     groups = [g for g in range(1, p + 1) if m % g == 0] if name in GROUPED_SCHEDULES else [None]
                     for g in groups:
                         yield name, p, m, v, g
@@ -330,7 +330,7 @@ def test_lowering_send_recv_changes_no_time_and_no_peak_on_any_generated_schedul
                 assert lowered.peaks() == plain.peaks() and lowered.makespan == plain.makespan, key
                 assert {a: t for a, t in lowered.start.items() if a[1].kind in "FBIW OFFLOAD RELOAD"} == plain.start, key
                 checked += 1
-    assert checked > 800
+    assert checked > 500
     s = build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=8, num_chunks=2)
     off = add_offload(s.actions, s.layout, 8, OffloadPolicy(2))
     assert simulate(add_send_recv(off, s.layout), s.layout, 8).peaks() == [3, 3]
