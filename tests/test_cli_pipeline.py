@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import pytest
 
-def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_cli, tmp_path):
-    png = tmp_path / "p.png"
+
+def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_cli, tmp_path, cli):
+    png, metrics = tmp_path / "p.png", tmp_path / "m.json"
     proc = run_cli("pipeline", "--schedule", "group_interleaved", "--ranks", "2", "--chunks", "2", "--group-size", "1",
                 "--microbatches", "4", "--offload", "1", "--steps", "2", "--dim", "32", "--layers", "4",
-                "--seq-len", "32", "--chart", str(png))
+                "--seq-len", "32", "--chart", str(png), "--metrics", str(metrics))
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("0", "1")]
     assert len(rows) == 2
     for row in rows:  # peak units (measured) equals the schedule's prediction
         assert float(row[3]) == float(row[4]) and float(row[5]) > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the run's metrics calibrate the planner: measured times, saved bytes and copy bandwidth
+    rc, out, err = cli("plan", "pipeline", "--ranks", "2", "--microbatches", "4", "--memory-gib", "1",
+                       "--calibrate", str(metrics))
+    assert rc == 0, err
+    assert f"calibrated from {metrics}: group_interleaved, 2 ranks, 4 stages" in out
+    assert "host link: the median of the run's" in out and "recommended: " in out
 
 
 def test_pipeline_bad_input_is_a_clear_error(run_cli):
@@ -24,3 +32,24 @@ def test_pipeline_bad_input_is_a_clear_error(run_cli):
     proc = run_cli("pipeline", "--stages", "2", "--layers", "1")  # the old spelling of --ranks still works
     assert "--stages is deprecated; use --ranks" in proc.stderr
     assert proc.returncode == 2 and "cannot be cut into 2 stages" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedule", "1f1b", "--group-size", "2"], "(--group-size)"),
+    (["--schedule", "gpipe", "--group-size", "2"], "(--group-size)"),
+    (["--schedule", "zb_h1", "--group-size", "1"], "(--group-size)"),
+    (["--schedule", "zbv", "--group-size", "2"], "(--group-size)"),
+    (["--schedule", "interleaved_1f1b", "--chunks", "2", "--group-size", "2"], "(--group-size)"),
+    (["--schedule", "zbv", "--chunks", "3"], "zbv runs 2 chunks per rank (a V), got num_chunks=3 (--chunks)"),
+    (["--schedule", "zbv", "--chunks", "1"], "(--chunks)"),
+    (["--schedule", "1f1b", "--chunks", "2"], "(--chunks)"),
+    (["--schedule", "interleaved_1f1b", "--chunks", "0"], "(--chunks)"),
+    (["--ranks", "0"], "(--ranks)"),
+    (["--microbatches", "0"], "(--microbatches)"),
+    (["--schedule", "group_interleaved", "--chunks", "2", "--group-size", "3"], "(--group-size)"),
+    (["--offload", "3"], "--offload=3"),
+])
+def test_pipeline_flags_a_schedule_would_ignore_are_errors_naming_the_flag(cli, argv, message):
+    """Refused in one line before any process starts (in-process: no rank is forked)."""
+    rc, out, err = cli("pipeline", *argv, "--chart", "")
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and not out, (out, err)

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.pipeline import (
+    GROUPED_SCHEDULES,
     KINDS,
+    ONE_CHUNK_SCHEDULES,
     SCHEDULES,
     Action,
     ScheduleError,
@@ -36,7 +38,9 @@ def test_action_text_round_trips_for_every_kind():
 GOLDEN = {
     ("gpipe", 2, 3, 1): {0: "0F0 0F1 0F2 0B0 0B1 0B2", 1: "1F0 1F1 1F2 1B0 1B1 1B2"},
     ("1f1b", 2, 3, 1): {0: "0F0 0F1 0B0 0F2 0B1 0B2", 1: "1F0 1B0 1F1 1B1 1F2 1B2"},
-    ("zb_h1", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2"},
+    # ZB-H1 as published: rank 1 holds its W back one backward; zb_h1_tight runs each W at once
+    ("zb_h1", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"},
+    ("zb_h1_tight", 2, 3, 1): {0: "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2", 1: "1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2"},
     ("interleaved_1f1b", 2, 4, 2): {
         0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
         1: "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
@@ -65,7 +69,8 @@ def test_golden_action_strings(key):
 def test_stated_peaks_and_the_1f1b_bubble():
     p, m = 4, 8
     assert build_schedule("1f1b", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
-    assert build_schedule("zb_h1", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
+    assert build_schedule("zb_h1_tight", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 3, 2, 1)
+    assert build_schedule("zb_h1", num_ranks=p, num_microbatches=m).predicted_peaks == (4, 4, 4, 4)
     assert build_schedule("gpipe", num_ranks=p, num_microbatches=m).predicted_peaks == (8,) * 4
     sim = build_schedule("1f1b", num_ranks=p, num_microbatches=m).simulate()
     assert sim.makespan == 3 * (m + p - 1)  # F=1, B=2
@@ -74,6 +79,26 @@ def test_stated_peaks_and_the_1f1b_bubble():
     # Megatron's interleaved warm-up: 2(p-r-1) + (v-1)p forwards, plus the one in steady state
     inter = build_schedule("interleaved_1f1b", num_ranks=p, num_microbatches=m, num_chunks=2)
     assert inter.predicted_peaks == tuple(2 * (p - r - 1) + p + 1 for r in range(p))
+
+
+def test_zb_h1_is_the_published_schedule_a_third_of_1f1bs_bubble_and_p_on_every_rank():
+    """Qi et al. 2023 (ZB-H1): on the unit clock F = I = W = 1 (B = 2), m >= p, the makespan is
+    3m + (p-1) (1F1B: 3m + 3(p-1)), and every rank holds p chunk-microbatches at its peak, 1F1B's
+    peak over all ranks. zb_h1_tight keeps 1F1B's per-rank p - r at a bubble of 2(p-1)."""
+    for p in range(1, 10):
+        for m in (p, p + 1, 2 * p + 3, 4 * p):
+            zb = build_schedule("zb_h1", num_ranks=p, num_microbatches=m)
+            tight = build_schedule("zb_h1_tight", num_ranks=p, num_microbatches=m)
+            one = build_schedule("1f1b", num_ranks=p, num_microbatches=m)
+            assert zb.simulate().makespan == 3 * m + (p - 1), (p, m)
+            assert one.simulate().makespan == 3 * m + 3 * (p - 1), (p, m)
+            assert zb.predicted_peaks == (p,) * p == (max(one.predicted_peaks),) * p
+            assert tight.predicted_peaks == one.predicted_peaks == tuple(p - r for r in range(p))
+            if p > 1:
+                assert tight.simulate().makespan == 3 * m + 2 * (p - 1), (p, m)
+    assert build_schedule("zb_h1", num_ranks=8, num_microbatches=32).simulate().makespan == 103  # the issue's figure
+    # fewer microbatches than ranks: one microbatch goes down and back up, then its W
+    assert build_schedule("zb_h1", num_ranks=4, num_microbatches=1).simulate().makespan == 2 * 4 + 1
 
 
 @pytest.mark.parametrize("p,v,g", [(8, 2, 8), (8, 2, 1), (4, 2, 2), (3, 3, 1), (8, 4, 2), (2, 1, 1)])
@@ -267,3 +292,70 @@ def test_interleaved_1f1b_is_torchs_action_order(p, m, v):
                                   submod=torch.nn.Linear(1, 1), scale_grads=True) for c in range(v)]
         theirs = ScheduleInterleaved1F1B(stages, m).pipeline_order[r]
         assert ours[r] == " ".join(str(a) for a in theirs if a is not None)
+
+
+def _variants():
+    """Every generator at 2-4 ranks, 1-2 chunks, every group size, 1 and 2 microbatches per rank."""
+    for p in range(2, 5):
+        for k in (1, 2):
+            m = p * k
+            for name in SCHEDULES:
+                if name in ONE_CHUNK_SCHEDULES or name == "zbv":
+                    yield name, p, m, None, None
+                    continue
+                for v in (1, 2):
+                    groups = [g for g in range(1, p + 1) if m % g == 0] if name in GROUPED_SCHEDULES else [None]
+                    for g in groups:
+                        yield name, p, m, v, g
+
+
+def test_lowering_send_recv_changes_no_time_and_no_peak_on_any_generated_schedule():
+    """One memory accounting: a schedule with OFFLOAD/RELOAD has the same per-rank peaks, start
+    times and makespan once SEND/RECV are added (what the runtime runs and measures), under free
+    and costly copies. A failure names the schedule whose copies moved (e.g. a reload issued at a
+    send instead of at the compute action in front of it, which once gave interleaved_1f1b p=2 m=8
+    full offload a peak of 2 where the runtime measures 3)."""
+    from posttrain.pipeline import Durations, OffloadPolicy, add_offload, add_send_recv
+
+    clocks = (Durations(), Durations(F=1, B=2.5, I=2, W=0.5, OFFLOAD=1.5, RELOAD=1.5))
+    checked = 0
+    for name, p, m, v, g in _variants():
+        s = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v, group_size=g)
+        for k in range(s.layout.num_chunks + 1):
+            for d in clocks:
+                off = add_offload(s.actions, s.layout, m, OffloadPolicy(k), durations=d)
+                plain, lowered = simulate(off, s.layout, m, durations=d), simulate(add_send_recv(off, s.layout),
+                                                                                   s.layout, m, durations=d)
+                key = (name, p, m, v, g, k, d)
+                assert lowered.peaks() == plain.peaks() and lowered.makespan == plain.makespan, key
+                assert {a: t for a, t in lowered.start.items() if a[1].kind in "FBIW OFFLOAD RELOAD"} == plain.start, key
+                checked += 1
+    assert checked > 500
+    s = build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=8, num_chunks=2)
+    off = add_offload(s.actions, s.layout, 8, OffloadPolicy(2))
+    assert simulate(add_send_recv(off, s.layout), s.layout, 8).peaks() == [3, 3]
+
+
+def _full_offload_peak(name, p, m, v=None, g=None):
+    from posttrain.pipeline import OffloadPolicy, add_offload, add_send_recv
+
+    s = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v, group_size=g)
+    lowered = add_send_recv(add_offload(s.actions, s.layout, m, OffloadPolicy(s.layout.num_chunks)), s.layout)
+    return max(simulate(lowered, s.layout, m).peaks())
+
+
+def test_full_offload_keeps_a_constant_few_resident_except_where_w_comes_late():
+    """docs/pipeline.md: with full offload gpipe, 1f1b, interleaved_1f1b and group_interleaved keep
+    at most 3 chunk-microbatches resident, group_interleaved_zb and zb_h1_tight at most 2, at any
+    number of ranks; zb_h1, zbv and interleaved_zb keep a reloaded chunk-microbatch until its
+    late W and hold more (the figures the docs give)."""
+    bound = {"gpipe": 3, "1f1b": 3, "interleaved_1f1b": 3, "group_interleaved": 3, "group_interleaved_zb": 2,
+             "zb_h1_tight": 2}
+    for name, most in bound.items():
+        for p in (2, 4, 8):
+            for v in ((None,) if name in ONE_CHUNK_SCHEDULES else (2, 3)):
+                for g in ((1, p // 2, p) if name in GROUPED_SCHEDULES else (None,)):
+                    assert _full_offload_peak(name, p, 2 * p, v, g) <= most, (name, p, v, g)
+    assert _full_offload_peak("zb_h1", 8, 32) == 8  # rank r holds r W back: p on the last rank
+    assert _full_offload_peak("zbv", 8, 32) == 13
+    assert _full_offload_peak("interleaved_zb", 8, 32, 4, 8) == 21

@@ -27,6 +27,10 @@ def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
                  "--offload-chunks", "1", "--chart", str(chart)]) == 0
     out = capsys.readouterr().out
     assert "makespan" in out and "k = (D2H + H2D)" in out and chart.read_bytes()[:4] == b"\x89PNG"
+    # zbv and the one-chunk schedules run with their own chunk count when --chunks is not given
+    for name in ("zbv", "1f1b", "zb_h1"):
+        assert main(["simulate", "pipeline", "--schedule", name, "--ranks", "4", "--microbatches", "8", "--chart", ""]) == 0
+    assert "zbv: 4 ranks x 2 chunks" in capsys.readouterr().out.split("1f1b:")[0]
     assert main(["simulate", "pipeline", "--paper-table"]) == 0
     assert "group_interleaved_zb  2  1  13,5,2" in capsys.readouterr().out
 
@@ -39,16 +43,115 @@ def test_simulate_table_small(tmp_path, capsys):
     assert len(rows) == 1 and rows[0]["diff_micro"] > 1.0
 
 
+def _plan_rows(out):
+    """The table rows of plan pipeline: (recommended?, columns)."""
+    rows = [line.split() for line in out.split("fastest that fit (* recommended):")[1].splitlines()[2:]]
+    return [(r[0].startswith("*"), r) for r in rows]
+
+
 def test_plan_odc_and_pipeline(capsys):
     assert main(["plan", "odc", "--gpus", "8", "--sequences-per-gpu", "4", "--minibatches", "1"]) == 0
     out = capsys.readouterr().out
     assert "recommended: " in out
     assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "1.5"]) == 0
     out = capsys.readouterr().out
-    assert "fit 1.5 GiB" in out
-    rows = [r for r in (line.split() for line in out.splitlines()) if len(r) == 9 and r[0].isdigit()]
-    assert rows and all(float(r[-2]) <= 1.5 for r in rows)  # peak GiB within the budget
+    # the assumptions it used, from the workload flags' defaults
+    assert "assumptions (from the workload flags)" in out
+    assert "F 10.00 ms, I 10.00 ms, W 10.00 ms, saved activations 256.00 MiB" in out
+    assert "host link 21.00 GB/s" in out and "4 ranks, 8 microbatches per step, 1.5 GiB" in out
+    rows = _plan_rows(out)
+    assert rows and all(float(r[7]) <= 1.5 for _, r in rows)  # peak GiB within the budget
+    assert sum(star for star, _ in rows) == 1 and out.count("recommended: ") == 1
     assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "0.01"]) == 1
+
+
+def test_plan_pipeline_recommends_no_offload_when_that_fits_as_fast_and_the_least_offload_otherwise(capsys):
+    """Everything fits in 4 GiB: the pick offloads nothing, even where offloading ties on time (it
+    once ranked "offload 3 of 4 chunks" first). In 0.3 GiB nothing fits without offload: the pick
+    offloads the least among the fastest and states its predicted cost; the printed simulate
+    command reproduces its step time."""
+    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "4", "--top", "8"]) == 0
+    out = capsys.readouterr().out
+    [(star, first), *_] = _plan_rows(out)
+    assert star and first[4] == "0" and "offload 0 chunk(s) per rank" in out and "why: fits without offload" in out
+    assert any(r[4] != "0" and r[5] == first[5] for _, r in _plan_rows(out))  # an offloading tie, not picked
+    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "0.3", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "why: nothing fits without offload; this offloads the least" in out and "predicted cost of its offload" in out
+    [best] = [r for star, r in _plan_rows(out) if star]
+    assert best[4] != "0" and float(best[7]) <= 0.3
+    see = out.split("see it: posttrain ")[1].splitlines()[0].split()
+    assert main([*see, "--chart", ""]) == 0
+    assert f"makespan {best[5]} ms" in capsys.readouterr().out
+
+
+def test_recommend_pipeline_takes_the_least_offload_within_the_tolerance_of_the_fastest():
+    from posttrain.sim.pipeline import PipelineWorkload
+    from posttrain.sim.planner import plan_pipeline, recommend_pipeline
+
+    fits, _ = plan_pipeline(num_ranks=4, num_microbatches=8, workload=PipelineWorkload(activation_bytes=2**30),
+                            memory_budget=3 * 2**30)
+    best, why = recommend_pipeline(fits)
+    fastest = fits[0].makespan
+    near = [r for r in fits if r.makespan <= 1.01 * fastest]
+    assert best in near and best.offloaded_bytes == min(r.offloaded_bytes for r in near)
+    assert any(r.offloaded_bytes == 0 for r in fits) and best.offloaded_bytes > 0  # offload buys speed here
+    assert why.startswith("without offload the fastest that fits")
+    with pytest.raises(ValueError, match="no configuration fits"):
+        recommend_pipeline([])
+
+
+def _metrics(path, *, split=True, copies=True):
+    """A posttrain pipeline --metrics file by hand: 2 ranks, one stage each, 2 microbatches."""
+    mib = 2**20
+    if split:
+        acts = {0: [("0F0", 0, .010), ("0F1", .010, .022), ("0I0", .05, .07), ("0W0", .07, .08), ("0I1", .08, .10),
+                    ("0W1", .10, .11)],
+                1: [("1F0", .02, .05), ("1I0", .05, .09), ("1W0", .09, .10), ("1F1", .10, .13), ("1I1", .13, .17),
+                    ("1W1", .17, .19)]}
+    else:
+        acts = {0: [("0F0", 0, .010), ("0F1", .010, .012), ("0B0", .05, .08), ("0B1", .08, .11)],
+                1: [("1F0", .02, .05), ("1B0", .05, .10), ("1F1", .10, .13), ("1B1", .13, .18)]}
+    if copies:
+        acts[0] += [("0OFFLOAD0", .2, .2 + 4 * mib / 8e9), ("0RELOAD0", .3, .3 + 4 * mib / 2e9)]
+    ranks = [{"rank": r, "stages": [r], "losses": [1.0], "step_times": [0.2],
+              "result": {"actions": acts[r], "chunk_bytes": {str(r): (4 if r == 0 else 6) * mib}}} for r in (0, 1)]
+    path.write_text(json.dumps({"config": {"schedule": "zb_h1" if split else "1f1b", "num_ranks": 2, "batch": 2,
+                                           "seq_len": 64}, "ranks": ranks}))
+    return str(path)
+
+
+def test_pipeline_workload_is_calibrated_from_a_runs_metrics(tmp_path):
+    """Per stage the median time of each kind, summed over stages = the whole model per microbatch,
+    an equal share per planned rank; saved bytes likewise; the host link the median of the copies."""
+    from posttrain.lab.calibrate import pipeline_workload_from_metrics
+
+    w, notes = pipeline_workload_from_metrics(_metrics(tmp_path / "m.json"), num_ranks=4, host_bandwidth=1e9)
+    # F: stage 0 median(10, 12) = 11 ms, stage 1 30 ms; I: 20 + 40; W: 10 + (10, 20 -> 15)
+    assert w.forward_s == pytest.approx(0.041 / 4) and w.input_grad_s == pytest.approx(0.060 / 4)
+    assert w.weight_grad_s == pytest.approx(0.025 / 4) and w.activation_bytes == 10 * 2**20 / 4
+    assert w.host_bandwidth == pytest.approx(5e9)  # median of 8 and 2 GB/s
+    assert "zb_h1, 2 ranks, 2 stages, microbatches of 2 x 64 tokens" in notes[0]
+    w, notes = pipeline_workload_from_metrics(_metrics(tmp_path / "b.json", split=False, copies=False), num_ranks=2,
+                                              host_bandwidth=1e9)
+    # B: stage 0 median(30, 30), stage 1 median(50, 50): 80 ms, split evenly
+    assert w.input_grad_s == w.weight_grad_s == pytest.approx(0.040 / 2) and w.host_bandwidth == 1e9
+    assert "split evenly" in notes[1] and "--host-gbps (the run offloaded nothing)" in notes[2]
+
+
+def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_path, capsys):
+    path = _metrics(tmp_path / "m.json")
+    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "1", "--calibrate", path]) == 0
+    out = capsys.readouterr().out
+    assert f"assumptions (calibrated from {path}" in out and "F 10.25 ms, I 15.00 ms, W 6.25 ms" in out
+    assert "host link: the median of the run's 2 copies" in out and "host link 5.00 GB/s" in out
+    assert main(["plan", "pipeline", "--memory-gib", "1", "--calibrate", path, "--forward-ms", "3"]) == 2
+    assert "--calibrate measures what --forward-ms would set" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for f in (str(bad), str(tmp_path / "missing.json")):
+        assert main(["plan", "pipeline", "--memory-gib", "1", "--calibrate", f]) == 2
+        assert f"--calibrate {f}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -58,10 +161,32 @@ def test_plan_odc_and_pipeline(capsys):
     (["simulate", "odc", "--lengths-file", "/nonexistent"], "does not exist"),
     (["plan", "pipeline", "--memory-gib", "-1"], "--memory-gib"),
     (["simulate", "table", "--gpus", "8,x"], "comma-separated"),
+    # flags a schedule would ignore, and counts and costs out of range, named by flag
+    (["simulate", "pipeline", "--stages", "0"], "num_ranks=0 must be at least 1 (--ranks)"),
+    (["simulate", "pipeline", "--microbatches", "0"], "(--microbatches)"),
+    (["simulate", "pipeline", "--host-gbps", "0"], "--host-gbps=0.0 must be a positive"),
+    (["simulate", "pipeline", "--forward-ms", "-1"], "--forward-ms=-1.0 must be a non-negative"),
+    (["simulate", "pipeline", "--weight-ms", "nan"], "--weight-ms=nan"),
+    (["simulate", "pipeline", "--activation-mib", "-2"], "--activation-mib=-2.0"),
+    (["simulate", "pipeline", "--schedule", "zbv", "--chunks", "3"], "(--chunks)"),
+    (["simulate", "pipeline", "--schedule", "1f1b", "--chunks", "2"], "(--chunks)"),
+    (["simulate", "pipeline", "--schedule", "zb_h1", "--group-size", "2"], "(--group-size)"),
+    (["simulate", "pipeline", "--schedule", "interleaved_1f1b", "--group-size", "8"], "(--group-size)"),
+    (["simulate", "pipeline", "--group-size", "9"], "(--group-size)"),
+    (["simulate", "pipeline", "--offload-chunks", "3"], "(--offload-chunks)"),
+    (["simulate", "pipeline", "--offload-chunks", "-1"], "(--offload-chunks)"),
+    (["plan", "pipeline", "--stages", "0", "--memory-gib", "4"], "num_ranks=0 must be at least 1 (--ranks)"),
+    (["plan", "pipeline", "--microbatches", "0", "--memory-gib", "4"], "(--microbatches)"),
+    (["plan", "pipeline", "--host-gbps", "0", "--memory-gib", "4"], "--host-gbps"),
+    (["plan", "pipeline", "--backward-ms", "-1", "--memory-gib", "4"], "--backward-ms"),
+    (["plan", "pipeline", "--top", "0", "--memory-gib", "4"], "--top"),
+    (["plan", "odc", "--top", "0"], "--top"),
 ])
 def test_bad_input_exits_2_with_a_message(argv, message, capsys):
-    assert main(argv + (["--trace", "", "--png", ""] if argv[:2] == ["simulate", "odc"] else [])) == 2
-    assert message in capsys.readouterr().err
+    extra = {"odc": ["--trace", "", "--png", ""], "pipeline": ["--chart", ""]}.get(argv[1], []) if argv[0] == "simulate" else []
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) <= 2  # one line (and a deprecation note)
 
 
 def test_unknown_profile_is_rejected_by_the_parser(capsys):

@@ -20,6 +20,11 @@ def _run(args: argparse.Namespace) -> int:
     print(format_report(results, predicted_peaks(cfg)))
     if cfg.output_dir:
         print(f"wrote {cfg.output_dir}")
+    if args.metrics:
+        from posttrain.lab.calibrate import write_pipeline_metrics
+
+        write_pipeline_metrics(cfg, results, args.metrics)
+        print(f"wrote {args.metrics} (posttrain plan pipeline --calibrate {args.metrics} plans from it)")
     if args.chart:
         path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
                              f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")
@@ -34,4 +39,7 @@ def add_parser(sub) -> None:
     add_config_arguments(p, PipelineConfig, defaults={"num_microbatches": 8, "dim": 128, "num_layers": 8,
                                                       "seq_len": 256, "steps": 5})
     p.add_argument("--chart", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
+    p.add_argument("--metrics", default=None, metavar="FILE",
+                   help="write every rank's last step (action times, saved bytes, peaks) as JSON, for "
+                        "posttrain plan pipeline --calibrate")
     p.set_defaults(func=_run)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from posttrain.pipeline import GROUPED_SCHEDULES
+
 from .simulate import add_dp_arguments, add_pipeline_arguments, dp_inputs, workload
 
 __all__ = ["add_parser"]
@@ -12,6 +14,8 @@ __all__ = ["add_parser"]
 def _odc(args: argparse.Namespace) -> int:
     from posttrain.sim.planner import plan_odc
 
+    if args.top < 1:
+        raise ValueError(f"--top={args.top} must be at least 1")
     cluster, model, batches, _ = dp_inputs(args)
     longest = max(max(b) for b in batches)  # what was drawn, not the profile's bound
     if args.max_tokens:
@@ -31,22 +35,64 @@ def _odc(args: argparse.Namespace) -> int:
 
 
 def _pipeline(args: argparse.Namespace) -> int:
-    from posttrain.sim.planner import plan_pipeline
+    from posttrain.sim.planner import plan_pipeline, recommend_pipeline
 
+    from .simulate import WorkloadOptions
+
+    if args.top < 1:
+        raise ValueError(f"--top={args.top} must be at least 1")
     w = workload(args)
+    notes = ["from the workload flags"]
+    if args.calibrate:
+        from posttrain.lab.calibrate import pipeline_workload_from_metrics
+
+        given = [f"--{f.replace('_', '-')}" for f in ("forward_ms", "backward_ms", "weight_ms", "activation_mib")
+                 if getattr(args, f) != getattr(WorkloadOptions, f)]
+        if given:
+            raise ValueError(f"--calibrate measures what {', '.join(given)} would set: drop one or the other")
+        w, notes = pipeline_workload_from_metrics(args.calibrate, num_ranks=args.num_ranks,
+                                                  host_bandwidth=w.host_bandwidth)
     fits, tried = plan_pipeline(num_ranks=args.num_ranks, num_microbatches=args.num_microbatches, workload=w,
                                 memory_budget=args.memory_gib * 2**30)
-    print(f"{tried} configurations simulated; {len(fits)} fit {args.memory_gib} GiB of activations per device "
-          f"(workload: one chunk per rank; v chunks divide it by v)")
+    ms = 1e3
+    print("assumptions (" + notes[0] + "):")
+    for line in notes[1:]:
+        print(f"  {line}")
+    print(f"  per chunk-microbatch at one chunk per rank (v chunks per rank divide each by v): F {w.forward_s * ms:.2f} ms, "
+          f"I {w.input_grad_s * ms:.2f} ms, W {w.weight_grad_s * ms:.2f} ms, saved activations "
+          f"{w.activation_bytes / 2**20:.2f} MiB")
+    print(f"  host link {w.host_bandwidth / 1e9:.2f} GB/s per direction, one copy of a direction at a time: "
+          f"{w.copy_s * ms:.2f} ms per chunk-microbatch; k = (D2H + H2D) / (F + I + W) = {w.k:.2f}")
+    print(f"  {args.num_ranks} ranks, {args.num_microbatches} microbatches per step, {args.memory_gib} GiB of saved "
+          "activations per device")
+    print(f"{tried} configurations simulated; {len(fits)} fit")
     if not fits:
         print("none fits: raise --memory-gib, add ranks, or shrink microbatches")
         return 1
-    print(f"{'#':>2} {'schedule':20} {'v':>2} {'g':>3} {'offload':>7} {'step ms':>9} {'microbatches/s':>14} "
-          f"{'peak GiB':>9} {'bubble':>7}")
-    for i, r in enumerate(fits[:args.top], 1):
-        print(f"{i:>2} {r.schedule:20} {r.num_chunks:>2} {r.group_size or '-'!s:>3} {r.offload_chunks:>7} "
-              f"{r.makespan * 1e3:9.2f} {args.num_microbatches / r.makespan:14.1f} {r.peak_bytes / 2**30:9.2f} "
-              f"{r.bubble_fraction:7.1%}")
+    best, why = recommend_pipeline(fits)
+    bw = best.workload  # per chunk-microbatch at the recommended chunk count
+    flags = (f"--schedule {best.schedule} --ranks {args.num_ranks} --chunks {best.num_chunks}"
+             + (f" --group-size {best.group_size}" if best.schedule in GROUPED_SCHEDULES else "")
+             + f" --microbatches {args.num_microbatches} --offload-chunks {best.offload_chunks}"
+             f" --forward-ms {bw.forward_s * ms:.6g} --backward-ms {bw.input_grad_s * ms:.6g}"
+             f" --weight-ms {bw.weight_grad_s * ms:.6g} --activation-mib {bw.activation_bytes / 2**20:.6g}"
+             f" --host-gbps {bw.host_bandwidth / 1e9:.6g}")
+    print(f"recommended: {best.schedule}, {best.num_chunks} chunk(s) per rank"
+          + (f", group size {best.group_size}" if best.schedule in GROUPED_SCHEDULES else "")
+          + f", offload {best.offload_chunks} chunk(s) per rank: step {best.makespan * ms:.2f} ms, peak "
+          f"{best.peak_bytes / 2**30:.2f} GiB")
+    print(f"  why: {why}")
+    print(f"  see it: posttrain simulate pipeline {flags}")
+    print("fastest that fit (* recommended):")
+    print(f"{'#':>3} {'schedule':20} {'v':>2} {'g':>3} {'offload':>7} {'step ms':>9} {'microbatches/s':>14} "
+          f"{'peak GiB':>9} {'to host GiB':>11} {'bubble':>7}")
+    at = next(i for i, r in enumerate(fits) if r is best)
+    for i in [*range(min(args.top, len(fits))), *([at] if at >= args.top else [])]:
+        r = fits[i]
+        print(f"{('*' if r is best else '') + str(i + 1):>3} {r.schedule:20} {r.num_chunks:>2} "
+              f"{r.group_size if r.schedule in GROUPED_SCHEDULES else '-'!s:>3} {r.offload_chunks:>7} "
+              f"{r.makespan * ms:9.2f} {args.num_microbatches / r.makespan:14.1f} {r.peak_bytes / 2**30:9.2f} "
+              f"{r.offloaded_bytes / 2**30:11.2f} {r.bubble_fraction:7.1%}")
     return 0
 
 
@@ -60,8 +106,11 @@ def add_parser(sub) -> None:
                          "sequence rounded up to a power of 2, and twice that)")
     po.add_argument("--top", type=int, default=8, help="rows shown (default 8)")
     po.set_defaults(func=_odc)
-    pp = ps.add_parser("pipeline", help="schedule, group size and offload chunks for a memory budget")
+    pp = ps.add_parser("pipeline", help="one schedule, group size and offload for a memory budget, and why")
     add_pipeline_arguments(pp)
     pp.add_argument("--memory-gib", type=float, required=True, help="activation memory budget per device, GiB")
     pp.add_argument("--top", type=int, default=5, help="rows shown (default 5)")
+    pp.add_argument("--calibrate", default=None, metavar="FILE",
+                    help="take F, I, W, saved bytes and (if it offloaded) the host link from a run written by "
+                         "posttrain pipeline --metrics FILE, in place of the workload flags")
     pp.set_defaults(func=_pipeline)

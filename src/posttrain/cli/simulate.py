@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -93,6 +94,14 @@ class WorkloadOptions:
     activation_mib: float = 256.0
     host_gbps: float = 21.0
 
+    def __post_init__(self) -> None:
+        for name in ("forward_ms", "backward_ms", "weight_ms", "activation_mib"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"--{name.replace('_', '-')}={v} must be a non-negative number")
+        if not self.host_gbps > 0:  # inf (free copies) is allowed; nan is not
+            raise ValueError(f"--host-gbps={self.host_gbps} must be a positive number of GB/s")
+
 
 def workload(args: argparse.Namespace):
     """The :class:`~posttrain.sim.pipeline.PipelineWorkload` of parsed :class:`WorkloadOptions`."""
@@ -101,7 +110,7 @@ def workload(args: argparse.Namespace):
     w = config_from_args(WorkloadOptions, args)
     return PipelineWorkload(forward_s=w.forward_ms / 1e3, input_grad_s=w.backward_ms / 1e3,
                             weight_grad_s=w.weight_ms / 1e3, activation_bytes=w.activation_mib * 2**20,
-                            host_bandwidth=w.host_gbps * 1e9 if w.host_gbps > 0 else -1.0)
+                            host_bandwidth=w.host_gbps * 1e9)
 
 
 def dp_inputs(args: argparse.Namespace):
@@ -271,8 +280,7 @@ def add_parser(sub) -> None:
     odc.set_defaults(func=_odc)
 
     pipe = ss.add_parser("pipeline", help="a pipeline schedule with activation offload: makespan, memory, copies")
-    add_pipeline_arguments(pipe, extra_fields=("schedule", "chunks", "group_size"), schedule="group_interleaved",
-                           chunks=2)
+    add_pipeline_arguments(pipe, extra_fields=("schedule", "chunks", "group_size"), schedule="group_interleaved")
     pipe.add_argument("--offload-chunks", type=int, default=0, help="offload each rank's first this many chunks")
     pipe.add_argument("--chart", default="out/sim_pipeline.png", help="chart PNG ('' for none)")
     pipe.add_argument("--paper-table", action="store_true", help="only print ours vs the PipeOffload unit-cost table")

@@ -47,7 +47,7 @@ from posttrain.train.dp import (
 )
 
 __all__ = ["calibrate_odc", "calibrate_pipeline", "machine_from_shapes", "measure_machine", "measure_sweep_machine",
-           "predict_mechanism", "predict_plans"]
+           "pipeline_workload_from_metrics", "predict_mechanism", "predict_plans", "write_pipeline_metrics"]
 
 
 def _plans(cfg: TrainConfig, world_size: int, method: str):
@@ -298,3 +298,74 @@ def calibrate_pipeline(cfg, *, log=print) -> dict:
         f"offload {cfg.offload}): peak chunk-microbatches per rank predicted {predicted}, measured {measured} "
         f"({'equal' if list(predicted) == list(measured) else 'DIFFERENT'})")
     return {"predicted": list(predicted), "measured": list(measured)}
+
+
+def write_pipeline_metrics(cfg, results: list[dict], path: str) -> None:
+    """Write a ``posttrain pipeline`` run (its config and every rank's last step: actions with
+    start and end, saved bytes per chunk-microbatch, peaks) as JSON, for
+    :func:`pipeline_workload_from_metrics`."""
+    from dataclasses import asdict
+
+    ranks = [{k: res[k] for k in ("rank", "stages", "losses", "step_times", "result")} for res in results]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"config": asdict(cfg), "ranks": ranks}, f)
+
+
+def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth: float):
+    """The planner's workload (per chunk-microbatch at one chunk per rank of ``num_ranks``) measured
+    by a ``posttrain pipeline --metrics`` run, and one line per assumption it rests on.
+
+    Per stage, the median time of each action kind over the run's last step; summed over the
+    stages, that is the whole model's forward, input-gradient and weight-gradient time of one
+    microbatch (of the run's shape), of which each of ``num_ranks`` ranks runs an equal share.
+    Likewise the saved bytes of one microbatch through the whole model. A run without split
+    backward (``B``) is split evenly into ``I`` and ``W``. The host link is the median bytes/s of
+    the run's copies, or ``host_bandwidth`` if it offloaded nothing.
+
+    Raises:
+        ValueError: the file is missing or not such a run.
+    """
+    from posttrain.pipeline import Action
+    from posttrain.sim.pipeline import PipelineWorkload
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        cfg, ranks = data["config"], data["ranks"]
+        actions = [(Action.parse(a), t0, t1, {int(s): b for s, b in r["result"]["chunk_bytes"].items()})
+                   for r in ranks for a, t0, t1 in r["result"]["actions"]]
+    except OSError as e:
+        raise ValueError(f"--calibrate {path}: {e.strerror}") from None
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError):
+        raise ValueError(f"--calibrate {path}: not a metrics file of posttrain pipeline (write one with "
+                         "posttrain pipeline --metrics FILE)") from None
+    times: dict[tuple[str, int], list[float]] = {}
+    copies, stage_bytes = [], {}
+    for a, t0, t1, chunk_bytes in actions:
+        stage_bytes.update(chunk_bytes)
+        if a.kind in ("F", "B", "I", "W"):
+            times.setdefault((a.kind, a.stage), []).append(t1 - t0)
+        elif a.kind in ("OFFLOAD", "RELOAD") and t1 > t0 and chunk_bytes.get(a.stage):
+            copies.append(chunk_bytes[a.stage] / (t1 - t0))
+    if not any(kind == "F" for kind, _ in times):
+        raise ValueError(f"--calibrate {path}: the run recorded no forward")
+
+    def total(kind: str) -> float:
+        return sum(statistics.median(v) for (k, _), v in times.items() if k == kind)
+
+    split = any(kind == "I" for kind, _ in times)
+    fwd, bytes_ = total("F"), sum(stage_bytes.values())
+    inp, wgt = (total("I"), total("W")) if split else (total("B") / 2, total("B") / 2)
+    notes = [f"calibrated from {path}: {cfg['schedule']}, {cfg['num_ranks']} ranks, {len(stage_bytes)} stages, "
+             f"microbatches of {cfg['batch']} x {cfg['seq_len']} tokens, its last step (medians per stage)",
+             f"whole model per microbatch: F {fwd * 1e3:.2f} ms, I {inp * 1e3:.2f} ms, W {wgt * 1e3:.2f} ms"
+             + ("" if split else " (the run's full backward B split evenly into I and W)")
+             + f", saved activations {bytes_ / 2**20:.2f} MiB; each of {num_ranks} ranks runs 1/{num_ranks}"]
+    if copies:
+        host_bandwidth = statistics.median(copies)
+        notes.append(f"host link: the median of the run's {len(copies)} copies")
+    else:
+        notes.append("host link: from --host-gbps (the run offloaded nothing)")
+    return PipelineWorkload(forward_s=fwd / num_ranks, input_grad_s=inp / num_ranks, weight_grad_s=wgt / num_ranks,
+                            activation_bytes=bytes_ / num_ranks, host_bandwidth=host_bandwidth), notes

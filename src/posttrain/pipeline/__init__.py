@@ -14,12 +14,22 @@ from .layout import StageLayout
 from .offload import ActivationStore
 from .passes import OffloadPolicy, add_offload, add_send_recv
 from .runtime import PipelineActionError, PipelineRunner, StepResult, execution_order, to_torch_actions
-from .schedules import SCHEDULES, Schedule, build_schedule
+from .schedules import (
+    GROUPED_SCHEDULES,
+    ONE_CHUNK_SCHEDULES,
+    SCHEDULES,
+    Schedule,
+    build_schedule,
+    check_schedule_options,
+    default_chunks,
+)
 from .stages import split_model
 
 __all__ = [
-    "COMPUTE_KINDS", "KINDS", "SCHEDULES", "Action", "ActivationStore", "Durations", "OffloadPolicy",
+    "COMPUTE_KINDS", "GROUPED_SCHEDULES", "KINDS", "ONE_CHUNK_SCHEDULES", "SCHEDULES", "Action", "ActivationStore",
+    "Durations", "OffloadPolicy",
     "PipelineActionError", "PipelineRunner", "Schedule", "ScheduleError", "SimResult", "StageLayout", "StepResult",
-    "add_offload", "add_send_recv", "build_schedule", "execution_order", "format_schedule", "parse_schedule",
+    "add_offload", "add_send_recv", "build_schedule", "check_schedule_options", "default_chunks", "execution_order",
+    "format_schedule", "parse_schedule",
     "simulate", "split_model", "to_torch_actions",
 ]

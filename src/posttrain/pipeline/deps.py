@@ -9,8 +9,10 @@ starts when its stream is free and its dependencies have finished:
   after ``RELOAD(s, j)`` if there is one;
 - ``W(s, j)`` after ``I(s, j)``; ``OFFLOAD(s, j)`` after ``F(s, j)``; ``RELOAD(s, j)`` after
   ``OFFLOAD(s, j)``; ``RECV_x`` after the matching ``SEND_x``;
-- a copy (``OFFLOAD``/``RELOAD``) not before the compute action in front of it in the rank's list
-  has started: its position is where it is issued.
+- a copy (``OFFLOAD``/``RELOAD``) not before the compute action (``F B I W``) in front of it in
+  the rank's list has started: its position is where it is issued. Sends and receives between
+  them do not move that point (the runtime issues the copy there too), so lowering with
+  :func:`~posttrain.pipeline.add_send_recv` changes no time and no peak.
 
 A schedule that cannot finish (each stream waits on another) is a deadlock, reported with the
 stuck actions. Activation memory (see [Note: pipeline vocabulary]): a chunk-microbatch is resident
@@ -24,7 +26,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ._ir import Action
+from ._ir import COMPUTE_KINDS, Action
 from .layout import StageLayout
 
 __all__ = ["Durations", "ScheduleError", "SimResult", "simulate"]
@@ -158,15 +160,19 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
     """
     _check_complete(schedule, layout, num_microbatches)
     present = {a for actions in schedule.values() for a in actions}
+    deps_of = {a: _deps(a, layout, present) for a in present}
     for a in present:
-        for d in _deps(a, layout, present):
+        for d in deps_of[a]:
             if d not in present:
                 raise ScheduleError(f"{a} depends on {d}, which no rank runs")
     copy_kinds = ("OFFLOAD", "RELOAD")
     streams = {(r, c): [a for a in acts if (a.kind in copy_kinds) == (c == "copy")]
                for r, acts in schedule.items() for c in ("compute", "copy")}
     # A copy is issued where it sits in the rank's list: not before the compute action in front
-    # of it has started (that is how a RELOAD placed ahead of a backward prefetches it).
+    # of it has started (that is how a RELOAD placed ahead of a backward prefetches it). Only
+    # F/B/I/W count: a SEND_B between that action and the copy starts when the action ends, and
+    # taking it as the issue point would reload later (and count a lower peak) than the runtime,
+    # which issues the copy before the compute action (``runtime.execution_order``).
     trigger: dict[Action, Action] = {}
     for acts in schedule.values():
         last_compute = None
@@ -174,7 +180,7 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
             if a.kind in copy_kinds:
                 if last_compute is not None:
                     trigger[a] = last_compute
-            else:
+            elif a.kind in COMPUTE_KINDS:
                 last_compute = a
     hold = not_before or {}
     started: dict[Action, float] = {}
@@ -188,7 +194,7 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
         for key, acts in streams.items():
             while pos[key] < len(acts):
                 a = acts[pos[key]]
-                deps = _deps(a, layout, present)
+                deps = deps_of[a]
                 if any(d not in end for d in deps) or (a in trigger and trigger[a] not in started):
                     break
                 t0 = max([free[key], *(end[d] for d in deps), started.get(trigger.get(a), 0.0),
@@ -203,7 +209,7 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
                 progressed = True
         if not progressed:
             def waits(a: Action) -> str:
-                out = [str(d) for d in _deps(a, layout, present) if d not in end]
+                out = [str(d) for d in deps_of[a] if d not in end]
                 if a in trigger and trigger[a] not in started:
                     out.append(f"{trigger[a]} to start (issue point)")
                 return ", ".join(out)

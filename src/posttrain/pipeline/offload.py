@@ -26,7 +26,8 @@ pair, and the runner calls :meth:`~ActivationStore.offload`, :meth:`~ActivationS
 
 Accounting: :attr:`ActivationStore.resident` holds the device-resident bytes per stage, changed
 at pack, offload completion, reload and release; :attr:`ActivationStore.history` records every
-change as ``(seq, perf_counter time, stage, resident bytes of that stage)`` so runners can plot and compare curves.
+change as ``(seq, perf_counter time, stage, resident bytes of that stage)`` so runners can plot and compare curves;
+:meth:`~ActivationStore.total_peak` is the peak of all stages together.
 """
 
 from __future__ import annotations
@@ -104,6 +105,17 @@ class ActivationStore:
     def peak(self, stage: int) -> int:
         """Peak device-resident saved bytes of ``stage`` so far."""
         return max((b for _, _, s, b in self.history if s == stage), default=0)
+
+    def total_peak(self) -> int:
+        """Peak device-resident saved bytes of all stages together so far (a rank's true peak:
+        its stages peak at different times, so this is at most the sum of their :meth:`peak`)."""
+        level: dict[int, int] = {}
+        total = peak = 0
+        for _, _, s, b in self.history:
+            total += b - level.get(s, 0)
+            level[s] = b
+            peak = max(peak, total)
+        return peak
 
     # -- hooks ------------------------------------------------------------------------------
 

@@ -67,6 +67,8 @@ class StepResult:
         actions: ``(action text, start s, end s)`` from the step start, in execution order.
         chunk_bytes: per stage, saved bytes of one microbatch (the unit "chunk-microbatch").
         peak_bytes: per stage, peak device-resident saved bytes.
+        rank_peak_bytes: peak device-resident saved bytes of this rank's stages together (not the
+            sum of ``peak_bytes``: a rank's stages peak at different times).
         curve: ``(time s, resident chunk-microbatches summed over this rank's stages)`` at every change.
         peak_units: the peak of ``curve``.
         offloaded_bytes: bytes copied to host memory.
@@ -81,6 +83,7 @@ class StepResult:
     actions: list[tuple[str, float, float]] = field(default_factory=list)
     chunk_bytes: dict[int, int] = field(default_factory=dict)
     peak_bytes: dict[int, int] = field(default_factory=dict)
+    rank_peak_bytes: int = 0
     curve: list[tuple[float, float]] = field(default_factory=list)
     peak_units: float = 0.0
     offloaded_bytes: int = 0
@@ -390,7 +393,8 @@ class PipelineRunner:
             curve.append((t - t_start, units))
         return StepResult(
             loss=None if loss is None else float(loss), step_time_s=step_time, actions=record,
-            chunk_bytes=chunk, peak_bytes={s: store.peak(s) for s in self.stages}, curve=curve,
+            chunk_bytes=chunk, peak_bytes={s: store.peak(s) for s in self.stages},
+            rank_peak_bytes=store.total_peak(), curve=curve,
             peak_units=max(u for _, u in curve), offloaded_bytes=store.offloaded_bytes,
             late_reloads=store.late_reloads,
             cuda_max_allocated=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)

@@ -32,8 +32,14 @@ waits. The queues and caps define the family:
   "Pipeline Parallelism with Controllable Memory"): one block of ``g`` microbatches laid out once
   on a unit clock, each microbatch's F chain down and I chain up placed without waits where that
   fits, repeated every ``3vg`` units; a ``W`` takes the first free unit after its ``I``.
-- ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order and memory
-  with the backward split into ``I`` and ``W``; ``W`` fills the bubbles.
+- ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, the handcrafted ZB-H1):
+  not the greedy rule but the published order: 1F1B's warm-up (``p - r - 1`` forwards on rank
+  ``r``), then ``F`` and ``I`` alternately, each ``W`` held back ``r`` backwards so the later ranks
+  start their ``I`` chain sooner; the held ``W`` fill the tail. Every rank holds at most ``p``
+  chunk-microbatches (1F1B's peak over all ranks, reached on every rank); on the unit clock
+  (``F = I = W = 1``, ``m >= p``) the bubble is ``p - 1`` units, a third of 1F1B's ``3(p - 1)``.
+- ``zb_h1_tight``: the greedy rule with 1F1B's per-rank cap ``p - r`` and split backward: the
+  memory of 1F1B on every rank, a bubble of ``2(p - 1)`` units.
 - ``zbv``: V-shape placement (rank 0 holds the first and the last stage), split backward,
   cap ``2p`` (1F1B's activation memory, counted in half-size chunks); deeper stages first.
 
@@ -50,10 +56,13 @@ from ._ir import Action, format_schedule
 from .deps import SimResult, simulate
 from .layout import StageLayout
 
-__all__ = ["SCHEDULES", "Schedule", "build_schedule"]
+__all__ = ["GROUPED_SCHEDULES", "ONE_CHUNK_SCHEDULES", "SCHEDULES", "Schedule", "build_schedule",
+           "check_schedule_options", "default_chunks"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "group_interleaved", "group_interleaved_zb", "interleaved_zb",
-             "zb_h1", "zbv")
+             "zb_h1", "zb_h1_tight", "zbv")
+ONE_CHUNK_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_h1_tight")  # one chunk per rank
+GROUPED_SCHEDULES = ("group_interleaved", "group_interleaved_zb", "interleaved_zb")  # take a group size
 
 
 @dataclass(frozen=True)
@@ -165,20 +174,56 @@ def _stage_queues(layout: StageLayout, m: int, group_size: int, *, reverse_chunk
     return out
 
 
+def default_chunks(name: str) -> int:
+    """Chunks per rank ``name`` runs when none is asked for: 1 for the one-chunk schedules, 2 for
+    ``zbv`` (always) and the interleaved families."""
+    return 1 if name in ONE_CHUNK_SCHEDULES else 2
+
+
+def check_schedule_options(name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
+                           group_size: int | None = None) -> None:
+    """Refuse what ``name`` cannot run or would ignore: an unknown name, no ranks or microbatches,
+    a chunk count other than its own (one-chunk schedules: 1, ``zbv``: 2), or a group size for a
+    schedule without microbatch groups. Messages name the parameter and its command-line flag.
+
+    Raises:
+        ValueError: the first problem found.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    if num_ranks < 1:
+        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1 (--ranks)")
+    if num_microbatches < 1:
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be at least 1 (--microbatches)")
+    if num_chunks is not None:
+        if name in ONE_CHUNK_SCHEDULES and num_chunks != 1:
+            raise ValueError(f"{name} runs one chunk per rank, got num_chunks={num_chunks} (--chunks): drop it")
+        if name == "zbv" and num_chunks != 2:
+            raise ValueError(f"zbv runs 2 chunks per rank (a V), got num_chunks={num_chunks} (--chunks): drop it")
+        if num_chunks < 1:
+            raise ValueError(f"{name}: num_chunks={num_chunks} must be at least 1 (--chunks)")
+    if group_size is not None and name not in GROUPED_SCHEDULES:
+        why = " (its group is the ranks: group_interleaved with group_size=num_ranks)" if name == "interleaved_1f1b" else ""
+        raise ValueError(f"{name} takes no group size{why}, got group_size={group_size} (--group-size): drop it; "
+                         f"only {', '.join(GROUPED_SCHEDULES)} group microbatches")
+
+
 def _check_counts(name: str, num_ranks: int, num_microbatches: int, minimum: int) -> None:
     if num_ranks < 1:
-        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1")
+        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1 (--ranks)")
     if num_microbatches < minimum:
         raise ValueError(f"{name} needs at least {minimum} microbatches for {num_ranks} ranks, "
-                         f"got num_microbatches={num_microbatches}")
+                         f"got num_microbatches={num_microbatches} (--microbatches)")
 
 
 def _check_groups(name: str, num_ranks: int, num_microbatches: int, group_size: int) -> None:
+    _check_counts(name, num_ranks, num_microbatches, 1)
     if not 1 <= group_size <= num_ranks:
-        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
+        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}] (--group-size)")
     _check_counts(name, num_ranks, num_microbatches, group_size)
     if num_microbatches % group_size:
-        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size}")
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size} "
+                         "(--microbatches, --group-size)")
 
 
 def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None, block_times=None) -> Schedule:
@@ -369,8 +414,37 @@ def interleaved_zb(num_ranks: int, num_microbatches: int, *, num_chunks: int, gr
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1: 1F1B's memory, backward split into I and W, W filling the bubbles."""
-    return _one_chunk_1f1b("zb_h1", num_ranks, num_microbatches, split=True)
+    """ZB-H1 as published (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Figure 3):
+    1F1B with the backward split, rank ``r`` holding back its ``W`` by ``r`` backwards.
+
+    Rank ``r`` runs ``p - r - 1`` warm-up forwards, then ``F`` and ``I`` in turn, each ``I``
+    followed by the oldest pending ``W`` once more than ``r`` are pending, and the pending ``W``
+    at the end. Holding back ``r`` of them lets rank ``r`` run its ``I`` as soon as the gradient
+    arrives, so the ``I`` chain climbs the ranks without waiting, at the price of ``r`` more
+    chunk-microbatches than 1F1B on rank ``r``: ``p`` on every rank, 1F1B's peak over all ranks.
+    On the unit clock with ``m >= p`` the makespan is ``3m + p - 1``."""
+    _check_counts("zb_h1", num_ranks, num_microbatches, 1)
+    layout = StageLayout(num_ranks)
+    m, actions = num_microbatches, {}
+    for r in range(num_ranks):
+        warm = min(num_ranks - r - 1, m)
+        acts = [Action(r, "F", j) for j in range(warm)]
+        pending: deque[int] = deque()
+        for k in range(m):
+            if warm + k < m:
+                acts.append(Action(r, "F", warm + k))
+            acts.append(Action(r, "I", k))
+            pending.append(k)
+            if len(pending) > r:
+                acts.append(Action(r, "W", pending.popleft()))
+        actions[r] = acts + [Action(r, "W", k) for k in pending]
+    return _finish("zb_h1", layout, m, actions)
+
+
+def zb_h1_tight(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 held to 1F1B's per-rank memory: the greedy rule with cap ``p - r`` and split
+    backward (bubble ``2(p - 1)`` units on the unit clock)."""
+    return _one_chunk_1f1b("zb_h1_tight", num_ranks, num_microbatches, split=True)
 
 
 def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -387,7 +461,7 @@ def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     return _finish("zbv", layout, m, actions)
 
 
-def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                    group_size: int | None = None) -> Schedule:
     """The named schedule.
 
@@ -395,16 +469,19 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, num_chun
         name: one of :data:`SCHEDULES`.
         num_ranks: pipeline ranks.
         num_microbatches: microbatches per step.
-        num_chunks: chunks per rank (interleaved families; ``zbv`` always uses 2).
+        num_chunks: chunks per rank (default :func:`default_chunks`; one-chunk schedules take only
+            1, ``zbv`` only 2).
         group_size: microbatch group size for ``group_interleaved``, ``group_interleaved_zb`` and
-            ``interleaved_zb`` (default ``num_ranks``).
+            ``interleaved_zb`` (default ``num_ranks``); the others take none.
+
+    Raises:
+        ValueError: see :func:`check_schedule_options`, or too few microbatches for the schedule.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
-    single = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
+    check_schedule_options(name, num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks,
+                           group_size=group_size)
+    num_chunks = default_chunks(name) if num_chunks is None else num_chunks
+    single = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h1_tight": zb_h1_tight, "zbv": zbv}
     if name in single:
-        if num_chunks != 1 and name != "zbv":
-            raise ValueError(f"{name} runs one chunk per rank, got num_chunks={num_chunks}")
         return single[name](num_ranks, num_microbatches)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, num_chunks=num_chunks)

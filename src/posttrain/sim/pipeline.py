@@ -88,6 +88,11 @@ class PipelineSimResult:
         return max(self.peaks) * self.workload.activation_bytes
 
     @property
+    def offloaded_bytes(self) -> float:
+        """Bytes a step copies to host memory, over all ranks (each comes back once)."""
+        return sum(a.kind == "OFFLOAD" for _, a in self.sim.start) * self.workload.activation_bytes
+
+    @property
     def overhead(self) -> float:
         """Makespan with offload over without, minus one (0: the offload hides completely)."""
         return self.makespan / self.base_makespan - 1.0 if self.base_makespan > 0 else 0.0
@@ -111,7 +116,7 @@ class PipelineSimResult:
         return self.overhead <= 0.01
 
 
-def simulate_pipeline(schedule: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+def simulate_pipeline(schedule: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                       group_size: int | None = None, offload_chunks: int = 0,
                       workload: PipelineWorkload = PipelineWorkload(),
                       min_lifespan: float | None = None) -> PipelineSimResult:
@@ -119,12 +124,17 @@ def simulate_pipeline(schedule: str, *, num_ranks: int, num_microbatches: int, n
 
     Args:
         schedule: a name from :data:`posttrain.pipeline.SCHEDULES`.
+        num_chunks: chunks per rank (default: the schedule's own, see
+            :func:`posttrain.pipeline.default_chunks`).
         offload_chunks: offload each rank's first this many chunks (longest-lived first).
         min_lifespan: skip chunk-microbatches whose forward-to-backward gap is not longer
             (default: one round trip, ``2 * copy time``: shorter cannot be hidden).
     """
     sched = build_schedule(schedule, num_ranks=num_ranks, num_microbatches=num_microbatches,
                            num_chunks=num_chunks, group_size=group_size)
+    if not 0 <= offload_chunks <= sched.layout.num_chunks:
+        raise ValueError(f"offload_chunks={offload_chunks} must be between 0 and the {sched.layout.num_chunks} chunks "
+                         "per rank (--offload-chunks)")
     d = workload.durations()
     base = simulate(sched.actions, sched.layout, num_microbatches, durations=d)
     policy = OffloadPolicy(offload_chunks, 2 * workload.copy_s if min_lifespan is None else min_lifespan)

@@ -3,7 +3,8 @@
 - :func:`plan_odc`: for a dataset and cluster, every balancing method x ``max_tokens`` candidate
   under FSDP and ODC, ranked by simulated throughput.
 - :func:`plan_pipeline`: every schedule, group size and offload count that fits a memory budget,
-  ranked by simulated step time.
+  ranked by simulated step time; :func:`recommend_pipeline` picks one: the least offload among
+  those within 1% of the fastest that fits (no offload when something fits without it that fast).
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from posttrain.balance import METHODS, plan_minibatch
-from posttrain.pipeline import SCHEDULES
+from posttrain.pipeline import ONE_CHUNK_SCHEDULES, SCHEDULES
 
 from .cluster import Cluster
 from .costs import SimModel
 from .dp import simulate_dp
 from .pipeline import PipelineSimResult, PipelineWorkload, simulate_pipeline
 
-__all__ = ["pipeline_candidates", "plan_odc", "plan_pipeline"]
+__all__ = ["pipeline_candidates", "plan_odc", "plan_pipeline", "recommend_pipeline"]
 
 _FSDP_METHODS = ("round_robin", "local_sort", "same_micro")  # diff_micro needs ODC
 
@@ -62,7 +63,7 @@ def pipeline_candidates(num_ranks: int, chunk_options: Sequence[int] = (2, 4)) -
     for name in SCHEDULES:
         if name in ("gpipe",):
             continue
-        if name in ("1f1b", "zb_h1"):
+        if name in ONE_CHUNK_SCHEDULES:
             out += [{"schedule": name, "num_chunks": 1, "group_size": None, "offload_chunks": k} for k in (0, 1)]
         elif name == "zbv":
             out += [{"schedule": name, "num_chunks": 2, "group_size": None, "offload_chunks": k} for k in (0, 1, 2)]
@@ -80,10 +81,15 @@ def pipeline_candidates(num_ranks: int, chunk_options: Sequence[int] = (2, 4)) -
 def plan_pipeline(*, num_ranks: int, num_microbatches: int, workload: PipelineWorkload, memory_budget: float,
                   chunk_options: Sequence[int] = (2, 4)) -> tuple[list[PipelineSimResult], int]:
     """Simulate every candidate; return those whose peak activation bytes fit ``memory_budget``
-    (bytes, per device), fastest first, and how many candidates were tried.
+    (bytes, per device), fastest first (at equal time the one offloading less, then the one
+    holding less), and how many candidates were tried.
 
     ``workload`` is per chunk-microbatch at one chunk per rank; with ``v`` chunks each chunk holds
     ``1/v`` of a rank's layers, so its times and activation bytes are divided by ``v``."""
+    for name, value, flag in (("num_ranks", num_ranks, "--ranks"), ("num_microbatches", num_microbatches,
+                                                                    "--microbatches")):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1 ({flag})")
     if not memory_budget > 0:
         raise ValueError(f"memory_budget={memory_budget} must be positive (--memory-gib)")
     fits, tried = [], 0
@@ -101,5 +107,38 @@ def plan_pipeline(*, num_ranks: int, num_microbatches: int, workload: PipelineWo
         tried += 1
         if res.peak_bytes <= memory_budget:
             fits.append(res)
-    fits.sort(key=lambda r: (r.makespan, r.peak_bytes))
+    fits.sort(key=lambda r: (r.makespan, r.offloaded_bytes, r.peak_bytes))
     return fits, tried
+
+
+def recommend_pipeline(fits: Sequence[PipelineSimResult], *, tolerance: float = 0.01
+                       ) -> tuple[PipelineSimResult, str]:
+    """The one configuration to run among ``fits`` (as :func:`plan_pipeline` returns them), and why.
+
+    The least offload (bytes copied to host memory per step) among those within ``tolerance`` of
+    the fastest step time that fits, then the fastest of those: no offload when a configuration
+    without it is that fast; offload only where it buys speed (or is the only way to fit), and
+    no more of it than needed, since every offloaded byte costs host-link time and host memory and
+    hides only as well as the simulator's copy model holds.
+
+    Raises:
+        ValueError: ``fits`` is empty.
+    """
+    if not fits:
+        raise ValueError("no configuration fits")
+    fastest = min(r.makespan for r in fits)
+    near = [r for r in fits if r.makespan <= fastest * (1 + tolerance)]
+    best = min(near, key=lambda r: (r.offloaded_bytes, r.makespan, r.peak_bytes))
+    plain = [r for r in fits if r.offloaded_bytes == 0]
+    if best.offloaded_bytes == 0:
+        return best, (f"fits without offload, and no configuration that fits is more than {tolerance:.0%} faster "
+                      f"({len(plain)} fit without offload; this is the fastest)")
+    if plain:
+        alt = min(plain, key=lambda r: r.makespan)
+        need = (f"without offload the fastest that fits ({alt.schedule}, {alt.num_chunks} chunk(s)) takes "
+                f"{alt.makespan / best.makespan - 1:+.1%} longer")
+    else:
+        need = "nothing fits without offload"
+    return best, (f"{need}; this offloads the least ({best.offloaded_bytes / 2**30:.2f} GiB to host memory per step, "
+                  f"all ranks) of those within {tolerance:.0%} of the fastest that fits; predicted cost of its "
+                  f"offload: {best.overhead:+.1%} step time over the same schedule without it")

@@ -53,7 +53,7 @@ def _memory_rows(base: PipelineConfig, rank_counts, out) -> list[dict]:
                 cfg = replace(base, schedule=name, num_ranks=p, chunks=chunks, group_size=group, offload=off, steps=1,
                               num_microbatches=2 * p, num_layers=max(base.num_layers, p * chunks))
                 res = run_pipeline(cfg)
-                peak_mib = max(sum(r["result"]["peak_bytes"].values()) for r in res) / 2**20
+                peak_mib = max(r["result"]["rank_peak_bytes"] for r in res) / 2**20
                 units = max(r["result"]["peak_units"] for r in res)
                 base_peak = base_peak or peak_mib
                 row = {"ranks": p, "schedule": name, "chunks": chunks, "group_size": group, "offload": off,

@@ -7,7 +7,7 @@ from typing import Literal
 
 from posttrain.models import MODELS
 from posttrain.models.gpt import GPTConfig
-from posttrain.pipeline import SCHEDULES, OffloadPolicy, build_schedule
+from posttrain.pipeline import SCHEDULES, OffloadPolicy, build_schedule, check_schedule_options, default_chunks
 
 __all__ = ["PipelineConfig"]
 
@@ -19,10 +19,11 @@ class PipelineConfig:
     Attributes:
         schedule: the schedule (one of posttrain.pipeline.SCHEDULES).
         num_ranks: pipeline ranks, one CPU process each (a rank runs one stage per chunk).
-        chunks: model chunks per rank (interleaved families; zbv always uses 2).
+        chunks: model chunks per rank (default: 1 for gpipe, 1f1b, zb_h1 and zb_h1_tight, which
+            take only 1; 2 for zbv, which takes only 2, and for the interleaved families).
         num_microbatches: microbatches per step.
         group_size: group size of group_interleaved, group_interleaved_zb and interleaved_zb
-            (default: the number of ranks).
+            (default: the number of ranks); the other schedules take none.
         offload: none, full, or the number of chunks per rank to offload (the longest-lived first).
         model: gpt (built in) or llama (transformers, random init).
         dim: model hidden size.
@@ -53,7 +54,7 @@ class PipelineConfig:
 
     schedule: str = field(default="1f1b", metadata={"choices": lambda: SCHEDULES})
     num_ranks: int = field(default=2, metadata={"flag": "--ranks", "aliases": ("--stages",)})
-    chunks: int = 1
+    chunks: int | None = None
     num_microbatches: int = field(default=4, metadata={"flag": "--microbatches"})
     group_size: int | None = None
     offload: str = "none"
@@ -79,11 +80,11 @@ class PipelineConfig:
     output_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        check_schedule_options(self.schedule, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
+                               num_chunks=self.chunks, group_size=self.group_size)
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; valid: {', '.join(MODELS)}")
-        flags = {"num_ranks": "ranks", "chunks": "chunks", "num_microbatches": "microbatches", "dim": "dim",
+        flags = {"num_ranks": "ranks", "num_microbatches": "microbatches", "dim": "dim",
                  "num_layers": "layers", "num_heads": "heads", "vocab_size": "vocab", "seq_len": "seq-len",
                  "batch": "batch", "steps": "steps"}
         for name, flag in flags.items():
@@ -94,6 +95,7 @@ class PipelineConfig:
                              f"({self.num_ranks} ranks x {self.num_chunks} chunks): need at least one block each")
         OffloadPolicy.parse(self.offload, self.num_chunks)
         self._check_data()
+        self.build()  # schedule errors (too few microbatches for it, a bad group size) surface here
 
     def _check_data(self) -> None:
         if self.data and not self.model_path:
@@ -113,8 +115,8 @@ class PipelineConfig:
 
     @property
     def num_chunks(self) -> int:
-        """Chunks per rank as the schedule runs them (``zbv``: always 2)."""
-        return 2 if self.schedule == "zbv" else self.chunks
+        """Chunks per rank as the schedule runs them (``chunks``, or the schedule's default)."""
+        return default_chunks(self.schedule) if self.chunks is None else self.chunks
 
     @property
     def num_stages(self) -> int:

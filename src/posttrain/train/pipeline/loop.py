@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from posttrain.data import synthetic_sequences
 from posttrain.launch import run_job
 from posttrain.models import build_model
-from posttrain.pipeline import PipelineRunner, add_offload, simulate
+from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
 
 from .config import PipelineConfig
@@ -64,10 +64,11 @@ def _tied_weight(model, stages: list) -> torch.nn.Parameter | None:
 
 
 def predicted_peaks(cfg: PipelineConfig) -> list[int]:
-    """Peak resident chunk-microbatches per rank that the schedule (with its offload) predicts."""
+    """Peak resident chunk-microbatches per rank that the schedule predicts, lowered as the runner
+    runs it (offload, then sends and receives)."""
     sched = cfg.build()
     lowered = add_offload(sched.actions, sched.layout, cfg.num_microbatches, cfg.policy())
-    return simulate(lowered, sched.layout, cfg.num_microbatches).peaks()
+    return simulate(add_send_recv(lowered, sched.layout), sched.layout, cfg.num_microbatches).peaks()
 
 
 def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
