@@ -123,3 +123,23 @@ def test_the_pipeline_command_trains_a_model_directory_on_chat_data(cli, deep_mo
     rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--ranks", "2",
                      "--chunks", "4", "--schedule", "interleaved_1f1b", "--microbatches", "4")
     assert rc == 2 and "has 4 decoder layers, fewer than the 8 stages" in err
+
+
+def test_a_pipeline_checkpoint_resumes_on_another_split_to_the_same_run(deep_model, chat_data, tmp_path):
+    base = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, num_microbatches=4, model_path=deep_model("qwen2"),
+                          data=chat_data, sequences=12, max_tokens=128, steps=3, lr=1e-3)
+    whole = run_pipeline(replace(base, output_dir=str(tmp_path / "whole")))
+    cut = replace(base, checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "resumed"))
+    first = run_pipeline(replace(cut, steps=2, output_dir=None))
+    # The rest on another split: 4 stages of interleaved 1F1B (the tied embedding now on ranks 0 and 1).
+    rest = run_pipeline(replace(cut, schedule="interleaved_1f1b", chunks=2))
+    assert rest[0]["resumed_from"] == 2 and len(rest[0]["losses"]) == 1
+    last = lambda rs: [x for r in rs for x in r["losses"] if x is not None]  # noqa: E731 - the last stage's losses
+    assert last(first) == pytest.approx(last(whole)[:2], rel=1e-6)
+    assert last(rest) == pytest.approx(last(whole)[2:], rel=1e-5)
+    a, b = load_pretrained(str(tmp_path / "whole")).state_dict(), load_pretrained(str(tmp_path / "resumed")).state_dict()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4, msg=name)
+    assert run_pipeline(cut) == []  # nothing left to do
+    with pytest.raises(ValueError, match="--sequences"):
+        run_pipeline(replace(cut, sequences=8, steps=5))

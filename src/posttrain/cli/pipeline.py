@@ -17,6 +17,11 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.num_microbatches} microbatches, "
           f"offload {cfg.offload}; {cfg.steps} steps on {cfg.num_ranks} CPU processes", flush=True)
     results = run_pipeline(cfg)
+    if not results:
+        print(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {cfg.steps} steps")
+        return 0
+    if results[0]["resumed_from"]:
+        print(f"resumed from {cfg.checkpoint_dir} after step {results[0]['resumed_from']}")
     print(format_report(results, predicted_peaks(cfg)))
     if cfg.output_dir:
         print(f"wrote {cfg.output_dir}")

@@ -77,6 +77,11 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
                 f"give {flag} {saved[field]} to resume it, or another --checkpoint-dir to start afresh"
             )
     fmt = meta.get("checkpoint_format")
+    mine = getattr(cfg, "CHECKPOINT_FORMAT", None)
+    if mine is not None:  # a run of its own kind (pipeline)
+        if fmt != mine:
+            raise ValueError(f"checkpoint {path} holds {fmt} state, not a {mine} run's; give another --checkpoint-dir")
+        return meta
     mine = engine_class(cfg.dp).checkpoint_format
     if fmt is not None and fmt != mine:
         raise ValueError(

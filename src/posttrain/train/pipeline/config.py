@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from posttrain.models import MODELS
 from posttrain.models.gpt import GPTConfig
@@ -50,6 +50,9 @@ class PipelineConfig:
         truncate: cut records longer than ``max_tokens`` + 1 tokens instead of refusing them.
         skip_long: leave out records longer than ``max_tokens`` + 1 tokens instead of refusing them.
         output_dir: write the trained model as a ``transformers`` directory here (needs ``model_path``).
+        checkpoint_dir: save checkpoints here and resume from the newest one found there (on any
+            number of ranks, chunks or schedule: parameters are saved under the model's names).
+        checkpoint_every: save every this many steps (0: only after the last step).
     """
 
     schedule: str = field(default="1f1b", metadata={"choices": lambda: SCHEDULES})
@@ -78,6 +81,17 @@ class PipelineConfig:
     truncate: bool = False
     skip_long: bool = False
     output_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+
+    #: Fields that decide which data each step sees; a resumed run must agree on them.
+    DATA_FIELDS: ClassVar[tuple[str, ...]] = ("data", "sequences", "seed", "seq_len", "batch", "train_on_prompt",
+                                              "truncate", "skip_long")
+    #: Fields that decide the shapes a checkpoint holds, with their flags.
+    STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
+        ("vocab_size", "--vocab"), ("seq_len", "--seq-len"))
+    CHECKPOINT_FORMAT: ClassVar[str] = "pipeline"
 
     def __post_init__(self) -> None:
         check_schedule_options(self.schedule, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
@@ -106,6 +120,8 @@ class PipelineConfig:
             raise ValueError(f"--loss-norm={self.loss_norm!r} is not one of token, sequence")
         if self.truncate and self.skip_long:
             raise ValueError("--truncate and --skip-long exclude each other")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
         for name in ("sequences", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
@@ -117,6 +133,11 @@ class PipelineConfig:
     def num_chunks(self) -> int:
         """Chunks per rank as the schedule runs them (``chunks``, or the schedule's default)."""
         return default_chunks(self.schedule) if self.chunks is None else self.chunks
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Records (or synthetic sequences) a step consumes."""
+        return self.sequences if self.data else self.batch * self.num_microbatches
 
     @property
     def num_stages(self) -> int:

@@ -19,7 +19,9 @@ from posttrain.launch import run_job
 from posttrain.models import build_model
 from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
+from posttrain.train.dp.checkpoint import resume, save_checkpoint
 
+from .checkpoint import PipelineState
 from .config import PipelineConfig
 from .data import PipelineData, packed_loss
 
@@ -90,8 +92,10 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
     ends = sorted({sched.layout.rank_of(0), sched.layout.rank_of(cfg.num_stages - 1)})
     if tied is not None and len(ends) == 2:
         tie_group = dist.new_group(ends)  # every rank takes part in creating it
+    state = PipelineState(model, params)
+    done = resume(cfg, state, opt) if cfg.checkpoint_dir else 0
     losses, times, grads, result = [], [], {}, None
-    for step in range(cfg.steps):
+    for step in range(done, cfg.steps):
         opt.zero_grad(set_to_none=True)
         if data is not None:
             batch = data.step(step)
@@ -107,12 +111,15 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
         opt.step()
         losses.append(result.loss)
         times.append(result.step_time_s)
+        due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+        if cfg.checkpoint_dir and due:
+            save_checkpoint(cfg, state, opt, step, rank)
     if cfg.output_dir:
         # the tied weight's copy on the last stage's rank is not written twice
         skip = tied if tied is not None and rank != sched.layout.rank_of(0) else None
         _export(cfg, model, [p for p in params if p is not skip], rank, world_size)
-    return {"rank": rank, "losses": losses, "step_times": times, "result": asdict(result), "grads": grads,
-            "stages": sorted(mine)}
+    return {"rank": rank, "losses": losses, "step_times": times, "result": None if result is None else asdict(result),
+            "grads": grads, "stages": sorted(mine), "resumed_from": done}
 
 
 def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int) -> None:
@@ -143,12 +150,23 @@ def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:
     """Run ``cfg`` on ``cfg.num_ranks`` forked CPU processes; one dict per rank (see :func:`pipeline_worker`).
 
+    Resumes from ``cfg.checkpoint_dir`` when it holds a checkpoint; ``[]`` when that checkpoint
+    already holds ``cfg.steps`` steps.
+
     Raises:
         ValueError: bad configuration, or a rank rejected its input.
     """
     cfg.build()  # schedule errors surface here, before any process starts
     if cfg.model_path:
         check_model_and_data(cfg)
+    if cfg.checkpoint_dir:
+        from posttrain.train.dp.checkpoint import check_resumable
+        from posttrain.train.dp.launch import check_output_path
+
+        check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
+        meta = check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
+        if meta is not None and meta["steps_done"] >= cfg.steps:
+            return []  # nothing left to do
     out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
     return [out[r] for r in range(cfg.num_ranks)]
 
