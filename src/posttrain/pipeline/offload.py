@@ -73,6 +73,9 @@ class ActivationStore:
         self.device = torch.device(device)
         self.min_numel = min_numel
         self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        #: Optional ``is_weight(tensor)``: tensors it accepts are saved as-is like parameters
+        #: (weights a data-parallel engine gathers into buffers of its own during forward).
+        self.is_weight = None
         self._entries: dict[tuple[int, int], _Entry] = {}
         self.resident: dict[int, int] = defaultdict(int)
         self.packed: dict[tuple[int, int], int] = {}  # bytes registered per (stage, microbatch)
@@ -133,7 +136,7 @@ class ActivationStore:
                 return t
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr in self._param_storages:
+            if ptr in self._param_storages or (self.is_weight is not None and self.is_weight(t)):
                 return t
             if ptr not in entry.storages:
                 entry.storages[ptr] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)

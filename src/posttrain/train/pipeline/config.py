@@ -53,6 +53,13 @@ class PipelineConfig:
         checkpoint_dir: save checkpoints here and resume from the newest one found there (on any
             number of ranks, chunks or schedule: parameters are saved under the model's names).
         checkpoint_every: save every this many steps (0: only after the last step).
+        dp_size: data-parallel replicas of the pipeline (``ranks x dp_size`` processes): each
+            stage's parameters sharded over its replicas with flat ODC (needs ``data``; see
+            :mod:`posttrain.train.pipeline.dp`).
+        balance: with ``dp_size`` > 1, how a step's records are balanced over the replicas
+            (``diff_micro``: each replica its own microbatch count; ``same_micro``: equal counts).
+        deterministic: with ``dp_size`` > 1, bitwise reproducible gradient sums.
+        optimizer: ``adamw`` or ``sgd``.
     """
 
     schedule: str = field(default="1f1b", metadata={"choices": lambda: SCHEDULES})
@@ -83,6 +90,10 @@ class PipelineConfig:
     output_dir: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    dp_size: int = 1
+    balance: Literal["same_micro", "diff_micro", "local_sort", "round_robin"] = "diff_micro"
+    deterministic: bool = False
+    optimizer: Literal["adamw", "sgd"] = "adamw"
 
     #: Fields that decide which data each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("data", "sequences", "seed", "seq_len", "batch", "train_on_prompt",
@@ -90,7 +101,7 @@ class PipelineConfig:
     #: Fields that decide the shapes a checkpoint holds, with their flags.
     STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
-        ("vocab_size", "--vocab"), ("seq_len", "--seq-len"))
+        ("vocab_size", "--vocab"), ("seq_len", "--seq-len"), ("optimizer", "--optimizer"))
     CHECKPOINT_FORMAT: ClassVar[str] = "pipeline"
 
     def __post_init__(self) -> None:
@@ -122,10 +133,26 @@ class PipelineConfig:
             raise ValueError("--truncate and --skip-long exclude each other")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
-        for name in ("sequences", "max_tokens"):
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer={self.optimizer!r} is not one of adamw, sgd")
+        for name in ("sequences", "max_tokens", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
-        if self.data and self.sequences < self.num_microbatches:
+        if self.dp_size > 1:
+            from posttrain.balance import METHODS
+
+            from .dp import SPLIT_BACKWARD
+
+            if not self.data:
+                raise ValueError("--dp-size needs --data (and --model-path): replicas balance a step's records")
+            if self.schedule in SPLIT_BACKWARD:
+                raise ValueError(f"--dp-size with --schedule {self.schedule}: split-backward schedules are not yet "
+                                 "supported with data parallelism; use gpipe, 1f1b, interleaved_1f1b or group_interleaved")
+            if self.checkpoint_dir:
+                raise ValueError("--checkpoint-dir is not yet supported with --dp-size > 1")
+            if self.balance not in METHODS:
+                raise ValueError(f"--balance={self.balance!r} is not one of {', '.join(METHODS)}")
+        elif self.data and self.sequences < self.num_microbatches:
             raise ValueError(f"--sequences={self.sequences} is fewer than --microbatches={self.num_microbatches}: "
                              "every microbatch needs a sequence")
 

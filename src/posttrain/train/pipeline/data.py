@@ -82,6 +82,11 @@ class PipelineData:
         divisor = loss_units(samples, range(len(samples)), cfg.loss_norm)
         if divisor == 0:
             raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
+        return self.pack(samples, sets, float(divisor))
+
+    def pack(self, samples: list, sets: list[list[int]], divisor: float) -> PipelineStep:
+        """``samples[i] for i in sets[j]`` packed into microbatch ``j``, with ``divisor`` as the loss divisor."""
+        cfg = self.cfg
         inputs, targets, extras = [], [], []
         for s in sets:
             picked = [samples[i] for i in s]
@@ -92,4 +97,4 @@ class PipelineData:
             inputs.append(packed.inputs)
             targets.append((packed.targets, weights))
             extras.append({"document_lengths": packed.document_lengths})
-        return PipelineStep(inputs, targets, extras, float(divisor), sets)
+        return PipelineStep(inputs, targets, extras, divisor, sets)

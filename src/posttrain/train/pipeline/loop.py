@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.data import synthetic_sequences
 from posttrain.launch import run_job
 from posttrain.models import build_model
-from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
+from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, build_schedule, simulate
 from posttrain.pipeline.stages import split_model
 from posttrain.train.dp.checkpoint import resume, save_checkpoint
 
@@ -54,6 +55,12 @@ def build_pipeline_model(cfg: PipelineConfig):
     return build_model(cfg.model, cfg.model_config())
 
 
+def _optimizer(cfg: PipelineConfig, params) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr)
+    return torch.optim.AdamW(params, lr=cfg.lr)
+
+
 def _model_config(model):
     return getattr(model, "config", None) or getattr(model, "cfg", None)
 
@@ -65,18 +72,20 @@ def _tied_weight(model, stages: list) -> torch.nn.Parameter | None:
     return shared[0] if shared else None
 
 
-def predicted_peaks(cfg: PipelineConfig) -> list[int]:
+def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None) -> list[int]:
     """Peak resident chunk-microbatches per rank that the schedule predicts, lowered as the runner
-    runs it (offload, then sends and receives)."""
-    sched = cfg.build()
-    lowered = add_offload(sched.actions, sched.layout, cfg.num_microbatches, cfg.policy())
-    return simulate(add_send_recv(lowered, sched.layout), sched.layout, cfg.num_microbatches).peaks()
+    runs it (offload, then sends and receives); ``num_microbatches``: instead of ``cfg``'s (a
+    data-parallel replica's own count)."""
+    m = num_microbatches or cfg.num_microbatches
+    sched = cfg.build() if m == cfg.num_microbatches else build_schedule(
+        cfg.schedule, num_ranks=cfg.num_ranks, num_microbatches=m, num_chunks=cfg.num_chunks,
+        group_size=cfg.group_size)
+    lowered = add_offload(sched.actions, sched.layout, m, cfg.policy())
+    return simulate(add_send_recv(lowered, sched.layout), sched.layout, m).peaks()
 
 
 def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
     """One rank of :func:`run_pipeline`."""
-    import torch.distributed as dist
-
     sched = cfg.build()
     model = build_pipeline_model(cfg)
     stages = split_model(model, cfg.num_stages)
@@ -85,7 +94,7 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
     runner = PipelineRunner(mine, sched, loss_fn=packed_loss if data else microbatch_loss, offload=cfg.policy(),
                             static_shapes=data is None)
     params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
-    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    opt = _optimizer(cfg, params)
     # Tied input and output embeddings on two ranks: two copies whose gradients are summed after
     # every step (Megatron's embedding group), so they stay equal.
     tied, tie_group = _tied_weight(model, stages), None
@@ -122,21 +131,22 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
             "grads": grads, "stages": sorted(mine), "resumed_from": done}
 
 
-def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int) -> None:
-    """Write the trained model as a ``transformers`` directory: each rank's parameters are sent to
-    rank 0 in turn (one rank's part held at a time there), which writes one file per part."""
-    import torch.distributed as dist
+def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int, group=None) -> None:
+    """Write the trained model as a ``transformers`` directory: each pipeline rank's parameters
+    are sent to the first in turn (one rank's part held at a time there), which writes one file
+    per part. ``group``: the pipeline's ranks (default: the world)."""
     from transformers import AutoTokenizer
 
     from posttrain.models import save_pretrained, tied_names
 
     ids = {id(p) for p in params}
     own = {n: p.detach() for n, p in model.named_parameters() if id(p) in ids}
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
 
     def parts():
-        for r in range(world_size):
+        for r, src in enumerate(ranks):
             box = [own if r == rank else None]
-            dist.broadcast_object_list(box, src=r)
+            dist.broadcast_object_list(box, src=src, group=group)
             yield box[0]
 
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_path)
@@ -145,6 +155,60 @@ def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int
                     generation_config=getattr(hf, "generation_config", None), skip=tied_names(model),
                     write=rank == 0)
     dist.barrier()
+
+
+def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_params: bool = False) -> dict:
+    """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.pipeline.dp`)."""
+    from posttrain.train.dp.loop import loss_units
+
+    from .dp import PipelineGrid, owned_storage, replica_plans, runnable, shard_stages
+
+    grid = PipelineGrid(cfg.num_ranks, cfg.dp_size)
+    model = build_pipeline_model(cfg)
+    config = _model_config(model)
+    stages = split_model(model, cfg.num_stages)
+    layout = cfg.build().layout
+    mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
+    handle = shard_stages(mine, grid.dp_mesh, deterministic=cfg.deterministic)
+    opt = _optimizer(cfg, handle.parameters())
+    data = PipelineData(cfg, config)
+    runners: dict[int, PipelineRunner] = {}
+    losses, times, micro, result = [], [], [], None
+    try:
+        for step in range(cfg.steps):
+            samples = data.data.minibatch(step)
+            plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
+                                  method=cfg.balance, model_config=config, runnable=runnable(cfg))
+            sets = plans[grid.dp_rank]
+            m = len(sets)
+            if m not in runners:
+                sched = build_schedule(cfg.schedule, num_ranks=cfg.num_ranks, num_microbatches=m,
+                                       num_chunks=cfg.num_chunks, group_size=cfg.group_size)
+                runners[m] = PipelineRunner(mine, sched, loss_fn=packed_loss, offload=cfg.policy(),
+                                            group=grid.pp_group, static_shapes=False)
+                runners[m].store.is_weight = owned_storage(handle)
+            batch = data.pack(samples, sets, 1.0)
+            with handle.minibatch(num_tokens=loss_units(samples, [i for s_ in sets for i in s_], cfg.loss_norm)) as mb:
+                result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras,
+                                         loss_divisor=mb.global_tokens)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(result.loss)
+            times.append(result.step_time_s)
+            micro.append(m)
+    except BaseException:
+        handle.close(restore=False)
+        raise
+    handle.close()  # the full parameters back on this rank's stages (a collective over the column)
+    params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
+    if cfg.output_dir and grid.dp_rank == 0:
+        _export(cfg, model, params, grid.pp_rank, cfg.num_ranks, group=grid.pp_group)
+    dist.barrier()
+    ids = {id(p) for p in params}
+    full = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in ids} if return_params else {}
+    return {"rank": rank, "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank, "losses": losses, "step_times": times,
+            "microbatches": micro, "result": None if result is None else asdict(result), "params": full,
+            "stages": sorted(mine)}
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:
@@ -167,6 +231,10 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
         meta = check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
         if meta is not None and meta["steps_done"] >= cfg.steps:
             return []  # nothing left to do
+    if cfg.dp_size > 1:
+        world = cfg.num_ranks * cfg.dp_size
+        out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s)
+        return [out[r] for r in range(world)]
     out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
     return [out[r] for r in range(cfg.num_ranks)]
 
@@ -189,10 +257,23 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     if layers is not None and layers < cfg.num_stages:
         raise ValueError(f"--model-path {cfg.model_path} has {layers} decoder layers, fewer than the {cfg.num_stages} "
                          f"stages (--ranks {cfg.num_ranks} x --chunks {cfg.num_chunks}): every stage needs one")
+    if cfg.dp_size > 1 and getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"--model-path {cfg.model_path} ties its input and output embeddings, which --dp-size > 1 "
+                         "does not support yet")
     if cfg.data:
         data = PipelineData(cfg, config, log=log)
         for step in range(cfg.steps):
-            data.step(step)
+            if cfg.dp_size == 1:
+                data.step(step)
+                continue
+            from .dp import replica_plans, runnable
+
+            samples = data.data.minibatch(step)
+            try:
+                replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
+                              method=cfg.balance, model_config=config, runnable=runnable(cfg))
+            except ValueError as e:
+                raise ValueError(f"step {step}: {e}") from None
 
 
 def reference_gradients(cfg: PipelineConfig) -> tuple[float, dict[str, torch.Tensor]]:

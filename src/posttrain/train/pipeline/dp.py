@@ -1,0 +1,147 @@
+"""Pipeline x data parallelism with ODC as the data-parallel axis.
+
+``world = pp x dp`` processes form a ``(dp, pp)`` grid: the ``pp`` ranks of one row are one
+pipeline (a *replica*), the ``dp`` ranks of one column hold the same stages and shard their
+parameters with flat ODC (:func:`posttrain.odc.flat_shard` over that column's 1-D mesh, one unit
+per transformer block plus one per stage for its embedding or norm and head).
+
+Each step, the step's records are balanced over the replicas at the minibatch level
+(``balance``, default ``diff_micro``): under ODC the replicas may run *different numbers of
+microbatches* in a step, since a stage gathers its peers' shards one-sidedly and its column
+synchronizes once, when the step ends, never per layer. Each replica runs the schedule built for
+its own microbatch count. The loss of every microbatch is its summed token loss over the step's
+trained tokens in all replicas (the minibatch context's global count), and ODC sums gradients over
+the column: the gradient of the step's mean token loss, whatever the placement.
+
+Not supported yet (refused): split-backward schedules (zb_h1, zbv, the ``*_zb`` families: their
+weight-gradient step runs outside ODC's hooks), tied input/output embeddings (the two copies would
+live in different shard layouts), and FSDP2 as the data-parallel axis.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import posttrain.odc as odc
+from posttrain.balance import FlopsCost, plan_minibatch
+
+__all__ = ["SPLIT_BACKWARD", "PipelineGrid", "replica_plans", "shard_stages"]
+
+#: Schedules whose backward is split into input (I) and weight (W) parts.
+SPLIT_BACKWARD = ("zb_h1", "zb_h1_tight", "zbv", "interleaved_zb", "group_interleaved_zb")
+
+
+class PipelineGrid:
+    """This process's place in the ``(dp, pp)`` grid and its two groups (a collective to build).
+
+    Attributes:
+        pp_rank, dp_rank: positions in the pipeline and among the replicas.
+        pp_group: the ranks of this pipeline (for :class:`~posttrain.pipeline.PipelineRunner`).
+        dp_mesh: the 1-D mesh of the ranks holding the same stages (for ODC).
+    """
+
+    def __init__(self, pp: int, dp: int) -> None:
+        if dist.get_world_size() != pp * dp:
+            raise ValueError(f"{dist.get_world_size()} processes for --ranks {pp} x --dp-size {dp}")
+        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+        self.pp, self.dp = pp, dp
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.dp_rank = mesh.get_local_rank("dp")
+        self.pp_group = mesh.get_group("pp")
+        self.dp_mesh = mesh["dp"]
+
+
+class _RankStages(nn.Module):
+    """The stages one rank holds, as one module for flat ODC (its forward is never called)."""
+
+    def __init__(self, stages: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleDict({str(s): m for s, m in sorted(stages.items())})
+
+
+def shard_stages(stages: dict[int, nn.Module], mesh, *, mode: str = "odc", deterministic: bool = False):
+    """Shard ``stages`` (this rank's) over ``mesh`` (the ranks holding the same stages) with flat
+    ODC; the handle (build the optimizer on ``handle.parameters()``)."""
+    container = _RankStages(stages)
+    units: list[nn.Module] = []
+    for stage in container.stages.values():
+        units += list(stage.layers)
+        if any(True for _ in stage.parameters(recurse=False)) or any(
+                any(True for _ in m.parameters()) for name, m in stage.named_children() if name != "layers"):
+            units.append(stage)  # its embedding, or norm and head
+    return odc.flat_shard(container, units, mesh=mesh, mode=mode, deterministic=deterministic)
+
+
+def replica_plans(lengths: list[int], *, replicas: int, max_tokens: int, method: str, model_config,
+                  runnable=None) -> list[list[list[int]]]:
+    """Per replica, its microbatches (record positions): the step balanced over the replicas.
+
+    ``runnable(m)``: whether the schedule runs ``m`` microbatches (some need a multiple of their
+    group size). Where it does not, the microbatch with the most records is split in two (halves of
+    equal cost) until it does; a replica that cannot get there is an error."""
+    cost = FlopsCost.from_config(model_config)
+    plan = plan_minibatch(lengths, world_size=replicas, max_tokens=max_tokens, method=method, cost=cost)
+    out = [[list(m.sequence_ids) for m in plan.microbatches_for(d) if m.sequence_ids] for d in range(replicas)]
+    if runnable is None:
+        return out
+    for d, sets in enumerate(out):
+        while not runnable(len(sets)):
+            widest = max(range(len(sets)), key=lambda j: len(sets[j])) if sets else None
+            if widest is None or len(sets[widest]) < 2:
+                raise ValueError(f"replica {d} gets {len(sets)} microbatches, which the schedule cannot run, and none "
+                                 "can be split further; raise --sequences or lower --max-tokens")
+            ids = sorted(sets.pop(widest), key=lambda i: -cost(lengths[i]))
+            halves: list[list[int]] = [[], []]
+            for i in ids:  # largest first, each to the cheaper half
+                min(halves, key=lambda h: sum(cost(lengths[k]) for k in h)).append(i)
+            sets[widest:widest] = [sorted(h) for h in halves]
+    return out
+
+
+def runnable(cfg):
+    """``m -> bool``: whether ``cfg``'s schedule runs ``m`` microbatches (at least one)."""
+    from posttrain.pipeline import build_schedule
+
+    def ok(m: int) -> bool:
+        if m < 1:
+            return False
+        try:
+            build_schedule(cfg.schedule, num_ranks=cfg.num_ranks, num_microbatches=m, num_chunks=cfg.num_chunks,
+                           group_size=cfg.group_size)
+        except ValueError:
+            return False
+        return True
+
+    return ok
+
+
+__all__.append("runnable")
+
+
+def tied_across(stages: list[nn.Module]) -> bool:
+    first = {id(p) for p in stages[0].parameters()}
+    return any(id(p) in first for p in stages[-1].parameters())
+
+
+__all__.append("tied_across")
+
+
+def owned_storage(handle) -> callable:
+    """A predicate: whether a tensor lives in a gathered parameter buffer of ``handle`` (a
+    saved weight, not an activation)."""
+
+    def owns(t: torch.Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        for u in handle.layouts:
+            for buf in (u.full, u.frozen_full):
+                if buf is not None and buf.untyped_storage().data_ptr() == ptr:
+                    return True
+        return False
+
+    return owns
+
+
+__all__.append("owned_storage")
