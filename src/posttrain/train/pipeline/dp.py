@@ -13,9 +13,9 @@ its own microbatch count. The loss of every microbatch is its summed token loss 
 trained tokens in all replicas (the minibatch context's global count), and ODC sums gradients over
 the column: the gradient of the step's mean token loss, whatever the placement.
 
-Not supported yet (refused): split-backward schedules (zb_h1, zbv, the ``*_zb`` families: their
-weight-gradient step runs outside ODC's hooks), tied input/output embeddings (the two copies would
-live in different shard layouts), and FSDP2 as the data-parallel axis.
+Tied input and output embeddings: :class:`TiedEmbedding`. Not supported yet (refused):
+split-backward schedules (zb_h1, zbv, the ``*_zb`` families: their weight-gradient step runs
+outside ODC's hooks), a tied embedding with one pipeline rank, and FSDP2 as the data-parallel axis.
 """
 
 from __future__ import annotations
@@ -64,15 +64,49 @@ class _RankStages(nn.Module):
 
 def shard_stages(stages: dict[int, nn.Module], mesh, *, mode: str = "odc", deterministic: bool = False):
     """Shard ``stages`` (this rank's) over ``mesh`` (the ranks holding the same stages) with flat
-    ODC; the handle (build the optimizer on ``handle.parameters()``)."""
+    ODC; the handle (build the optimizer on ``handle.parameters()``).
+
+    Units: every transformer block; the input embedding and the LM head each on their own (so a
+    tied embedding's two copies, on the first and the last stage's ranks, are sharded alike and
+    their gradient shards can be summed, see :class:`TiedEmbedding`); then each stage for what is
+    left (the final norm)."""
     container = _RankStages(stages)
     units: list[nn.Module] = []
     for stage in container.stages.values():
         units += list(stage.layers)
-        if any(True for _ in stage.parameters(recurse=False)) or any(
-                any(True for _ in m.parameters()) for name, m in stage.named_children() if name != "layers"):
-            units.append(stage)  # its embedding, or norm and head
+        ends = [m for m in (getattr(stage, "embed_tokens", None), getattr(stage, "lm_head", None)) if m is not None]
+        units += ends
+        inside = {id(p) for m in [*stage.layers, *ends] for p in m.parameters()}
+        if any(id(p) not in inside for p in stage.parameters()):
+            units.append(stage)  # what is left: the final norm
     return odc.flat_shard(container, units, mesh=mesh, mode=mode, deterministic=deterministic)
+
+
+class TiedEmbedding:
+    """Tied input and output embeddings under pipeline x ODC: the first stage's rank and the
+    last stage's rank of each replica hold a copy, sharded alike over their columns; after each
+    step's gradients are final, the two gradient shards are summed (one all-reduce per replica
+    between those two ranks), so both copies take the same step and stay equal. Built on every
+    rank (a collective: it creates one group per replica)."""
+
+    def __init__(self, grid: PipelineGrid, handle, first_rank: int, last_rank: int) -> None:
+        self.group = None
+        for d in range(grid.dp):
+            g = dist.new_group([d * grid.pp + first_rank, d * grid.pp + last_rank])
+            if d == grid.dp_rank and grid.pp_rank in (first_rank, last_rank):
+                self.group = g
+        self.shard = None
+        if self.group is not None:
+            for u in handle.layouts:
+                if u.name.endswith((".embed_tokens", ".lm_head")) and u.shard is not None:
+                    self.shard = u.shard
+
+    def sync(self) -> None:
+        if self.group is not None and self.shard is not None and self.shard.grad is not None:
+            dist.all_reduce(self.shard.grad, group=self.group)
+
+
+__all__.append("TiedEmbedding")
 
 
 def replica_plans(lengths: list[int], *, replicas: int, max_tokens: int, method: str, model_config,

@@ -131,7 +131,8 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
             "grads": grads, "stages": sorted(mine), "resumed_from": done}
 
 
-def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int, group=None) -> None:
+def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int, group=None,
+            skip: dict | None = None) -> None:
     """Write the trained model as a ``transformers`` directory: each pipeline rank's parameters
     are sent to the first in turn (one rank's part held at a time there), which writes one file
     per part. ``group``: the pipeline's ranks (default: the world)."""
@@ -152,16 +153,18 @@ def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_path)
     hf = getattr(model, "hf", model)
     save_pretrained(parts(), cfg.output_dir, config=hf.config, tokenizer=tok,
-                    generation_config=getattr(hf, "generation_config", None), skip=tied_names(model),
+                    generation_config=getattr(hf, "generation_config", None),
+                    skip=tied_names(model) if skip is None else skip,
                     write=rank == 0)
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_params: bool = False) -> dict:
     """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.pipeline.dp`)."""
+    from posttrain.models import tied_names
     from posttrain.train.dp.loop import loss_units
 
-    from .dp import PipelineGrid, owned_storage, replica_plans, runnable, shard_stages
+    from .dp import PipelineGrid, TiedEmbedding, owned_storage, replica_plans, runnable, shard_stages
 
     grid = PipelineGrid(cfg.num_ranks, cfg.dp_size)
     model = build_pipeline_model(cfg)
@@ -169,7 +172,11 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     stages = split_model(model, cfg.num_stages)
     layout = cfg.build().layout
     mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
+    skip = tied_names(model)  # tied aliases, written once on export
+    tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
     handle = shard_stages(mine, grid.dp_mesh, deterministic=cfg.deterministic)
+    first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
+    tie = TiedEmbedding(grid, handle, first, last) if tied else None
     opt = _optimizer(cfg, handle.parameters())
     data = PipelineData(cfg, config)
     runners: dict[int, PipelineRunner] = {}
@@ -191,6 +198,8 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             with handle.minibatch(num_tokens=loss_units(samples, [i for s_ in sets for i in s_], cfg.loss_norm)) as mb:
                 result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras,
                                          loss_divisor=mb.global_tokens)
+            if tie is not None:
+                tie.sync()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(result.loss)
@@ -202,7 +211,9 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     handle.close()  # the full parameters back on this rank's stages (a collective over the column)
     params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
     if cfg.output_dir and grid.dp_rank == 0:
-        _export(cfg, model, params, grid.pp_rank, cfg.num_ranks, group=grid.pp_group)
+        names = {id(p): n for n, p in model.named_parameters()}
+        mine_params = [p for p in params if names.get(id(p), "").removeprefix("hf.") not in skip]
+        _export(cfg, model, mine_params, grid.pp_rank, cfg.num_ranks, group=grid.pp_group, skip=skip)
     dist.barrier()
     ids = {id(p) for p in params}
     full = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in ids} if return_params else {}
@@ -257,9 +268,9 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     if layers is not None and layers < cfg.num_stages:
         raise ValueError(f"--model-path {cfg.model_path} has {layers} decoder layers, fewer than the {cfg.num_stages} "
                          f"stages (--ranks {cfg.num_ranks} x --chunks {cfg.num_chunks}): every stage needs one")
-    if cfg.dp_size > 1 and getattr(config, "tie_word_embeddings", False):
-        raise ValueError(f"--model-path {cfg.model_path} ties its input and output embeddings, which --dp-size > 1 "
-                         "does not support yet")
+    if cfg.dp_size > 1 and cfg.num_ranks == 1 and getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"--model-path {cfg.model_path} ties its input and output embeddings, which --dp-size with "
+                         "one pipeline rank does not support; use posttrain train for data parallelism alone")
     if cfg.data:
         data = PipelineData(cfg, config, log=log)
         for step in range(cfg.steps):
