@@ -212,3 +212,14 @@ def test_pipeline_x_odc_data_parallel_equals_one_process(deep_model, long_tail_d
         torch.testing.assert_close(value, model.state_dict()[name], atol=2e-5, rtol=1e-4, msg=f"exported {name}")
     if alias:
         assert got.hf.lm_head.weight is got.hf.model.embed_tokens.weight
+
+
+def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_tail_data):
+    rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--ranks", "2",
+                          "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--chart", "")
+    assert rc == 0, err
+    assert "2 data-parallel replicas (flat ODC, diff_micro)" in stdout and "microbatches per replica and step" in stdout
+    assert len([line for line in stdout.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
+    rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--dp-size", "2",
+                     "--schedule", "zbv")
+    assert rc == 2 and "split-backward schedules are not yet supported with data parallelism" in err

@@ -14,15 +14,29 @@ def _run(args: argparse.Namespace) -> int:
     from posttrain.train.pipeline import PipelineConfig, format_report, predicted_peaks, run_pipeline
 
     cfg = config_from_args(PipelineConfig, args)
-    print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.num_microbatches} microbatches, "
-          f"offload {cfg.offload}; {cfg.steps} steps on {cfg.num_ranks} CPU processes", flush=True)
+    if cfg.dp_size > 1:
+        if args.metrics:
+            raise ValueError("--metrics (a pipeline run to calibrate the planner from) is for --dp-size 1")
+        print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.dp_size} data-parallel replicas "
+              f"(flat ODC, {cfg.balance}), offload {cfg.offload}; {cfg.steps} steps on "
+              f"{cfg.num_ranks * cfg.dp_size} CPU processes", flush=True)
+    else:
+        print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.num_microbatches} microbatches, "
+              f"offload {cfg.offload}; {cfg.steps} steps on {cfg.num_ranks} CPU processes", flush=True)
     results = run_pipeline(cfg)
     if not results:
         print(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {cfg.steps} steps")
         return 0
     if results[0]["resumed_from"]:
         print(f"resumed from {cfg.checkpoint_dir} after step {results[0]['resumed_from']}")
-    print(format_report(results, predicted_peaks(cfg)))
+    if cfg.dp_size > 1:
+        from posttrain.train.pipeline.report import format_dp_report
+
+        predicted = {(r["dp_rank"], r["pp_rank"]): predicted_peaks(cfg, r["microbatches"][-1])[r["pp_rank"]]
+                     for r in results}
+        print(format_dp_report(results, predicted))
+    else:
+        print(format_report(results, predicted_peaks(cfg)))
     if cfg.output_dir:
         print(f"wrote {cfg.output_dir}")
     if args.metrics:
@@ -30,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
 
         write_pipeline_metrics(cfg, results, args.metrics)
         print(f"wrote {args.metrics} (posttrain plan pipeline --calibrate {args.metrics} plans from it)")
-    if args.chart:
+    if args.chart and cfg.dp_size == 1:
         path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
                              f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")
         print(f"wrote {path}")

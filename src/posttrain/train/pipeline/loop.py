@@ -202,7 +202,9 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
                 tie.sync()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(result.loss)
+            part = torch.tensor([result.loss or 0.0], dtype=torch.float64)  # each replica's last stage: its share
+            dist.all_reduce(part)
+            losses.append(float(part))  # the step's loss, on every rank
             times.append(result.step_time_s)
             micro.append(m)
     except BaseException:
@@ -219,7 +221,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     full = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in ids} if return_params else {}
     return {"rank": rank, "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank, "losses": losses, "step_times": times,
             "microbatches": micro, "result": None if result is None else asdict(result), "params": full,
-            "stages": sorted(mine)}
+            "stages": sorted(mine), "resumed_from": 0}
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["format_report"]
+__all__ = ["format_dp_report", "format_report"]
 
 def format_report(results: list[dict], predicted: list[int]) -> str:
     """Per rank: stages, peak saved activations of all the rank's stages together (MiB and
@@ -21,4 +21,25 @@ def format_report(results: list[dict], predicted: list[int]) -> str:
     losses = [x for res in results for x in res["losses"] if x is not None]
     lines.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; peaks are of a rank's "
                  "stages together, measured by the saved-tensor hooks (last step)")
+    return "\n".join(lines)
+
+
+def format_dp_report(results: list[dict], predicted: dict[tuple[int, int], int]) -> str:
+    """Per process of a pipeline x data-parallel run: its replica, stages, microbatches in the last
+    step, peak saved activations (``predicted``: by ``(replica, pipeline rank)`` for the replica's
+    own microbatch count), offloaded MiB and median step time after the first step."""
+    lines = [f"{'rank':>4} {'replica':>7} {'stages':>8} {'microbatches':>12} {'peak MiB':>9} {'peak units':>10} "
+             f"{'predicted':>9} {'offloaded MiB':>13} {'step s':>7}"]
+    for res in results:
+        last = res["result"]
+        times = res["step_times"][1:] or res["step_times"]
+        lines.append(f"{res['rank']:>4} {res['dp_rank']:>7} {','.join(map(str, res['stages'])):>8} "
+                     f"{res['microbatches'][-1]:>12} {last['rank_peak_bytes'] / 2**20:>9.2f} {last['peak_units']:>10.2f} "
+                     f"{predicted[(res['dp_rank'], res['pp_rank'])]:>9} {last['offloaded_bytes'] / 2**20:>13.2f} "
+                     f"{statistics.median(times):>7.3f}")
+    losses = results[0]["losses"]
+    counts = ", ".join("/".join(str(m) for m in step) for step in zip(*(
+        r["microbatches"] for r in results if r["pp_rank"] == 0)))
+    lines.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; microbatches per replica and "
+                 f"step: {counts}; peak units are of the replica's largest microbatch (last step)")
     return "\n".join(lines)
