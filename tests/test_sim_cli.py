@@ -162,7 +162,7 @@ def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_p
     (["plan", "pipeline", "--memory-gib", "-1"], "--memory-gib"),
     (["simulate", "table", "--gpus", "8,x"], "comma-separated"),
     # flags a schedule would ignore, and counts and costs out of range, named by flag
-    (["simulate", "pipeline", "--stages", "0"], "num_ranks=0 must be at least 1 (--ranks)"),
+    (["simulate", "pipeline", "--stages", "0"], "num_ranks=0 must be at least 1 (--stages)"),
     (["simulate", "pipeline", "--microbatches", "0"], "(--microbatches)"),
     (["simulate", "pipeline", "--host-gbps", "0"], "--host-gbps=0.0 must be a positive"),
     (["simulate", "pipeline", "--forward-ms", "-1"], "--forward-ms=-1.0 must be a non-negative"),
@@ -175,7 +175,7 @@ def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_p
     (["simulate", "pipeline", "--group-size", "9"], "(--group-size)"),
     (["simulate", "pipeline", "--offload-chunks", "3"], "(--offload-chunks)"),
     (["simulate", "pipeline", "--offload-chunks", "-1"], "(--offload-chunks)"),
-    (["plan", "pipeline", "--stages", "0", "--memory-gib", "4"], "num_ranks=0 must be at least 1 (--ranks)"),
+    (["plan", "pipeline", "--stages", "0", "--memory-gib", "4"], "num_ranks=0 must be at least 1 (--stages)"),
     (["plan", "pipeline", "--microbatches", "0", "--memory-gib", "4"], "(--microbatches)"),
     (["plan", "pipeline", "--host-gbps", "0", "--memory-gib", "4"], "--host-gbps"),
     (["plan", "pipeline", "--backward-ms", "-1", "--memory-gib", "4"], "--backward-ms"),

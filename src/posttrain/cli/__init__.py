@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from . import bench, chat, demo, export, pipeline, plan, results, rl, simulate, train
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except ValueError as e:
-        print(f"posttrain: error: {e}", file=sys.stderr)
+        msg = str(e)
+        for new, typed in getattr(args, "_typed_flags", {}).items():  # a deprecated spelling was given
+            msg = re.sub(rf"{re.escape(new)}(?![\w-])", typed, msg)
+        print(f"posttrain: error: {msg}", file=sys.stderr)
         rc = 2
     except RanksFailedError as e:
         print(f"posttrain: error: {e.summary()} (tracebacks: {_log_failure(e)})", file=sys.stderr)

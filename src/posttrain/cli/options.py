@@ -62,6 +62,8 @@ class _Deprecated(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"posttrain: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
         setattr(namespace, self.dest, True if self.inner == "store_true" else values)
+        # errors about the value then name the flag the user typed (see posttrain.cli.main)
+        namespace.__dict__.setdefault("_typed_flags", {})[self.new_flag] = option_string
 
 
 def _resolve(cls: type, name: str) -> Any:
