@@ -249,3 +249,11 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one(tmp_path, tiny_m
     export_checkpoint(str(tmp_path / "b"), str(tmp_path / "eb"), log=lambda *a: None)
     wa, wb = load_pretrained(str(tmp_path / "ea")).state_dict(), load_pretrained(str(tmp_path / "eb")).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_rl_without_a_model_path_runs_the_embedded_task(cli, tmp_path):
+    rc, stdout, err = cli("rl", "--task-dir", str(tmp_path / "task"), "--steps", "1", "--samples-per-prompt", "2",
+                          "--prompts-per-step", "2", "--max-new-tokens", "4")
+    assert rc == 0, err
+    assert "no --model-path: the embedded chat task's model" in stdout and (tmp_path / "task" / "model").is_dir()
+    assert "reward 0.000 -> 0.000" in stdout  # random weights answer nothing right

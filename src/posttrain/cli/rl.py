@@ -16,6 +16,19 @@ def _run(args: argparse.Namespace) -> int:
     from posttrain.train.rl import RLConfig, run_rl
 
     cfg = config_from_args(RLConfig, args, progress=True)
+    if cfg.model_path is None:
+        import os
+        from dataclasses import replace
+
+        from posttrain.lab.chat import make_chat_task
+
+        task = args.task_dir
+        if not os.path.isfile(os.path.join(task, "model", "config.json")):
+            make_chat_task(task)
+        print(f"no --model-path: the embedded chat task's model in {task}/model (posttrain chat-task). From random "
+              f"weights no answer is right and every group is skipped; train it first (README: post-train a "
+              f"Hugging Face model) and give --model-path", flush=True)
+        cfg = replace(cfg, model_path=os.path.join(task, "model"), prompts=cfg.prompts or os.path.join(task, "train.jsonl"))
     check_output_path("--curve", args.curve, directory=False)
     results = run_rl(cfg, world_size=args.world_size)
     if args.curve:
@@ -33,5 +46,7 @@ def add_parser(sub) -> None:
     add_config_arguments(p, RLConfig)
     p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
     p.add_argument("--curve", default=None, help="write the mean reward per step as a PNG")
+    p.add_argument("--task-dir", default="out/chat",
+                   help="without --model-path: where the embedded chat task is (made there if absent; default out/chat)")
     add_config_file_argument(p)
     p.set_defaults(func=_run)
