@@ -73,7 +73,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("bench-rl", "The RL update on the same rollouts under three engines", ("bench", "rl"),
             "32 rollouts a step drawn with RL's shape (responses up to 1,024 tokens, a quarter cut at the limit), "
             "replayed through the update under FSDP2+same_micro, collective flat ODC+same_micro and "
-            "ODC+diff_micro, 5 interleaved rounds; see docs/rl.md.", 5),
+            "ODC+diff_micro, 5 interleaved rounds; last line: the simulator, calibrated in the same run, "
+            "for the same update plans; see docs/rl.md.", 5),
     Section("transport", "The shared-memory transport against gloo", ("bench", "transport"),
             "Bandwidth of ODC's one-sided gather and scatter-accumulate against gloo's all-gather and "
             "reduce-scatter on the same 2 processes; ratios are gloo time over shared-memory time.", 1),
