@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
-BENCHES := odc rl transport overhead balance pipeline
+BENCHES := odc rl transport overhead balance pipeline pipeline-dp
 
 .PHONY: setup test lint demo results clean $(addprefix bench-,$(BENCHES))
 

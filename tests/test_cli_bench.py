@@ -128,3 +128,22 @@ def test_bench_rl_replays_the_same_rollouts_under_three_engines(cli, tmp_path):
     bad.write_text('{"x": 1}\n')
     rc, _, err = cli("bench", "rl", "--rollouts", str(bad))
     assert rc == 2 and "not a posttrain rl --record file" in err
+
+
+def test_bench_pipeline_dp_runs_three_engines_and_says_when_it_measures_nothing(cli, tmp_path):
+    out = tmp_path / "ppdp.json"
+    rc, stdout, err = cli("bench", "pipeline-dp", "--steps", "2", "--repeats", "1", "--sequences", "8",
+                          "--layers", "2", "--dim", "64", "--json", str(out))
+    assert rc == 0, err
+    import json
+    import os
+
+    got = json.loads(out.read_text())
+    assert set(got["tokens_per_s"]) == {"fsdp+same_micro", "odc-collective+same_micro", "odc+diff_micro"}
+    for key in ("total", "mechanism", "transport_and_engine"):
+        assert got[key][0] > 0
+    assert all(m[0] == m[1] for m in got["microbatches"]["fsdp+same_micro"])  # same_micro: equal counts
+    assert got["oversubscribed"] == (4 > (os.cpu_count() or 1))
+    assert ("say nothing about imbalance" in stdout) == got["oversubscribed"]
+    rc, _, err = cli("bench", "pipeline-dp", "--dp-size", "1")
+    assert rc == 2 and "--dp-size=1 is too small" in err

@@ -162,13 +162,15 @@ def long_tail_data(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("family, schedule, chunks, offload", [
-    ("llama", "1f1b", 1, "none"),
-    ("llama", "interleaved_1f1b", 2, "1"),
-    ("qwen2", "1f1b", 1, "full"),  # tied embeddings: copies on the first and last stage's ranks of each replica
+@pytest.mark.parametrize("family, schedule, chunks, offload, dp, mode, balance", [
+    ("llama", "1f1b", 1, "none", "odc", "odc", "diff_micro"),
+    ("llama", "interleaved_1f1b", 2, "1", "odc", "odc", "diff_micro"),
+    ("qwen2", "1f1b", 1, "full", "odc", "odc", "diff_micro"),  # tied: copies on each replica's first and last rank
+    ("llama", "1f1b", 1, "full", "odc", "collective", "same_micro"),
+    ("qwen2", "1f1b", 1, "full", "fsdp", "odc", "same_micro"),
 ])
-def test_pipeline_x_odc_data_parallel_equals_one_process(deep_model, long_tail_data, tmp_path, family, schedule, chunks,
-                                                         offload):
+def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data, tmp_path, family, schedule, chunks,
+                                                     offload, dp, mode, balance):
     from posttrain.models import load_pretrained as load
     from posttrain.models import tied_names
     from posttrain.train.dp.loop import loss_units
@@ -176,11 +178,14 @@ def test_pipeline_x_odc_data_parallel_equals_one_process(deep_model, long_tail_d
 
     cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, dp_size=2, model_path=deep_model(family),
                          data=long_tail_data, sequences=16, max_tokens=64, steps=1, lr=0.5, optimizer="sgd",
-                         balance="diff_micro", offload=offload, skip_long=True, output_dir=str(tmp_path / "out"))
+                         balance=balance, dp=dp, odc_mode=mode, offload=offload, skip_long=True,
+                         output_dir=str(tmp_path / "out"))
     results = run_pipeline(cfg, return_grads=True)
     micro = {r["dp_rank"]: r["microbatches"][0] for r in results}
-    if family == "llama":  # (qwen2's tokenizer makes other lengths, which happen to split evenly)
+    if family == "llama" and balance == "diff_micro":  # (qwen2's tokenizer makes lengths that split evenly)
         assert micro[0] != micro[1], micro  # the replicas ran different numbers of microbatches in the step
+    if balance == "same_micro":
+        assert micro[0] == micro[1], micro
     for r in results:  # resident saved activations within each replica's predicted peak (in units of a stage's
         # largest microbatch, so smaller microbatches count less than one)
         predicted = predicted_peaks(cfg, r["microbatches"][0])[r["pp_rank"]]
@@ -190,7 +195,7 @@ def test_pipeline_x_odc_data_parallel_equals_one_process(deep_model, long_tail_d
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = PipelineData(cfg, model.config)
     samples = data.data.minibatch(0)
-    plans = replica_plans([len(x) - 1 for x in samples], replicas=2, max_tokens=64, method="diff_micro",
+    plans = replica_plans([len(x) - 1 for x in samples], replicas=2, max_tokens=64, method=balance,
                           model_config=model.config, runnable=runnable(cfg))
     total = loss_units(samples, range(len(samples)), "token")
     for sets in plans:

@@ -57,6 +57,19 @@ def _rl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline_dp(args: argparse.Namespace) -> int:
+    from posttrain.lab.bench.pipeline_dp import bench_pipeline_dp
+
+    for flag, value in (("--ranks", args.ranks), ("--dp-size", args.dp_size), ("--steps", args.steps),
+                        ("--repeats", args.repeats), ("--sequences", args.sequences), ("--layers", args.layers)):
+        if value < (2 if flag in ("--dp-size", "--steps") else 1):
+            raise ValueError(f"{flag}={value} is too small (--dp-size and --steps at least 2, the others at least 1)")
+    bench_pipeline_dp(ranks=args.ranks, dp_size=args.dp_size, schedule=args.schedule, dim=args.dim, layers=args.layers,
+                      sequences=args.sequences, max_tokens=args.max_tokens, steps=args.steps, repeats=args.repeats,
+                      offload=args.offload, json_path=args.json or None)
+    return 0
+
+
 def _balance(args: argparse.Namespace) -> int:
     from posttrain.lab.bench.balance import bench_balance
 
@@ -168,3 +181,17 @@ def add_parser(sub) -> None:
     pp.add_argument("--repeats", type=int, default=7, help="timed steps per runtime, alternating (default 7)")
     pp.add_argument("--json", default="out/bench_pipeline.json", help="results file (default out/bench_pipeline.json)")
     pp.set_defaults(func=_pipeline)
+
+    pd = bs.add_parser("pipeline-dp", help="pipeline x data parallelism on long-tail data: ODC+diff_micro vs FSDP2")
+    pd.add_argument("--ranks", type=int, default=2, help="pipeline ranks (default 2)")
+    pd.add_argument("--dp-size", type=int, default=2, help="data-parallel replicas (default 2)")
+    pd.add_argument("--schedule", default="1f1b", help="a schedule without split backward (default 1f1b)")
+    pd.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    pd.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    pd.add_argument("--sequences", type=int, default=32, help="records a step (default 32)")
+    pd.add_argument("--max-tokens", type=int, default=128, help="microbatch token budget (default 128)")
+    pd.add_argument("--steps", type=int, default=5, help="steps per run, the first warm-up (default 5)")
+    pd.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    pd.add_argument("--offload", default="none", help="none, full or chunks per rank (default none)")
+    pd.add_argument("--json", default="out/bench_pipeline_dp.json", help="results file (default out/bench_pipeline_dp.json)")
+    pd.set_defaults(func=_pipeline_dp)

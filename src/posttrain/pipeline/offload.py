@@ -72,7 +72,9 @@ class ActivationStore:
     def __init__(self, params, device: torch.device | str = "cpu", min_numel: int = 1024) -> None:
         self.device = torch.device(device)
         self.min_numel = min_numel
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        # (a sharded DTensor parameter by its local shard)
+        self._param_storages = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                                for p in params}
         #: Optional ``is_weight(tensor)``: tensors it accepts are saved as-is like parameters
         #: (weights a data-parallel engine gathers into buffers of its own during forward).
         self.is_weight = None

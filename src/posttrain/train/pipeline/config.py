@@ -59,6 +59,10 @@ class PipelineConfig:
         balance: with ``dp_size`` > 1, how a step's records are balanced over the replicas
             (``diff_micro``: each replica its own microbatch count; ``same_micro``: equal counts).
         deterministic: with ``dp_size`` > 1, bitwise reproducible gradient sums.
+        dp: with ``dp_size`` > 1, the data-parallel engine of each column: ``odc`` (flat ODC) or
+            ``fsdp`` (FSDP2; needs ``balance="same_micro"``).
+        odc_mode: ``odc``, or ``collective`` (ODC's transport with a barrier at every gather and
+            reduce: FSDP's rendezvous, to separate ODC's mechanism; needs ``same_micro``).
         optimizer: ``adamw`` or ``sgd``.
     """
 
@@ -94,6 +98,8 @@ class PipelineConfig:
     balance: Literal["same_micro", "diff_micro", "local_sort", "round_robin"] = "diff_micro"
     deterministic: bool = False
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    dp: Literal["odc", "fsdp"] = "odc"
+    odc_mode: Literal["odc", "collective"] = "odc"
 
     #: Fields that decide which data each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("data", "sequences", "seed", "seq_len", "batch", "train_on_prompt",
@@ -152,6 +158,14 @@ class PipelineConfig:
                 raise ValueError("--checkpoint-dir is not yet supported with --dp-size > 1")
             if self.balance not in METHODS:
                 raise ValueError(f"--balance={self.balance!r} is not one of {', '.join(METHODS)}")
+            if self.dp not in ("odc", "fsdp"):
+                raise ValueError(f"--dp={self.dp!r} is not one of odc, fsdp")
+            if self.odc_mode not in ("odc", "collective"):
+                raise ValueError(f"--odc-mode={self.odc_mode!r} is not one of odc, collective")
+            if (self.dp == "fsdp" or self.odc_mode == "collective") and self.balance != "same_micro":
+                what = "--dp fsdp" if self.dp == "fsdp" else "--odc-mode collective"
+                raise ValueError(f"{what} has a rendezvous per layer, so every replica must run the same number of "
+                                 f"microbatches: give --balance same_micro")
         elif self.data and self.sequences < self.num_microbatches:
             raise ValueError(f"--sequences={self.sequences} is fewer than --microbatches={self.num_microbatches}: "
                              "every microbatch needs a sequence")

@@ -1,4 +1,4 @@
-"""Pipeline x data parallelism with ODC as the data-parallel axis.
+"""Pipeline x data parallelism, with ODC (or FSDP2, for comparison) as the data-parallel axis.
 
 ``world = pp x dp`` processes form a ``(dp, pp)`` grid: the ``pp`` ranks of one row are one
 pipeline (a *replica*), the ``dp`` ranks of one column hold the same stages and shard their
@@ -13,9 +13,13 @@ its own microbatch count. The loss of every microbatch is its summed token loss 
 trained tokens in all replicas (the minibatch context's global count), and ODC sums gradients over
 the column: the gradient of the step's mean token loss, whatever the placement.
 
-Tied input and output embeddings: :class:`TiedEmbedding`. Not supported yet (refused):
-split-backward schedules (zb_h1, zbv, the ``*_zb`` families: their weight-gradient step runs
-outside ODC's hooks), a tied embedding with one pipeline rank, and FSDP2 as the data-parallel axis.
+FSDP2 as the data-parallel axis (``dp="fsdp"``, :class:`ColumnFSDP2`) shards the same units with
+``fully_shard`` over the column: its per-layer all-gathers and reduce-scatters are collectives of
+the column, so every replica must run the same number of microbatches in the same order
+(``same_micro``), and gradients are averaged over the column (the loss divisor is the global
+count over the replicas). Tied input and output embeddings: :class:`TiedEmbedding`. Not supported
+yet (refused): split-backward schedules (zb_h1, zbv, the ``*_zb`` families: their weight-gradient
+step runs outside the engines' hooks), and a tied embedding with one pipeline rank.
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ def shard_stages(stages: dict[int, nn.Module], mesh, *, mode: str = "odc", deter
     their gradient shards can be summed, see :class:`TiedEmbedding`); then each stage for what is
     left (the final norm)."""
     container = _RankStages(stages)
+    units = _units(container)
+    return odc.flat_shard(container, units, mesh=mesh, mode=mode, deterministic=deterministic)
+
+
+def _units(container: nn.Module) -> list[nn.Module]:
     units: list[nn.Module] = []
     for stage in container.stages.values():
         units += list(stage.layers)
@@ -79,7 +88,113 @@ def shard_stages(stages: dict[int, nn.Module], mesh, *, mode: str = "odc", deter
         inside = {id(p) for m in [*stage.layers, *ends] for p in m.parameters()}
         if any(id(p) not in inside for p in stage.parameters()):
             units.append(stage)  # what is left: the final norm
-    return odc.flat_shard(container, units, mesh=mesh, mode=mode, deterministic=deterministic)
+    return units
+
+
+class ColumnODC:
+    """Flat ODC over a column (see :func:`shard_stages`): replicas may run different counts."""
+
+    equal_microbatches = False
+
+    def __init__(self, stages: dict[int, nn.Module], mesh, *, mode: str = "odc", deterministic: bool = False) -> None:
+        self.handle = shard_stages(stages, mesh, mode=mode, deterministic=deterministic)
+        self.equal_microbatches = mode == "collective"
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.handle.parameters()
+
+    def minibatch(self, num_tokens: int):
+        """Yields the loss divisor: the column's global count (ODC sums gradients)."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def ctx():
+            with self.handle.minibatch(num_tokens=num_tokens) as mb:
+                yield float(mb.global_tokens)
+
+        return ctx()
+
+    def is_weight(self):
+        return owned_storage(self.handle)
+
+    def tied_shard(self) -> torch.Tensor | None:
+        for u in self.handle.layouts:
+            if u.name.endswith((".embed_tokens", ".lm_head")) and u.shard is not None:
+                return u.shard
+        return None
+
+    def full_parameters(self, stages: dict[int, nn.Module]) -> None:
+        """Put the full parameters back on ``stages`` (a collective over the column)."""
+        self.handle.close()
+
+    def close(self) -> None:
+        self.handle.close(restore=False)
+
+
+class ColumnFSDP2:
+    """FSDP2 over a column: ``fully_shard`` on the same units; every replica must run the same
+    number of microbatches in the same order."""
+
+    equal_microbatches = True
+
+    def __init__(self, stages: dict[int, nn.Module], mesh) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.container = _RankStages(stages)
+        self.group = mesh.get_group()
+        for unit in _units(self.container):
+            fully_shard(unit, mesh=mesh)
+        self._tied = None
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.container.parameters())
+
+    def minibatch(self, num_tokens: int):
+        """Yields the loss divisor: the column's global count over its size (FSDP2 averages)."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def ctx():
+            yield odc.global_token_count(num_tokens, self.group) / dist.get_world_size(self.group)
+
+        return ctx()
+
+    def is_weight(self):
+        """Saved tensors in the storage of a parameter the module holds unsharded right now."""
+        container = self.container
+
+        def owns(t: torch.Tensor) -> bool:
+            from torch.distributed.tensor import DTensor
+
+            ptr = t.untyped_storage().data_ptr()
+            return any(not isinstance(p, DTensor) and p.untyped_storage().data_ptr() == ptr
+                       for p in container.parameters())
+
+        return owns
+
+    def tied_shard(self) -> torch.Tensor | None:
+        for stage in self.container.stages.values():
+            for name in ("embed_tokens", "lm_head"):
+                m = getattr(stage, name, None)
+                if m is not None:
+                    return m.weight
+        return None
+
+    def full_parameters(self, stages: dict[int, nn.Module]) -> None:
+        """Replace every sharded parameter of ``stages`` by its full tensor (a collective)."""
+        from torch.distributed.tensor import DTensor
+
+        for stage in stages.values():
+            for m in stage.modules():
+                for name, p in list(m._parameters.items()):
+                    if isinstance(p, DTensor):
+                        m._parameters[name] = nn.Parameter(p.full_tensor().detach())
+
+    def close(self) -> None:
+        pass
+
+
+__all__ += ["ColumnFSDP2", "ColumnODC"]
 
 
 class TiedEmbedding:
@@ -89,21 +204,18 @@ class TiedEmbedding:
     between those two ranks), so both copies take the same step and stay equal. Built on every
     rank (a collective: it creates one group per replica)."""
 
-    def __init__(self, grid: PipelineGrid, handle, first_rank: int, last_rank: int) -> None:
+    def __init__(self, grid: PipelineGrid, column, first_rank: int, last_rank: int) -> None:
         self.group = None
         for d in range(grid.dp):
             g = dist.new_group([d * grid.pp + first_rank, d * grid.pp + last_rank])
             if d == grid.dp_rank and grid.pp_rank in (first_rank, last_rank):
                 self.group = g
-        self.shard = None
-        if self.group is not None:
-            for u in handle.layouts:
-                if u.name.endswith((".embed_tokens", ".lm_head")) and u.shard is not None:
-                    self.shard = u.shard
+        self.shard = column.tied_shard() if self.group is not None else None
 
     def sync(self) -> None:
         if self.group is not None and self.shard is not None and self.shard.grad is not None:
-            dist.all_reduce(self.shard.grad, group=self.group)
+            g = self.shard.grad
+            dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.group)
 
 
 __all__.append("TiedEmbedding")

@@ -9,6 +9,7 @@ step's gradients in one process, for parity checks.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 import torch
@@ -164,7 +165,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     from posttrain.models import tied_names
     from posttrain.train.dp.loop import loss_units
 
-    from .dp import PipelineGrid, TiedEmbedding, owned_storage, replica_plans, runnable, shard_stages
+    from .dp import ColumnFSDP2, ColumnODC, PipelineGrid, TiedEmbedding, replica_plans, runnable
 
     grid = PipelineGrid(cfg.num_ranks, cfg.dp_size)
     model = build_pipeline_model(cfg)
@@ -174,16 +175,18 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
     skip = tied_names(model)  # tied aliases, written once on export
     tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
-    handle = shard_stages(mine, grid.dp_mesh, deterministic=cfg.deterministic)
+    column = (ColumnFSDP2(mine, grid.dp_mesh) if cfg.dp == "fsdp"
+              else ColumnODC(mine, grid.dp_mesh, mode=cfg.odc_mode, deterministic=cfg.deterministic))
     first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
-    tie = TiedEmbedding(grid, handle, first, last) if tied else None
-    opt = _optimizer(cfg, handle.parameters())
+    tie = TiedEmbedding(grid, column, first, last) if tied else None
+    opt = _optimizer(cfg, column.parameters())
     data = PipelineData(cfg, config)
     runners: dict[int, PipelineRunner] = {}
-    losses, times, micro, result = [], [], [], None
+    losses, times, walls, micro, tokens, result = [], [], [], [], [], None
     try:
         for step in range(cfg.steps):
             samples = data.data.minibatch(step)
+            tokens.append(sum(len(x) - 1 for x in samples))
             plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
                                   method=cfg.balance, model_config=config, runnable=runnable(cfg))
             sets = plans[grid.dp_rank]
@@ -193,24 +196,26 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
                                        num_chunks=cfg.num_chunks, group_size=cfg.group_size)
                 runners[m] = PipelineRunner(mine, sched, loss_fn=packed_loss, offload=cfg.policy(),
                                             group=grid.pp_group, static_shapes=False)
-                runners[m].store.is_weight = owned_storage(handle)
+                runners[m].store.is_weight = column.is_weight()
             batch = data.pack(samples, sets, 1.0)
-            with handle.minibatch(num_tokens=loss_units(samples, [i for s_ in sets for i in s_], cfg.loss_norm)) as mb:
-                result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras,
-                                         loss_divisor=mb.global_tokens)
+            dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
+            t0 = time.perf_counter()
+            with column.minibatch(loss_units(samples, [i for s_ in sets for i in s_], cfg.loss_norm)) as divisor:
+                result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=divisor)
             if tie is not None:
                 tie.sync()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            walls.append(time.perf_counter() - t0)
             part = torch.tensor([result.loss or 0.0], dtype=torch.float64)  # each replica's last stage: its share
             dist.all_reduce(part)
-            losses.append(float(part))  # the step's loss, on every rank
+            losses.append(float(part) / (cfg.dp_size if cfg.dp == "fsdp" else 1))  # the step's loss, on every rank
             times.append(result.step_time_s)
             micro.append(m)
     except BaseException:
-        handle.close(restore=False)
+        column.close()
         raise
-    handle.close()  # the full parameters back on this rank's stages (a collective over the column)
+    column.full_parameters(mine)  # the full parameters back on this rank's stages (a collective over the column)
     params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
     if cfg.output_dir and grid.dp_rank == 0:
         names = {id(p): n for n, p in model.named_parameters()}
@@ -221,7 +226,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     full = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in ids} if return_params else {}
     return {"rank": rank, "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank, "losses": losses, "step_times": times,
             "microbatches": micro, "result": None if result is None else asdict(result), "params": full,
-            "stages": sorted(mine), "resumed_from": 0}
+            "stages": sorted(mine), "resumed_from": 0, "wall_times": walls, "step_tokens": tokens}
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:

@@ -1,0 +1,109 @@
+"""``posttrain bench pipeline-dp``: pipeline x data parallelism on long-tail data, three ways.
+
+The same model (the embedded chat task's Llama shape, ``--dim``/``--layers``) and the same
+long-tail records (prompt/completion pairs whose completions repeat 1 to 34 times: a few long,
+most short) train on ``ranks x dp_size`` processes under
+
+- ``fsdp+same_micro``: FSDP2 on each column, every replica the same microbatch count;
+- ``odc-collective+same_micro``: flat ODC with a barrier at every gather and reduce (FSDP's
+  rendezvous on ODC's transport);
+- ``odc+diff_micro``: flat ODC, each replica its own microbatch count;
+
+interleaved over rounds. A step's time is the slowest process's, from a common start to after the
+optimizer step; tokens/s are the steps' tokens (after the first, a warm-up) over their summed
+times. Ratios: the total gain over FSDP2, the part from transport and engine (collective ODC over
+FSDP2), and ODC's own mechanism (``odc+diff_micro`` over ``odc-collective+same_micro``), medians
+with the lowest and highest round.
+
+With more processes than CPU cores the processes take turns on the cores, and a replica that
+finishes early only hands its core to another: such a run measures nothing about imbalance. The
+benchmark says so when it happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+from dataclasses import replace
+
+__all__ = ["VARIANTS", "bench_pipeline_dp", "long_tail_records"]
+
+VARIANTS = (("fsdp", "odc", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "odc", "diff_micro"))
+
+
+def long_tail_records(n: int, *, seed: int = 0) -> list[dict]:
+    """Prompt/completion records of the chat task's text whose completions repeat the answer 1
+    to 34 times (most once or twice)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        digits = " ".join(str(rng.randrange(10)) for _ in range(3))
+        k = rng.choice([1, 1, 1, 1, 2, 2, 3, 5, 8, 13, 21, 34])
+        out.append({"prompt": f"reverse {digits}", "completion": (" " + digits[::-1]) * k})
+    return out
+
+
+def bench_pipeline_dp(*, ranks: int = 2, dp_size: int = 2, schedule: str = "1f1b", dim: int = 128, layers: int = 4,
+                      sequences: int = 32, max_tokens: int = 128, steps: int = 5, repeats: int = 3,
+                      offload: str = "none", json_path: str | None = None, log=print) -> dict:
+    """Run every variant ``repeats`` interleaved rounds; print and return tokens/s and ratios."""
+    from posttrain.lab.chat import make_chat_task
+    from posttrain.train.pipeline import PipelineConfig, run_pipeline
+
+    world = ranks * dp_size
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="posttrain-bench-ppdp-") as tmp:
+        paths = make_chat_task(os.path.join(tmp, "task"), train_records=8, eval_records=1, dim=dim, layers=layers)
+        data = os.path.join(tmp, "long_tail.jsonl")
+        with open(data, "w") as f:
+            for r in long_tail_records(max(64, sequences * steps)):
+                f.write(json.dumps(r) + "\n")
+        base = PipelineConfig(schedule=schedule, num_ranks=ranks, dp_size=dp_size, model_path=paths["model"], data=data,
+                              sequences=sequences, max_tokens=max_tokens, steps=steps, offload=offload, skip_long=True)
+        rounds = []
+        for k in range(repeats):
+            got = {}
+            for dp, mode, balance in VARIANTS:
+                cfg = replace(base, dp=dp, odc_mode=mode, balance=balance)
+                name = f"{dp}{'-collective' if mode == 'collective' else ''}+{balance}"
+                res = run_pipeline(cfg, timeout_s=3600)
+                walls = [max(r["wall_times"][s] for r in res) for s in range(1, steps)]
+                tokens = sum(res[0]["step_tokens"][1:])
+                got[name] = {"tokens_per_s": tokens / sum(walls),
+                             "microbatches": [[r["microbatches"][s] for r in res if r["pp_rank"] == 0]
+                                              for s in range(steps)]}
+                log(f"  round {k + 1}/{repeats}  {name:28s} {got[name]['tokens_per_s']:8.0f} tokens/s", flush=True)
+            rounds.append(got)
+    names = list(rounds[0])
+    fsdp, coll, odc = names
+
+    def ratio(a: str, b: str) -> tuple[float, float, float]:
+        vals = [x[a]["tokens_per_s"] / x[b]["tokens_per_s"] for x in rounds]
+        return statistics.median(vals), min(vals), max(vals)
+
+    result = {"tokens_per_s": {n: statistics.median(x[n]["tokens_per_s"] for x in rounds) for n in names},
+              "total": ratio(odc, fsdp), "mechanism": ratio(odc, coll), "transport_and_engine": ratio(coll, fsdp),
+              "microbatches": {n: rounds[0][n]["microbatches"] for n in names}, "rounds": rounds,
+              "processes": world, "cores": cores, "oversubscribed": world > cores}
+    log(f"pipeline x data parallel, {ranks} pipeline ranks x {dp_size} replicas ({world} processes on {cores} cores), "
+        f"{schedule}, llama {layers}x{dim}, {sequences} long-tail records a step, max_tokens {max_tokens}, "
+        f"{steps - 1} steps (first excluded), median of {repeats} rounds")
+    for n in names:
+        log(f"  {n:28s} {result['tokens_per_s'][n]:8.0f} tokens/s   microbatches per replica, step 1: "
+            f"{result['microbatches'][n][1] if steps > 1 else result['microbatches'][n][0]}")
+    for key, label in (("total", f"{odc} / {fsdp}"), ("transport_and_engine", f"{coll} / {fsdp}"),
+                       ("mechanism", f"ODC's own: {odc} / {coll}")):
+        m, lo, hi = result[key]
+        log(f"  {key:22s} {m:5.2f}x  ({lo:.2f}-{hi:.2f})  {label}")
+    if world > cores:
+        log(f"  note: {world} processes on {cores} cores take turns on the cores, so a replica that finishes early "
+            "gains nothing: these ratios say nothing about imbalance; run with at least one core per process")
+    if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        log(f"wrote {json_path}")
+    return result
