@@ -228,3 +228,35 @@ def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_
     rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--dp-size", "2",
                      "--schedule", "zbv")
     assert rc == 2 and "split-backward schedules are not yet supported with data parallelism" in err
+
+
+def test_a_pipeline_resumes_with_sgd_and_another_packing(deep_model, chat_data, tmp_path):
+    # SGD keeps no per-parameter state; the resumed part packs into other microbatches.
+    base = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, num_microbatches=4, model_path=deep_model("llama"),
+                          data=chat_data, sequences=12, max_tokens=128, steps=2, lr=0.1, optimizer="sgd")
+    whole = [x for r in run_pipeline(base) for x in r["losses"] if x is not None]
+    cut = replace(base, checkpoint_dir=str(tmp_path / "ckpt"))
+    run_pipeline(replace(cut, steps=1))
+    rest = run_pipeline(replace(cut, num_microbatches=2, max_tokens=256))
+    assert [x for r in rest for x in r["losses"] if x is not None] == pytest.approx(whole[1:], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def long_records(tmp_path_factory):
+    """Three records of about 50 tokens: at --max-tokens 64 each fills a microbatch alone."""
+    path = tmp_path_factory.mktemp("long3") / "long.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"reverse {d}", "completion": (" " + d[::-1]) * 15}) + "\n"
+                            for d in ("1 2 3", "4 5 6", "7 8 9")))
+    return str(path)
+
+
+@pytest.mark.parametrize("dp, mode", [("fsdp", "odc"), ("odc", "collective")])
+def test_replicas_with_a_rendezvous_per_layer_run_equal_counts(deep_model, long_records, dp, mode):
+    # same_micro may leave a replica an empty bin; it runs a dummy microbatch instead of hanging.
+    cfg = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, dp_size=2, model_path=deep_model("llama"),
+                         data=long_records, sequences=3, max_tokens=64, steps=1, balance="same_micro", dp=dp,
+                         odc_mode=mode)
+    results = run_pipeline(cfg, timeout_s=120)
+    counts = {r["dp_rank"]: r["microbatches"][0] for r in results}
+    assert counts[0] == counts[1] == 2
+    assert results[0]["losses"][0] > 0

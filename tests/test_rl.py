@@ -197,9 +197,14 @@ def _reference_worker(rank, world, cfg, model_dir, lengths):
     ref = ShardedReference(model_dir, cfg, FlopsCost.from_config(model.config))
     lps = ref.logprobs([r.input_ids for r in rolls], [r.prompt_len for r in rolls], rank=rank, world_size=world)
     held = sum(t.numel() for t in ref.engine.parameters() if t.requires_grad)
+    handle = getattr(ref.engine, "handle", None)
+    if handle is not None and hasattr(handle, "layouts"):  # flat ODC: the frozen shards this rank holds
+        local = sum(u.frozen_shard.numel() for u in handle.layouts if u.frozen_shard is not None)
+    else:  # FSDP2: the local shards of the DTensor parameters
+        local = sum(p.to_local().numel() for p in ref.model.parameters())
     micro = ref.microbatches
     ref.close()
-    return lps, micro, held
+    return lps, micro, held, local
 
 
 @pytest.mark.parametrize("dp", ["odc", "fsdp", "odc-collective"])
@@ -210,7 +215,10 @@ def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, d
     if cfg.odc_mode == "odc":
         assert results[0][1] != results[1][1]  # the ranks ran different numbers of forward microbatches
     model = load_pretrained(model_dir)
-    assert all(held == 0 for _, _, held in results)  # nothing of the reference is trainable
+    assert all(held == 0 for _, _, held, _ in results)  # nothing of the reference is trainable
+    total = sum(p.numel() for p in model.parameters())
+    for *_, local in results:  # each rank holds about half of it (shards padded to equal sizes)
+        assert 0 < local <= total / 2 + 64, (local, total)
     for r, got0, got1 in zip(_rollouts(model, model.config.vocab_size, LENGTHS), results[0][0], results[1][0]):
         with torch.no_grad():
             want = token_logprobs(model(r.input_ids[:-1].unsqueeze(0))[0][r.prompt_len - 1:], r.input_ids[r.prompt_len:])

@@ -18,14 +18,17 @@ def _run(args: argparse.Namespace) -> int:
         if args.metrics:
             raise ValueError("--metrics (a pipeline run to calibrate the planner from) is for --dp-size 1")
         print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.dp_size} data-parallel replicas "
-              f"(flat ODC, {cfg.balance}), offload {cfg.offload}; {cfg.steps} steps on "
+              f"({'FSDP2' if cfg.dp == 'fsdp' else 'flat ODC' + (', collective' if cfg.odc_mode == 'collective' else '')}, "
+              f"{cfg.balance}), offload {cfg.offload}; {cfg.steps} steps on "
               f"{cfg.num_ranks * cfg.dp_size} CPU processes", flush=True)
     else:
         print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.num_microbatches} microbatches, "
               f"offload {cfg.offload}; {cfg.steps} steps on {cfg.num_ranks} CPU processes", flush=True)
     results = run_pipeline(cfg)
     if not results:
-        print(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {cfg.steps} steps")
+        print(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {cfg.steps} steps"
+              + (f" (--output-dir not written; posttrain export {cfg.checkpoint_dir} OUT_DIR writes the model)"
+                 if cfg.output_dir else ""))
         return 0
     if results[0]["resumed_from"]:
         print(f"resumed from {cfg.checkpoint_dir} after step {results[0]['resumed_from']}")

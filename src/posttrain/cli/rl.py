@@ -31,6 +31,11 @@ def _run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, model_path=os.path.join(task, "model"), prompts=cfg.prompts or os.path.join(task, "train.jsonl"))
     check_output_path("--curve", args.curve, directory=False)
     results = run_rl(cfg, world_size=args.world_size)
+    if not results:  # the checkpoint already holds every step
+        if cfg.output_dir or args.curve:
+            print(f"(nothing trained, so --output-dir/--curve not written; posttrain export {cfg.checkpoint_dir} OUT_DIR "
+                  "writes the model)")
+        return 0
     if args.curve:
         rows = results[0]["metrics"]
         plot_reward_curve(rows, args.curve, title=f"posttrain rl: {cfg.advantage}, {cfg.dp_label}+{cfg.balance}, "

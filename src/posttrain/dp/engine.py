@@ -155,6 +155,7 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if all(p in optimizer.state and optimizer.state[p] for p in params):
         return
+    fresh = [p for p in params if not optimizer.state.get(p)]
     lrs = [g["lr"] for g in optimizer.param_groups]
     grads = [p.grad for p in params]
     for g in optimizer.param_groups:
@@ -166,6 +167,12 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
     for p, grad in zip(params, grads):
         p.grad = grad
+    for p in fresh:  # the filling step is not a step: the first real one is still the first (Adam's bias correction)
+        step = optimizer.state[p].get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            optimizer.state[p]["step"] = 0
 
 
 __all__.append("ensure_optimizer_state")

@@ -24,7 +24,11 @@ import torch.nn as nn
 
 from ..models.gpt import GPT
 
-__all__ = ["balanced_block_ranges", "block_ranges", "split_model"]
+__all__ = ["HF_STAGE_TYPES", "balanced_block_ranges", "block_ranges", "split_model"]
+
+#: ``transformers`` model types whose forward the stages reproduce (embedding, blocks with
+#: rotary positions and a causal or sliding-window mask per ``layer_types``, norm, head).
+HF_STAGE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def block_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -169,6 +173,14 @@ def split_model(model: nn.Module, num_stages: int) -> list[nn.Module]:
         return [_GPTStage(model, lo, hi, s == 0, s == num_stages - 1) for s, (lo, hi) in enumerate(ranges)]
     hf = _hf_model(model)
     if hf is not None:
+        kind = getattr(hf.config, "model_type", None)
+        if kind not in HF_STAGE_TYPES:
+            raise ValueError(f"split_model: model_type {kind!r} is not one whose forward the pipeline stages are "
+                             f"known to reproduce ({', '.join(HF_STAGE_TYPES)}): some decoders scale embeddings or "
+                             "cap logits in their own forward")
+        if getattr(hf.config, "sliding_window", None) and not getattr(hf.config, "layer_types", None):
+            raise ValueError(f"split_model: {kind} with sliding_window={hf.config.sliding_window} but no layer_types; "
+                             "the stages would not know which layers slide")
         missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(hf.model, a)]
         if missing:
             raise ValueError(f"split_model: {type(hf).__name__}.model has no {', '.join(missing)}; pipeline stages "

@@ -63,27 +63,33 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
         return None
     path, meta = found
     saved = meta.get("full_config", {})
+    fmt = meta.get("checkpoint_format")
+    own_kind = getattr(cfg, "CHECKPOINT_FORMAT", None)  # a run of its own kind (pipeline), else an engine's
+    mine = own_kind or engine_class(cfg.dp).checkpoint_format
+    if own_kind is not None and fmt != own_kind:
+        raise ValueError(f"checkpoint {path} holds {fmt} state, not a {own_kind} run's; give another --checkpoint-dir")
+    if own_kind is None and fmt == "pipeline":
+        raise ValueError(f"checkpoint {path} is a posttrain pipeline run's; resume it with posttrain pipeline")
     for k in data_fields:
         if meta["config"].get(k) != getattr(cfg, k):
             raise ValueError(
                 f"checkpoint {path} was written with --{k.replace('_', '-')}={meta['config'].get(k)!r}, "
                 f"this run has {getattr(cfg, k)!r}; resuming would replay different data"
             )
-    checks = list(state_fields) + ([("max_tokens", "--max-tokens")] if getattr(cfg, "model", None) == "gpt" else [])
+    # max_tokens sizes the built-in GPT's position table in posttrain train (not in other runs)
+    checks = list(state_fields) + ([("max_tokens", "--max-tokens")]
+                                   if own_kind is None and getattr(cfg, "model", None) == "gpt" else [])
     for field, flag in checks:
         if field in saved and saved[field] != getattr(cfg, field):
             raise ValueError(
                 f"checkpoint {path} holds a run with {flag}={saved[field]!r}, this run has {flag}={getattr(cfg, field)!r}; "
                 f"give {flag} {saved[field]} to resume it, or another --checkpoint-dir to start afresh"
             )
-    fmt = meta.get("checkpoint_format")
-    mine = getattr(cfg, "CHECKPOINT_FORMAT", None)
-    if mine is not None:  # a run of its own kind (pipeline)
-        if fmt != mine:
-            raise ValueError(f"checkpoint {path} holds {fmt} state, not a {mine} run's; give another --checkpoint-dir")
-        return meta
-    mine = engine_class(cfg.dp).checkpoint_format
-    if fmt is not None and fmt != mine:
+    steps_done = int(meta["steps_done"])
+    if meta.get("data_position") != steps_done * _per_step(cfg):
+        raise ValueError(f"checkpoint {path}: data position {meta.get('data_position')} does not match {steps_done} "
+                         f"steps of {_per_step(cfg)} records (a different --sequences, --batch or --microbatches?)")
+    if own_kind is None and fmt is not None and fmt != mine:
         raise ValueError(
             f"checkpoint {path} was written by --dp {saved.get('dp')} ({fmt} state), which --dp {cfg.dp} cannot "
             f"load ({mine} state); resume with --dp {saved.get('dp')}"
@@ -125,8 +131,4 @@ def resume(cfg: TrainConfig, engine: DataParallelEngine, optimizer: torch.optim.
     state = engine.state_dict(optimizer)
     dcp.load(state, checkpoint_id=path)
     engine.load_state_dict(state, optimizer)
-    steps_done = int(meta["steps_done"])
-    if meta["data_position"] != steps_done * _per_step(cfg):
-        raise ValueError(f"checkpoint {path}: data position {meta['data_position']} does not match "
-                         f"{steps_done} steps of {_per_step(cfg)} records")
-    return steps_done
+    return int(meta["steps_done"])

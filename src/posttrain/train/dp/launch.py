@@ -152,10 +152,12 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
     saved = meta.get("full_config")
     if not saved:
         raise ValueError(f"{path}: the checkpoint does not record its run's configuration; it cannot be exported")
+    if meta.get("checkpoint_format") == "pipeline":
+        return _export_pipeline_checkpoint(path, meta, out_dir, log=log)
     known = {f.name for f in fields(TrainConfig)}
     kw = {k: v for k, v in saved.items() if k in known}
-    if kw.get("model_path"):
-        kw.pop("max_tokens", None)  # shapes nothing of a transformers model (and RL runs have no --max-len)
+    if "prompts" in saved:
+        kw.pop("max_tokens", None)  # an RL run's: it has no --max-len to agree with
     cfg = TrainConfig(**kw)
     cfg = replace(cfg, output_dir=out_dir, save_every=0, checkpoint_dir=None, replicas=1, progress=False)
     if cfg.model_path and not os.path.isdir(cfg.model_path):
@@ -167,4 +169,30 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
     vocab = model_vocab_size(cfg) or TrainData(cfg, 1).vocab_size
     log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")
     run_job(_export_worker, 1, cfg, path, vocab, timeout_s=24 * 3600)
+    return out_dir
+
+
+def _export_pipeline_checkpoint(path: str, meta: dict, out_dir: str, *, log=print) -> str:
+    """A ``posttrain pipeline`` checkpoint holds parameters under the model's own names: load them
+    into the unsplit model on this process and write it."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoTokenizer
+
+    from posttrain.models import load_pretrained, save_pretrained, tied_names
+
+    saved = meta["full_config"]
+    model_path = saved.get("model_path")
+    if not model_path:
+        raise ValueError(f"{path}: a pipeline run of the built-in model; export needs a --model-path run")
+    if not os.path.isdir(model_path):
+        raise ValueError(f"{path} was trained from --model-path {model_path}, which is gone; export needs its config "
+                         "and tokenizer")
+    check_output_path("OUT_DIR", out_dir, directory=True)
+    log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")
+    model = load_pretrained(model_path)
+    state = {"model": {n: p.detach() for n, p in model.named_parameters()}}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    tok = AutoTokenizer.from_pretrained(saved.get("tokenizer") or model_path)
+    save_pretrained([state["model"]], out_dir, config=model.config, tokenizer=tok,
+                    generation_config=getattr(model.hf, "generation_config", None), skip=tied_names(model))
     return out_dir

@@ -61,5 +61,6 @@ class PipelineState:
         names = self._order(optimizer)
         mine = optimizer.state_dict()
         groups = [{**saved, "params": g["params"]} for saved, g in zip(state["optim"]["groups"], mine["param_groups"])]
-        optimizer.load_state_dict({"state": {i: state["optim"]["state"][n] for i, n in enumerate(names)},
+        saved = state["optim"]["state"]  # (SGD without momentum keeps no per-parameter state)
+        optimizer.load_state_dict({"state": {i: saved[n] for i, n in enumerate(names) if n in saved},
                                    "param_groups": groups})

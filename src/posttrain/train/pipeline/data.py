@@ -89,6 +89,11 @@ class PipelineData:
         cfg = self.cfg
         inputs, targets, extras = [], [], []
         for s in sets:
+            if not s:  # a dummy microbatch (one untrained token): keeps per-layer rendezvous matched
+                inputs.append(torch.zeros(1, 1, dtype=torch.long))
+                targets.append((torch.full((1, 1), -100, dtype=torch.long), None))
+                extras.append({"document_lengths": [1]})
+                continue
             picked = [samples[i] for i in s]
             packed = pack_sequences([p.input_ids for p in picked], [p.labels for p in picked])
             weights = None

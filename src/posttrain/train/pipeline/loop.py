@@ -189,6 +189,8 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             tokens.append(sum(len(x) - 1 for x in samples))
             plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
                                   method=cfg.balance, model_config=config, runnable=runnable(cfg))
+            if column.equal_microbatches:  # a rendezvous per layer: every replica the same count (empty: a dummy)
+                plans = [p + [[]] * (max(map(len, plans)) - len(p)) for p in plans]
             sets = plans[grid.dp_rank]
             m = len(sets)
             if m not in runners:
@@ -201,6 +203,8 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
             t0 = time.perf_counter()
             with column.minibatch(loss_units(samples, [i for s_ in sets for i in s_], cfg.loss_norm)) as divisor:
+                if not divisor > 0:
+                    raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
                 result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=divisor)
             if tie is not None:
                 tie.sync()
@@ -284,9 +288,13 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
             if cfg.dp_size == 1:
                 data.step(step)
                 continue
+            from posttrain.train.dp.loop import loss_units
+
             from .dp import replica_plans, runnable
 
             samples = data.data.minibatch(step)
+            if loss_units(samples, range(len(samples)), cfg.loss_norm) == 0:
+                raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
             try:
                 replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
                               method=cfg.balance, model_config=config, runnable=runnable(cfg))

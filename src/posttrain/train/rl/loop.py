@@ -206,16 +206,17 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
             every: list = [None] * world_size
             dist.all_gather_object(every, local)
             samples = sorted((s for part in every for s in part), key=lambda s: (s["prompt"], s["sample"]))
-            t_ref = time.perf_counter()
-            if reference is not None:
-                lps = reference.logprobs([torch.tensor(s["ids"]) for s in samples], [s["prompt_len"] for s in samples],
-                                         rank=rank, world_size=world_size)
-                for s, lp in zip(samples, lps):
-                    s["ref"] = lp
-            t_ref = time.perf_counter() - t_ref
             adv = compute_advantages([s["reward"] for s in samples], n, estimator=cfg.advantage,
                                      normalize_std=cfg.scale_rewards == "std")
             skip = set(adv.zero_groups)
+            t_ref = time.perf_counter()
+            kept = [s for s in samples if s["prompt"] not in skip]
+            if reference is not None and kept:  # (a skipped group is not trained: no reference needed)
+                lps = reference.logprobs([torch.tensor(s["ids"]) for s in kept], [s["prompt_len"] for s in kept],
+                                         rank=rank, world_size=world_size)
+                for s, lp in zip(kept, lps):
+                    s["ref"] = lp
+            t_ref = time.perf_counter() - t_ref
             rollouts = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], a, torch.tensor(s["old"]),
                                 s.get("ref"), s["reward"])
                         for s, a in zip(samples, adv.values) if s["prompt"] not in skip]
