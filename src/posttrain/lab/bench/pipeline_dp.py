@@ -29,6 +29,8 @@ import statistics
 import tempfile
 from dataclasses import replace
 
+from .split import interleaved_rounds, log_split, split_ratios, write_result
+
 __all__ = ["VARIANTS", "bench_pipeline_dp", "long_tail_records"]
 
 VARIANTS = (("fsdp", "odc", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "odc", "diff_micro"))
@@ -63,29 +65,19 @@ def bench_pipeline_dp(*, ranks: int = 2, dp_size: int = 2, schedule: str = "1f1b
                 f.write(json.dumps(r) + "\n")
         base = PipelineConfig(schedule=schedule, num_ranks=ranks, dp_size=dp_size, model_path=paths["model"], data=data,
                               sequences=sequences, max_tokens=max_tokens, steps=steps, offload=offload, skip_long=True)
-        rounds = []
-        for k in range(repeats):
-            got = {}
-            for dp, mode, balance in VARIANTS:
-                cfg = replace(base, dp=dp, odc_mode=mode, balance=balance)
-                name = f"{dp}{'-collective' if mode == 'collective' else ''}+{balance}"
-                res = run_pipeline(cfg, timeout_s=3600)
-                walls = [max(r["wall_times"][s] for r in res) for s in range(1, steps)]
-                tokens = sum(res[0]["step_tokens"][1:])
-                got[name] = {"tokens_per_s": tokens / sum(walls),
-                             "microbatches": [[r["microbatches"][s] for r in res if r["pp_rank"] == 0]
-                                              for s in range(steps)]}
-                log(f"  round {k + 1}/{repeats}  {name:28s} {got[name]['tokens_per_s']:8.0f} tokens/s", flush=True)
-            rounds.append(got)
+
+        def measure(variant):
+            dp, mode, balance = variant
+            res = run_pipeline(replace(base, dp=dp, odc_mode=mode, balance=balance), timeout_s=3600)
+            walls = [max(r["wall_times"][s] for r in res) for s in range(1, steps)]
+            got = {"tokens_per_s": sum(res[0]["step_tokens"][1:]) / sum(walls),
+                   "microbatches": [[r["microbatches"][s] for r in res if r["pp_rank"] == 0] for s in range(steps)]}
+            return f"{dp}{'-collective' if mode == 'collective' else ''}+{balance}", got, got["tokens_per_s"]
+
+        rounds = interleaved_rounds(repeats, VARIANTS, measure, log=log)
     names = list(rounds[0])
-    fsdp, coll, odc = names
-
-    def ratio(a: str, b: str) -> tuple[float, float, float]:
-        vals = [x[a]["tokens_per_s"] / x[b]["tokens_per_s"] for x in rounds]
-        return statistics.median(vals), min(vals), max(vals)
-
     result = {"tokens_per_s": {n: statistics.median(x[n]["tokens_per_s"] for x in rounds) for n in names},
-              "total": ratio(odc, fsdp), "mechanism": ratio(odc, coll), "transport_and_engine": ratio(coll, fsdp),
+              **split_ratios(rounds, names, lambda x: x["tokens_per_s"]),
               "microbatches": {n: rounds[0][n]["microbatches"] for n in names}, "rounds": rounds,
               "processes": world, "cores": cores, "oversubscribed": world > cores}
     log(f"pipeline x data parallel, {ranks} pipeline ranks x {dp_size} replicas ({world} processes on {cores} cores), "
@@ -94,16 +86,9 @@ def bench_pipeline_dp(*, ranks: int = 2, dp_size: int = 2, schedule: str = "1f1b
     for n in names:
         log(f"  {n:28s} {result['tokens_per_s'][n]:8.0f} tokens/s   microbatches per replica, step 1: "
             f"{result['microbatches'][n][1] if steps > 1 else result['microbatches'][n][0]}")
-    for key, label in (("total", f"{odc} / {fsdp}"), ("transport_and_engine", f"{coll} / {fsdp}"),
-                       ("mechanism", f"ODC's own: {odc} / {coll}")):
-        m, lo, hi = result[key]
-        log(f"  {key:22s} {m:5.2f}x  ({lo:.2f}-{hi:.2f})  {label}")
+    log_split(result, names, log)
     if world > cores:
         log(f"  note: {world} processes on {cores} cores take turns on the cores, so a replica that finishes early "
             "gains nothing: these ratios say nothing about imbalance; run with at least one core per process")
-    if json_path:
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        log(f"wrote {json_path}")
+    write_result(result, json_path, log)
     return result

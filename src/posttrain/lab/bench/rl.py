@@ -22,7 +22,6 @@ ODC's engine costs measured on equal-length sequences of the same model shape.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -38,6 +37,8 @@ from posttrain.launch import run_ranks
 from posttrain.models import GPT, GPTConfig
 from posttrain.rl import Rollout, policy_loss
 from posttrain.train.rl import RLConfig, update_minibatch
+
+from .split import interleaved_rounds, log_split, split_ratios, write_result
 
 __all__ = ["VARIANTS", "bench_rl", "draw_rollouts", "predict_rl"]
 
@@ -150,30 +151,22 @@ def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, 
     the calibrated simulator's prediction for the same plans (``result["predicted"]``)."""
     tokens = sum(len(s["ids"]) - 1 for step in steps[1:] for s in step)
     base = RLConfig(max_tokens=max_tokens, samples_per_prompt=2, prompts_per_step=1)
-    rounds = []
-    for r in range(repeats):
-        got = {}
-        for dp, mode, balance in VARIANTS:
-            cfg = replace(base, dp=dp, odc_mode=mode, balance=balance)
-            name = f"{cfg.dp_label}+{balance}"
-            times = run_ranks(_worker, world_size, cfg, model_cfg, steps, timeout_s=3600)[0]
-            got[name] = tokens / sum(times)
-            log(f"  round {r + 1}/{repeats}  {name:28s} {got[name]:8.0f} update tokens/s", flush=True)
-        rounds.append(got)
+
+    def measure(variant):
+        dp, mode, balance = variant
+        cfg = replace(base, dp=dp, odc_mode=mode, balance=balance)
+        speed = tokens / sum(run_ranks(_worker, world_size, cfg, model_cfg, steps, timeout_s=3600)[0])
+        return f"{cfg.dp_label}+{balance}", speed, speed
+
+    rounds = interleaved_rounds(repeats, VARIANTS, measure, unit="update tokens/s", log=log)
     predicted = (predict_rl(steps, model_cfg=model_cfg, max_tokens=max_tokens, world_size=world_size, log=log)
                  if predict else None)
     names = list(rounds[0])
-    fsdp, coll, odc = names
-
-    def ratio(a: str, b: str) -> tuple[float, float, float]:
-        vals = [x[a] / x[b] for x in rounds]
-        return statistics.median(vals), min(vals), max(vals)
-
     lengths = [len(s["ids"]) - s["prompt_len"] for step in steps for s in step]
     result = {
         "tokens_per_s": {n: statistics.median(x[n] for x in rounds) for n in names},
-        "total": ratio(odc, fsdp), "mechanism": ratio(odc, coll), "transport_and_engine": ratio(coll, fsdp),
-        "rounds": rounds, "response_lengths": {"mean": statistics.mean(lengths), "max": max(lengths)},
+        **split_ratios(rounds, names), "rounds": rounds,
+        "response_lengths": {"mean": statistics.mean(lengths), "max": max(lengths)},
         "predicted": predicted,
     }
     log(f"RL update phase, {world_size} ranks, gpt {model_cfg.num_layers}x{model_cfg.dim}, {len(steps[0])} samples a "
@@ -181,18 +174,9 @@ def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, 
         f"max_tokens {max_tokens}, {len(steps) - 1} steps (first excluded), median of {repeats} rounds")
     for n in names:
         log(f"  {n:28s} {result['tokens_per_s'][n]:8.0f} update tokens/s")
-    for key, label in (("total", f"{odc} / {fsdp}"), ("transport_and_engine", f"{coll} / {fsdp}"),
-                       ("mechanism", f"ODC's own: {odc} / {coll}")):
-        m, lo, hi = result[key]
-        log(f"  {key:22s} {m:5.2f}x  ({lo:.2f}-{hi:.2f})  {label}")
+    log_split(result, names, log)
     if predicted:
         log(f"  simulator              {predicted['mechanism']:5.2f}x  ODC's own, predicted for the same plans "
             f"(headroom {predicted['headroom']:.2f}x: collective+same_micro over the best whole-sequence partition)")
-    if json_path:
-        import os
-
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        log(f"wrote {json_path}")
+    write_result(result, json_path, log)
     return result
