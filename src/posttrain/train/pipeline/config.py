@@ -185,9 +185,11 @@ class PipelineConfig:
         """Stages of the model (a stage is one chunk on one rank)."""
         return self.num_ranks * self.num_chunks
 
-    def build(self):
-        """The :class:`~posttrain.pipeline.Schedule` of this run."""
-        return build_schedule(self.schedule, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
+    def build(self, num_microbatches: int | None = None):
+        """The :class:`~posttrain.pipeline.Schedule` of this run (for ``num_microbatches`` instead
+        of ``--microbatches``: a data-parallel replica's own count)."""
+        return build_schedule(self.schedule, num_ranks=self.num_ranks,
+                              num_microbatches=num_microbatches or self.num_microbatches,
                               num_chunks=self.num_chunks, group_size=self.group_size)
 
     def policy(self) -> OffloadPolicy:

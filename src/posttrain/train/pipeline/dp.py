@@ -24,6 +24,9 @@ step runs outside the engines' hooks), and a tied embedding with one pipeline ra
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -103,16 +106,11 @@ class ColumnODC:
     def parameters(self) -> list[torch.Tensor]:
         return self.handle.parameters()
 
-    def minibatch(self, num_tokens: int):
+    @contextmanager
+    def minibatch(self, num_tokens: int) -> Iterator[float]:
         """Yields the loss divisor: the column's global count (ODC sums gradients)."""
-        from contextlib import contextmanager
-
-        @contextmanager
-        def ctx():
-            with self.handle.minibatch(num_tokens=num_tokens) as mb:
-                yield float(mb.global_tokens)
-
-        return ctx()
+        with self.handle.minibatch(num_tokens=num_tokens) as mb:
+            yield float(mb.global_tokens)
 
     def is_weight(self):
         return owned_storage(self.handle)
@@ -144,20 +142,14 @@ class ColumnFSDP2:
         self.group = mesh.get_group()
         for unit in _units(self.container):
             fully_shard(unit, mesh=mesh)
-        self._tied = None
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.container.parameters())
 
-    def minibatch(self, num_tokens: int):
+    @contextmanager
+    def minibatch(self, num_tokens: int) -> Iterator[float]:
         """Yields the loss divisor: the column's global count over its size (FSDP2 averages)."""
-        from contextlib import contextmanager
-
-        @contextmanager
-        def ctx():
-            yield odc.global_token_count(num_tokens, self.group) / dist.get_world_size(self.group)
-
-        return ctx()
+        yield odc.global_token_count(num_tokens, self.group) / dist.get_world_size(self.group)
 
     def is_weight(self):
         """Saved tensors in the storage of a parameter the module holds unsharded right now."""
@@ -248,15 +240,16 @@ def replica_plans(lengths: list[int], *, replicas: int, max_tokens: int, method:
 
 
 def runnable(cfg):
-    """``m -> bool``: whether ``cfg``'s schedule runs ``m`` microbatches (at least one)."""
-    from posttrain.pipeline import build_schedule
+    """``m -> bool``: whether ``cfg``'s schedule runs ``m`` microbatches (at least one); each count
+    is built once."""
+    from functools import cache
 
+    @cache
     def ok(m: int) -> bool:
         if m < 1:
             return False
         try:
-            build_schedule(cfg.schedule, num_ranks=cfg.num_ranks, num_microbatches=m, num_chunks=cfg.num_chunks,
-                           group_size=cfg.group_size)
+            cfg.build(m)
         except ValueError:
             return False
         return True
@@ -265,14 +258,6 @@ def runnable(cfg):
 
 
 __all__.append("runnable")
-
-
-def tied_across(stages: list[nn.Module]) -> bool:
-    first = {id(p) for p in stages[0].parameters()}
-    return any(id(p) in first for p in stages[-1].parameters())
-
-
-__all__.append("tied_across")
 
 
 def owned_storage(handle) -> callable:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from posttrain.data import synthetic_sequences
 from posttrain.launch import run_job
 from posttrain.models import build_model
-from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, build_schedule, simulate
+from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
 from posttrain.train.dp.checkpoint import resume, save_checkpoint
 
@@ -78,9 +78,7 @@ def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None) ->
     runs it (offload, then sends and receives); ``num_microbatches``: instead of ``cfg``'s (a
     data-parallel replica's own count)."""
     m = num_microbatches or cfg.num_microbatches
-    sched = cfg.build() if m == cfg.num_microbatches else build_schedule(
-        cfg.schedule, num_ranks=cfg.num_ranks, num_microbatches=m, num_chunks=cfg.num_chunks,
-        group_size=cfg.group_size)
+    sched = cfg.build(m)
     lowered = add_offload(sched.actions, sched.layout, m, cfg.policy())
     return simulate(add_send_recv(lowered, sched.layout), sched.layout, m).peaks()
 
@@ -182,21 +180,20 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     opt = _optimizer(cfg, column.parameters())
     data = PipelineData(cfg, config)
     runners: dict[int, PipelineRunner] = {}
+    fits = runnable(cfg)
     losses, times, walls, micro, tokens, result = [], [], [], [], [], None
     try:
         for step in range(cfg.steps):
             samples = data.data.minibatch(step)
             tokens.append(sum(len(x) - 1 for x in samples))
             plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
-                                  method=cfg.balance, model_config=config, runnable=runnable(cfg))
+                                  method=cfg.balance, model_config=config, runnable=fits)
             if column.equal_microbatches:  # a rendezvous per layer: every replica the same count (empty: a dummy)
                 plans = [p + [[]] * (max(map(len, plans)) - len(p)) for p in plans]
             sets = plans[grid.dp_rank]
             m = len(sets)
             if m not in runners:
-                sched = build_schedule(cfg.schedule, num_ranks=cfg.num_ranks, num_microbatches=m,
-                                       num_chunks=cfg.num_chunks, group_size=cfg.group_size)
-                runners[m] = PipelineRunner(mine, sched, loss_fn=packed_loss, offload=cfg.policy(),
+                runners[m] = PipelineRunner(mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
                                             group=grid.pp_group, static_shapes=False)
                 runners[m].store.is_weight = column.is_weight()
             batch = data.pack(samples, sets, 1.0)
@@ -284,6 +281,7 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
                          "one pipeline rank does not support; use posttrain train for data parallelism alone")
     if cfg.data:
         data = PipelineData(cfg, config, log=log)
+        fits = None
         for step in range(cfg.steps):
             if cfg.dp_size == 1:
                 data.step(step)
@@ -292,12 +290,13 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
 
             from .dp import replica_plans, runnable
 
+            fits = fits or runnable(cfg)
             samples = data.data.minibatch(step)
             if loss_units(samples, range(len(samples)), cfg.loss_norm) == 0:
                 raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
             try:
                 replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
-                              method=cfg.balance, model_config=config, runnable=runnable(cfg))
+                              method=cfg.balance, model_config=config, runnable=fits)
             except ValueError as e:
                 raise ValueError(f"step {step}: {e}") from None
 
