@@ -147,3 +147,28 @@ def test_bench_pipeline_dp_runs_three_engines_and_says_when_it_measures_nothing(
     assert ("say nothing about imbalance" in stdout) == got["oversubscribed"]
     rc, _, err = cli("bench", "pipeline-dp", "--dp-size", "1")
     assert rc == 2 and "--dp-size=1 is too small" in err
+
+
+def test_results_keeps_each_finished_command_when_a_later_one_fails(tmp_path, monkeypatch):
+    """`posttrain results` rewrites the file after every command: a failure in the third profile
+    keeps the first two new reports and every section it did not rerun."""
+    from posttrain.lab import results
+
+    path = tmp_path / "results.md"
+    path.write_text("# old\n<!-- result: demo -->\nold demo\n<!-- end: demo -->\n"
+                    "<!-- result: profiles -->\nold profiles\n<!-- end: profiles -->\n")
+    calls = []
+
+    def fake_run(argv, log):
+        calls.append(argv)
+        if len(calls) == 3:
+            raise RuntimeError("interrupted")
+        return f"report {len(calls)} for {argv[argv.index('--profile') + 1]}"
+
+    monkeypatch.setattr(results, "_run", fake_run)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        results.run_results(str(path), only=["profiles"], log=lambda line: None)
+    text = path.read_text()
+    assert "old demo" in text and "old profiles" not in text
+    assert "report 1 for longalign" in text and "report 2 for swe_smith" in text
+    assert text.count("<!-- end: profiles -->") == 1

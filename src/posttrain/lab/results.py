@@ -5,7 +5,8 @@ Each section is one ``posttrain`` command. Its report (what the command prints, 
 dropped) goes into the file verbatim under the command line, the commit it ran on and the date,
 so every figure names the command that produced it and can be rerun. Sections are delimited by
 ``<!-- result: NAME -->`` / ``<!-- end: NAME -->`` markers; ``--only NAME,...`` reruns some and
-keeps the others as they are.
+keeps the others as they are. The file is rewritten after every finished command, so an
+interrupted or failed run keeps what it measured (and the old text of the sections it had not reached).
 """
 
 from __future__ import annotations
@@ -132,15 +133,20 @@ def _run(argv: Sequence[str], log: Callable[[str], None]) -> str:
     return "\n".join(line for line in proc.stdout.splitlines() if not _NOISE.match(line)).strip()
 
 
-def _render(section: Section, commit: str, log: Callable[[str], None]) -> str:
+def _render(section: Section, commit: str, log: Callable[[str], None],
+            done: Callable[[str], None] = lambda text: None) -> str:
+    """The section's text; ``done`` gets the text so far (closed by its end marker) after each
+    command, so a long section keeps what it measured if a later command fails or is interrupted."""
     today = datetime.date.today().isoformat()
     parts = [f"<!-- result: {section.name} -->", f"## {section.title}", "", section.intro, ""]
     argvs = ([tuple(a.replace("{profile}", p) for a in section.argv) for p in _PROFILES]
              if "{profile}" in section.argv else [section.argv])
+    end = f"<!-- end: {section.name} -->"
     for argv in argvs:
         report = _run(argv, log)
         parts += [f"`posttrain {' '.join(argv)}` (commit {commit}, {today}):", "", "```", report, "```", ""]
-    parts.append(f"<!-- end: {section.name} -->")
+        done("\n".join([*parts, end]))
+    parts.append(end)
     return "\n".join(parts)
 
 
@@ -169,18 +175,30 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
         for m in re.finditer(r"<!-- result: (\S+) -->.*?<!-- end: \1 -->", text, re.S):
             old[m.group(1)] = m.group(0)
     commit = _commit()
-    body = []
+    rendered: dict[str, str] = {}
+
+    def write() -> str:
+        body = [rendered.get(s.name) or old.get(s.name) for s in SECTIONS]
+        text = _HEADER.format(minutes=sum(s.minutes for s in SECTIONS)) + "\n" + "\n\n".join(
+            b for b in body if b) + "\n"
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return text
+
     for section in SECTIONS:
-        if only and section.name not in only and section.name in old:
-            body.append(old[section.name])
+        if only and section.name not in only:
             continue
         log(f"{section.title} (about {section.minutes:g} min)")
-        body.append(_render(section, commit, log))
-    text = _HEADER.format(minutes=sum(s.minutes for s in SECTIONS)) + "\n" + "\n\n".join(body) + "\n"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+
+        def done(partial: str, name: str = section.name) -> None:
+            rendered[name] = partial
+            write()
+            log(f"  kept in {path}")
+
+        rendered[section.name] = _render(section, commit, log, done)
+    text = write()
     log(f"wrote {path}")
     return text
