@@ -24,6 +24,20 @@ def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_c
     assert "host link: the median of the run's" in out and "recommended: " in out
 
 
+def test_split_backward_frees_what_only_i_needs_and_the_report_says_what_w_kept(run_cli):
+    peaks = {}
+    for extra in ([], ["--no-weight-split"]):
+        proc = run_cli("pipeline", "--schedule", "zbv", "--ranks", "2", "--microbatches", "4", "--offload", "full",
+                       "--steps", "2", "--dim", "32", "--seq-len", "32", "--chart", "", *extra)
+        assert proc.returncode == 0, proc.stderr
+        rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+        assert all(float(r[3]) == float(r[4]) for r in rows)  # measured = predicted with the measured fractions
+        peaks[bool(extra)] = [float(r[2]) for r in rows]  # MiB
+        kept = next(line for line in proc.stdout.splitlines() if line.startswith("kept for W after I"))
+        assert ("0: 0.00, 1: 0." in kept) if not extra else ("0: 1.00, 1: 1.00" in kept)
+    assert all(a < b for a, b in zip(peaks[False], peaks[True])), peaks
+
+
 def test_pipeline_bad_input_is_a_clear_error(run_cli):
     proc = run_cli("pipeline", "--schedule", "interleaved_1f1b", "--ranks", "4", "--chunks", "2", "--microbatches", "2")
     assert proc.returncode == 2 and "needs at least 4 microbatches" in proc.stderr and "Traceback" not in proc.stderr

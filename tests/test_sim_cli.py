@@ -115,7 +115,8 @@ def _metrics(path, *, split=True, copies=True):
     if copies:
         acts[0] += [("0OFFLOAD0", .2, .2 + 4 * mib / 8e9), ("0RELOAD0", .3, .3 + 4 * mib / 2e9)]
     ranks = [{"rank": r, "stages": [r], "losses": [1.0], "step_times": [0.2],
-              "result": {"actions": acts[r], "chunk_bytes": {str(r): (4 if r == 0 else 6) * mib}}} for r in (0, 1)]
+              "result": {"actions": acts[r], "chunk_bytes": {str(r): (4 if r == 0 else 6) * mib},
+                         **({"weight_keep": {str(r): 0.0 if r == 0 else 0.5}} if split else {})}} for r in (0, 1)]
     path.write_text(json.dumps({"config": {"schedule": "zb_h1" if split else "1f1b", "num_ranks": 2, "batch": 2,
                                            "seq_len": 64}, "ranks": ranks}))
     return str(path)
@@ -132,10 +133,13 @@ def test_pipeline_workload_is_calibrated_from_a_runs_metrics(tmp_path):
     assert w.weight_grad_s == pytest.approx(0.025 / 4) and w.activation_bytes == 10 * 2**20 / 4
     assert w.host_bandwidth == pytest.approx(5e9)  # median of 8 and 2 GB/s
     assert "zb_h1, 2 ranks, 2 stages, microbatches of 2 x 64 tokens" in notes[0]
+    assert w.weight_keep == pytest.approx(0.3)  # stage 0 keeps none of 4 MiB, stage 1 half of 6 MiB
+    assert "W keeps 0.30 of the saved activations after I" in notes[2]
     w, notes = pipeline_workload_from_metrics(_metrics(tmp_path / "b.json", split=False, copies=False), num_ranks=2,
                                               host_bandwidth=1e9)
     # B: stage 0 median(30, 30), stage 1 median(50, 50): 80 ms, split evenly
     assert w.input_grad_s == w.weight_grad_s == pytest.approx(0.040 / 2) and w.host_bandwidth == 1e9
+    assert w.weight_keep == 1.0
     assert "split evenly" in notes[1] and "--host-gbps (the run offloaded nothing)" in notes[2]
 
 
@@ -215,3 +219,18 @@ def test_calibration_plumbing_on_a_tiny_config(capsys):
     p = calibrate_pipeline(PipelineConfig(schedule="group_interleaved", num_ranks=2, chunks=2, num_microbatches=4,
                                           offload="1", num_layers=4, steps=1))
     assert p["predicted"] == p["measured"] == [3, 3]
+
+
+def test_simulate_pipeline_takes_what_w_keeps(capsys):
+    """zbv at p=8, m=32, full offload: 3 chunk-microbatches at most when W keeps everything (its
+    part offloaded on its own), 2.44 when W keeps the 0.44 a GPT block's linear inputs take."""
+    base = ["simulate", "pipeline", "--schedule", "zbv", "--ranks", "8", "--microbatches", "32", "--forward-ms", "1",
+            "--backward-ms", "1", "--weight-ms", "1", "--offload-chunks", "2", "--host-gbps", "1000", "--chart", ""]
+    peaks = {}
+    for keep in ("1", "0.44"):
+        assert main([*base, "--weight-keep", keep]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["7"]]
+        peaks[keep] = float(rows[0][1])
+    assert peaks == {"1": 3.0, "0.44": 2.44}
+    assert main([*base, "--weight-keep", "1.5"]) == 2
+    assert "--weight-keep=1.5 must be between 0 and 1" in capsys.readouterr().err

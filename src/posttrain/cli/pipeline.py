@@ -11,7 +11,7 @@ __all__ = ["add_parser"]
 
 def _run(args: argparse.Namespace) -> int:
     from posttrain.lab.plots import plot_pipeline
-    from posttrain.train.pipeline import PipelineConfig, format_report, predicted_peaks, run_pipeline
+    from posttrain.train.pipeline import PipelineConfig, format_report, measured_weight_keep, predicted_peaks, run_pipeline
 
     cfg = config_from_args(PipelineConfig, args)
     if cfg.dp_size > 1:
@@ -35,11 +35,11 @@ def _run(args: argparse.Namespace) -> int:
     if cfg.dp_size > 1:
         from posttrain.train.pipeline.report import format_dp_report
 
-        predicted = {(r["dp_rank"], r["pp_rank"]): predicted_peaks(cfg, r["microbatches"][-1])[r["pp_rank"]]
-                     for r in results}
+        predicted = {(r["dp_rank"], r["pp_rank"]): predicted_peaks(
+            cfg, r["microbatches"][-1], weight_keep=measured_weight_keep([r]))[r["pp_rank"]] for r in results}
         print(format_dp_report(results, predicted))
     else:
-        print(format_report(results, predicted_peaks(cfg)))
+        print(format_report(results, predicted_peaks(cfg, weight_keep=measured_weight_keep(results))))
     if cfg.output_dir:
         print(f"wrote {cfg.output_dir}")
     if args.metrics:

@@ -60,7 +60,7 @@ def _pipeline(args: argparse.Namespace) -> int:
         print(f"  {line}")
     print(f"  per chunk-microbatch at one chunk per rank (v chunks per rank divide each by v): F {w.forward_s * ms:.2f} ms, "
           f"I {w.input_grad_s * ms:.2f} ms, W {w.weight_grad_s * ms:.2f} ms, saved activations "
-          f"{w.activation_bytes / 2**20:.2f} MiB")
+          f"{w.activation_bytes / 2**20:.2f} MiB, of which W keeps {w.weight_keep:.2f} after I under a split backward")
     print(f"  host link {w.host_bandwidth / 1e9:.2f} GB/s per direction, one copy of a direction at a time: "
           f"{w.copy_s * ms:.2f} ms per chunk-microbatch; k = (D2H + H2D) / (F + I + W) = {w.k:.2f}")
     print(f"  {args.num_ranks} ranks, {args.num_microbatches} microbatches per step, {args.memory_gib} GiB of saved "
@@ -76,7 +76,8 @@ def _pipeline(args: argparse.Namespace) -> int:
              + f" --microbatches {args.num_microbatches} --offload-chunks {best.offload_chunks}"
              f" --forward-ms {bw.forward_s * ms:.6g} --backward-ms {bw.input_grad_s * ms:.6g}"
              f" --weight-ms {bw.weight_grad_s * ms:.6g} --activation-mib {bw.activation_bytes / 2**20:.6g}"
-             f" --host-gbps {bw.host_bandwidth / 1e9:.6g}")
+             f" --host-gbps {bw.host_bandwidth / 1e9:.6g}"
+             + (f" --weight-keep {bw.weight_keep:.6g}" if bw.weight_keep != 1 else ""))
     print(f"recommended: {best.schedule}, {best.num_chunks} chunk(s) per rank"
           + (f", group size {best.group_size}" if best.schedule in GROUPED_SCHEDULES else "")
           + f", offload {best.offload_chunks} chunk(s) per rank: step {best.makespan * ms:.2f} ms, peak "

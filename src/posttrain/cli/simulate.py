@@ -86,6 +86,8 @@ class WorkloadOptions:
         weight_ms: weight-gradient backward W.
         activation_mib: saved activations of one chunk-microbatch.
         host_gbps: device-host GB/s per direction (21: H100).
+        weight_keep: under a split backward, the fraction of a chunk-microbatch's saved
+            activations W still needs after I (1: all; posttrain pipeline prints what it measured).
     """
 
     forward_ms: float = 10.0
@@ -93,8 +95,11 @@ class WorkloadOptions:
     weight_ms: float = 10.0
     activation_mib: float = 256.0
     host_gbps: float = 21.0
+    weight_keep: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.weight_keep <= 1:
+            raise ValueError(f"--weight-keep={self.weight_keep} must be between 0 and 1")
         for name in ("forward_ms", "backward_ms", "weight_ms", "activation_mib"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
@@ -110,7 +115,7 @@ def workload(args: argparse.Namespace):
     w = config_from_args(WorkloadOptions, args)
     return PipelineWorkload(forward_s=w.forward_ms / 1e3, input_grad_s=w.backward_ms / 1e3,
                             weight_grad_s=w.weight_ms / 1e3, activation_bytes=w.activation_mib * 2**20,
-                            host_bandwidth=w.host_gbps * 1e9)
+                            host_bandwidth=w.host_gbps * 1e9, weight_keep=w.weight_keep)
 
 
 def dp_inputs(args: argparse.Namespace):
@@ -219,7 +224,7 @@ def _pipeline(args) -> int:
           f"hidden here: {'yes' if res.hidden else 'no'}")
     print(f"{'rank':>4} {'peak units':>10} {'peak GiB':>9} {'copy util':>9}")
     for r in range(res.num_ranks):
-        print(f"{r:>4} {res.peaks[r]:>10} {res.peaks[r] * w.activation_bytes / 2**30:>9.2f} "
+        print(f"{r:>4} {res.peaks[r]:>10.2f} {res.peaks[r] * w.activation_bytes / 2**30:>9.2f} "
               f"{res.copy_utilization(r):>9.1%}")
     if args.chart:
         plot_pipeline_sim(res, args.chart)
@@ -251,7 +256,7 @@ def _calibrate(args) -> int:
     cfg = train_config(args, max_tokens=args.max_len)
     out = calibrate_odc(cfg, repeats=args.repeats, measured_json=args.measured_json)
     out["pipeline"] = [calibrate_pipeline(PipelineConfig(schedule=s, num_ranks=p, chunks=v, num_microbatches=m,
-                                                         offload=o, num_layers=p * v, steps=1))
+                                                         offload=o, num_layers=p * v, steps=2))
                        for s, p, v, m, o in (("1f1b", 2, 1, 4, "none"), ("interleaved_1f1b", 2, 2, 4, "1"),
                                              ("group_interleaved", 4, 2, 8, "1"), ("zbv", 2, 2, 4, "full"))]
     if args.json:

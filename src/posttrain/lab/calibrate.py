@@ -290,10 +290,11 @@ def calibrate_odc(cfg: TrainConfig, *, world_size: int = 2, repeats: int = 3, me
 
 def calibrate_pipeline(cfg, *, log=print) -> dict:
     """Run the real pipeline runner and print its measured per-rank peaks next to the simulator's."""
-    from posttrain.train.pipeline import predicted_peaks, run_pipeline
+    from posttrain.train.pipeline import measured_weight_keep, predicted_peaks, run_pipeline
 
-    predicted = predicted_peaks(cfg)
-    measured = [r["result"]["peak_units"] for r in run_pipeline(cfg)]
+    results = run_pipeline(cfg)
+    measured = [round(r["result"]["peak_units"], 9) for r in results]
+    predicted = predicted_peaks(cfg, weight_keep=measured_weight_keep(results))
     log(f"pipeline {cfg.schedule} ({cfg.num_ranks} ranks, {cfg.chunks} chunks, {cfg.num_microbatches} microbatches, "
         f"offload {cfg.offload}): peak chunk-microbatches per rank predicted {predicted}, measured {measured} "
         f"({'equal' if list(predicted) == list(measured) else 'DIFFERENT'})")
@@ -335,6 +336,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
         cfg, ranks = data["config"], data["ranks"]
         actions = [(Action.parse(a), t0, t1, {int(s): b for s, b in r["result"]["chunk_bytes"].items()})
                    for r in ranks for a, t0, t1 in r["result"]["actions"]]
+        kept = {int(s): f for r in ranks for s, f in r["result"].get("weight_keep", {}).items()}
     except OSError as e:
         raise ValueError(f"--calibrate {path}: {e.strerror}") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError):
@@ -346,7 +348,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
         stage_bytes.update(chunk_bytes)
         if a.kind in ("F", "B", "I", "W"):
             times.setdefault((a.kind, a.stage), []).append(t1 - t0)
-        elif a.kind in ("OFFLOAD", "RELOAD") and t1 > t0 and chunk_bytes.get(a.stage):
+        elif a.kind in ("OFFLOAD", "RELOAD") and t1 > t0 and chunk_bytes.get(a.stage):  # (whole entries only)
             copies.append(chunk_bytes[a.stage] / (t1 - t0))
     if not any(kind == "F" for kind, _ in times):
         raise ValueError(f"--calibrate {path}: the run recorded no forward")
@@ -362,10 +364,16 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
              f"whole model per microbatch: F {fwd * 1e3:.2f} ms, I {inp * 1e3:.2f} ms, W {wgt * 1e3:.2f} ms"
              + ("" if split else " (the run's full backward B split evenly into I and W)")
              + f", saved activations {bytes_ / 2**20:.2f} MiB; each of {num_ranks} ranks runs 1/{num_ranks}"]
+    weight_keep = 1.0
+    if split and kept:
+        weight_keep = sum(kept.get(s, 1.0) * b for s, b in stage_bytes.items()) / bytes_
+        notes.append(f"W keeps {weight_keep:.2f} of the saved activations after I (the run's stages, weighted by "
+                     "their bytes)")
     if copies:
         host_bandwidth = statistics.median(copies)
         notes.append(f"host link: the median of the run's {len(copies)} copies")
     else:
         notes.append("host link: from --host-gbps (the run offloaded nothing)")
     return PipelineWorkload(forward_s=fwd / num_ranks, input_grad_s=inp / num_ranks, weight_grad_s=wgt / num_ranks,
-                            activation_bytes=bytes_ / num_ranks, host_bandwidth=host_bandwidth), notes
+                            activation_bytes=bytes_ / num_ranks, host_bandwidth=host_bandwidth,
+                            weight_keep=weight_keep), notes

@@ -23,12 +23,19 @@ PAPER_TABLE_SCHEDULES = ("group_interleaved", "group_interleaved_zb", "interleav
 
 def held_for_w_at_peak(res: SimResult) -> int:
     """At the first peak of the rank with the highest peak: how many resident chunk-microbatches
-    have finished their ``I`` and are held only for their ``W`` (0 without split backward)."""
+    have finished their ``I`` and are held only for their ``W`` (0 without split backward; an
+    ``OFFLOAD_W``'d one counts only once its ``RELOAD_W`` has started)."""
     peaks = res.peaks()
     rank = peaks.index(max(peaks))
     t = next(t for t, n in res.memory_curve(rank) if n == peaks[rank])
+
+    def away(a: Action) -> bool:  # W's part on the host at t
+        out, back = (rank, Action(a.stage, "OFFLOAD_W", a.microbatch)), (rank, Action(a.stage, "RELOAD_W", a.microbatch))
+        return out in res.end and res.end[out] <= t < res.start[back]
+
     return sum(1 for (r, a), w_end in res.end.items()
-               if r == rank and a.kind == "W" and res.end[(r, Action(a.stage, "I", a.microbatch))] <= t < w_end)
+               if r == rank and a.kind == "W" and res.end[(r, Action(a.stage, "I", a.microbatch))] <= t < w_end
+               and not away(a))
 
 
 def design_copy_peak(res: SimResult, offload_chunks: int, *, copy: float = 1.0, lead: float = 1.0) -> int:
@@ -40,7 +47,7 @@ def design_copy_peak(res: SimResult, offload_chunks: int, *, copy: float = 1.0, 
     (``B``, or ``W`` when split) finishes. Not our runtime's count (one copy stream, each copy
     issued where it sits in the rank's list): the count that explains the paper's table."""
     layout = res.layout
-    resident: dict[int, list[tuple[float, float, int]]] = {}
+    resident: dict[int, list[tuple[float, float, int, float]]] = {}
     for (rank, a), t0 in res.start.items():
         if a.kind != "F":
             continue
@@ -51,7 +58,7 @@ def design_copy_peak(res: SimResult, offload_chunks: int, *, copy: float = 1.0, 
         if layout.chunk_of(s) < offload_chunks:
             gone = end[(rank, a)] + copy
             spans = [(t0, gone), (max(gone, res.start[bwd] - lead - copy), release)]
-        resident.setdefault(rank, []).extend((lo, hi, s) for lo, hi in spans)
+        resident.setdefault(rank, []).extend((lo, hi, s, 1) for lo, hi in spans)
     return max(SimResult(layout, res.start, res.end, resident).peaks())
 
 

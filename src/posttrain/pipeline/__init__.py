@@ -8,7 +8,7 @@ saved activations offloaded per :class:`OffloadPolicy` (:class:`ActivationStore`
 [Note: pipeline vocabulary] in ``_ir.py`` and [Note: saved-tensor lifecycle] in ``offload.py``.
 """
 
-from ._ir import COMPUTE_KINDS, KINDS, Action, format_schedule, parse_schedule
+from ._ir import COMPUTE_KINDS, COPY_KINDS, KINDS, Action, format_schedule, parse_schedule
 from .deps import Durations, ScheduleError, SimResult, simulate
 from .layout import StageLayout
 from .offload import ActivationStore
@@ -26,7 +26,7 @@ from .schedules import (
 from .stages import split_model
 
 __all__ = [
-    "COMPUTE_KINDS", "GROUPED_SCHEDULES", "KINDS", "ONE_CHUNK_SCHEDULES", "SCHEDULES", "Action", "ActivationStore",
+    "COMPUTE_KINDS", "COPY_KINDS", "GROUPED_SCHEDULES", "KINDS", "ONE_CHUNK_SCHEDULES", "SCHEDULES", "Action", "ActivationStore",
     "Durations", "OffloadPolicy",
     "PipelineActionError", "PipelineRunner", "Schedule", "ScheduleError", "SimResult", "StageLayout", "StepResult",
     "add_offload", "add_send_recv", "build_schedule", "check_schedule_options", "default_chunks", "execution_order",

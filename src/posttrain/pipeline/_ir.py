@@ -8,11 +8,14 @@
   ``W`` weight-gradient backward (zero-bubble schedules split ``B`` into ``I`` then ``W``).
   Lowering adds ``SEND_F``/``RECV_F`` (activations to/from the next stage), ``SEND_B``/``RECV_B``
   (gradients to/from the previous stage) and ``OFFLOAD``/``RELOAD`` (saved activations to host
-  memory and back). The text forms are those of ``torch.distributed.pipelining`` where it has them.
+  memory and back); ``OFFLOAD_W``/``RELOAD_W`` move the part of a split backward's saved
+  activations that ``W`` still needs once ``I`` has run. The text forms are those of
+  ``torch.distributed.pipelining`` where it has them.
 - A *schedule* is ``{rank: [Action, ...]}``: each rank runs its list in order.
 - A stage holds the saved activations of microbatch ``j`` from the start of ``F`` until its
-  backward finishes (``B``, or ``W`` when split): one *chunk-microbatch*, the unit of activation
-  memory throughout ``posttrain.pipeline``.
+  backward finishes: one *chunk-microbatch*, the unit of activation memory throughout
+  ``posttrain.pipeline``. A split backward frees what only ``I`` needs when ``I`` ends and keeps
+  the rest (the weight-gradient inputs, a fraction of the chunk-microbatch) until ``W``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["COMPUTE_KINDS", "KINDS", "Action", "format_schedule", "parse_schedule"]
+__all__ = ["COMPUTE_KINDS", "COPY_KINDS", "KINDS", "Action", "format_schedule", "parse_schedule"]
 
-Kind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OFFLOAD", "RELOAD"]
+Kind = Literal["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OFFLOAD", "RELOAD", "OFFLOAD_W",
+               "RELOAD_W"]
 COMPUTE_KINDS = ("F", "B", "I", "W")
-KINDS = (*COMPUTE_KINDS, "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OFFLOAD", "RELOAD")
+COPY_KINDS = ("OFFLOAD", "RELOAD", "OFFLOAD_W", "RELOAD_W")
+KINDS = (*COMPUTE_KINDS, "SEND_F", "RECV_F", "SEND_B", "RECV_B", *COPY_KINDS)
 _PATTERN = re.compile(r"^(\d+)(" + "|".join(sorted(KINDS, key=len, reverse=True)) + r")(\d+)$")
 
 

@@ -7,9 +7,11 @@ starts when its stream is free and its dependencies have finished:
 - ``F(s, j)`` after ``F(s-1, j)`` (through ``RECV_F`` when lowered);
 - ``B``/``I(s, j)`` after ``F(s, j)`` and after ``B``/``I(s+1, j)`` (through ``RECV_B``), and
   after ``RELOAD(s, j)`` if there is one;
-- ``W(s, j)`` after ``I(s, j)``; ``OFFLOAD(s, j)`` after ``F(s, j)``; ``RELOAD(s, j)`` after
-  ``OFFLOAD(s, j)``; ``RECV_x`` after the matching ``SEND_x``;
-- a copy (``OFFLOAD``/``RELOAD``) not before the compute action (``F B I W``) in front of it in
+- ``W(s, j)`` after ``I(s, j)`` and after ``RELOAD_W(s, j)`` if there is one; ``OFFLOAD(s, j)``
+  after ``F(s, j)``; ``RELOAD(s, j)`` after ``OFFLOAD(s, j)``; ``OFFLOAD_W(s, j)`` after
+  ``I(s, j)``; ``RELOAD_W(s, j)`` after ``OFFLOAD_W(s, j)``; ``RECV_x`` after the matching
+  ``SEND_x``;
+- a copy (``OFFLOAD``/``RELOAD``/``OFFLOAD_W``/``RELOAD_W``) not before the compute action (``F B I W``) in front of it in
   the rank's list has started: its position is where it is issued. Sends and receives between
   them do not move that point (the runtime issues the copy there too), so lowering with
   :func:`~posttrain.pipeline.add_send_recv` changes no time and no peak.
@@ -17,7 +19,12 @@ starts when its stream is free and its dependencies have finished:
 A schedule that cannot finish (each stream waits on another) is a deadlock, reported with the
 stuck actions. Activation memory (see [Note: pipeline vocabulary]): a chunk-microbatch is resident
 from the start of its ``F`` until its ``OFFLOAD`` finishes, and again from the start of its
-``RELOAD`` until its backward (``B`` or ``W``) finishes; without offload, from ``F`` to backward.
+``RELOAD`` until its backward finishes; without offload, from ``F`` to backward. A split backward
+ends at ``I`` for all but the part ``W`` needs (``weight_keep`` of the chunk-microbatch, per
+stage): that part stays until ``W`` finishes, or until ``OFFLOAD_W`` finishes and again from
+``RELOAD_W``. With ``weight_keep=1`` (the default: nothing is assumed about the model) ``W``
+holds everything; the runner measures each stage's fraction (``StepResult.weight_keep``: 0 on
+stage 0, whose ``I`` computes every gradient because token ids need none).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ._ir import COMPUTE_KINDS, Action
+from ._ir import COMPUTE_KINDS, COPY_KINDS, Action
 from .layout import StageLayout
 
 __all__ = ["Durations", "ScheduleError", "SimResult", "simulate"]
@@ -46,6 +53,8 @@ class Durations:
     W: float = 1.0
     OFFLOAD: float = 0.0
     RELOAD: float = 0.0
+    OFFLOAD_W: float = 0.0
+    RELOAD_W: float = 0.0
 
 
 @dataclass
@@ -55,36 +64,49 @@ class SimResult:
     layout: StageLayout
     start: dict[tuple[int, Action], float] = field(default_factory=dict)
     end: dict[tuple[int, Action], float] = field(default_factory=dict)
-    resident: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)  # rank -> (t0, t1, stage)
+    #: rank -> (t0, t1, stage, chunk-microbatches): what is resident when
+    resident: dict[int, list[tuple[float, float, int, float]]] = field(default_factory=dict)
 
     @property
     def makespan(self) -> float:
         return max(self.end.values(), default=0.0)
 
-    def memory_curve(self, rank: int) -> list[tuple[float, int]]:
-        """``(time, chunk-microbatches resident from then on)`` at every change on ``rank``."""
-        deltas: Counter[float] = Counter()
-        for t0, t1, _ in self.resident.get(rank, []):
-            deltas[t0] += 1
-            deltas[t1] -= 1
-        level, out = 0, []
+    def memory_curve(self, rank: int) -> list[tuple[float, float]]:
+        """``(time, chunk-microbatches resident from then on)`` at every change on ``rank``
+        (whole numbers are ints: they are unless a split backward keeps a fraction for ``W``)."""
+        deltas: dict[float, float] = {}
+        for t0, t1, _, units in self.resident.get(rank, []):
+            deltas[t0] = deltas.get(t0, 0) + units
+            deltas[t1] = deltas.get(t1, 0) - units
+        level, out = 0.0, []
         for t in sorted(deltas):
             level += deltas[t]
-            out.append((t, level))
+            v = round(level, 9)
+            out.append((t, int(v) if v == int(v) else v))
         return out
 
-    def peak(self, rank: int) -> int:
+    def peak(self, rank: int) -> float:
         """Peak resident chunk-microbatches on ``rank`` (an interval ending at ``t`` does not
         overlap one starting at ``t``)."""
         return max((n for _, n in self.memory_curve(rank)), default=0)
 
-    def peaks(self) -> list[int]:
+    def peaks(self) -> list[float]:
         return [self.peak(r) for r in range(self.layout.num_ranks)]
 
     def bubble_fraction(self, rank: int) -> float:
         busy = sum(self.end[key] - t0 for key, t0 in self.start.items()
                    if key[0] == rank and key[1].kind in ("F", "B", "I", "W"))
         return 1.0 - busy / self.makespan if self.makespan else 0.0
+
+
+def _weight_keep(weight_keep: float | Mapping[int, float], num_stages: int) -> list[float]:
+    """Per stage, the fraction of a chunk-microbatch ``W`` keeps."""
+    keep = ([float(weight_keep.get(s, 1.0)) for s in range(num_stages)] if isinstance(weight_keep, Mapping)
+            else [float(weight_keep)] * num_stages)
+    for s, w in enumerate(keep):
+        if not 0.0 <= w <= 1.0:
+            raise ValueError(f"weight_keep={w} (stage {s}) must be between 0 and 1")
+    return keep
 
 
 def _check_complete(schedule: dict[int, list[Action]], layout: StageLayout, num_microbatches: int) -> None:
@@ -133,7 +155,7 @@ def _deps(a: Action, layout: StageLayout, present: set[Action]) -> list[Action]:
             out.append(recv if recv in present else bwd(s + 1))
         return out
     if a.kind == "W":
-        return [Action(s, "I", j)]
+        return [Action(s, "I", j)] + ([Action(s, "RELOAD_W", j)] if Action(s, "RELOAD_W", j) in present else [])
     if a.kind == "SEND_F":
         return [Action(s, "F", j)]
     if a.kind == "RECV_F":
@@ -146,13 +168,20 @@ def _deps(a: Action, layout: StageLayout, present: set[Action]) -> list[Action]:
         return [Action(s, "F", j)]
     if a.kind == "RELOAD":
         return [Action(s, "OFFLOAD", j)]
+    if a.kind == "OFFLOAD_W":
+        return [Action(s, "I", j)]
+    if a.kind == "RELOAD_W":
+        return [Action(s, "OFFLOAD_W", j)]
     raise AssertionError(f"unhandled kind {a.kind}")
 
 
 def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microbatches: int, *,
-             durations: Durations = Durations(), not_before: Mapping[Action, float] | None = None) -> SimResult:
+             durations: Durations = Durations(), not_before: Mapping[Action, float] | None = None,
+             weight_keep: float | Mapping[int, float] = 1.0) -> SimResult:
     """Validate ``schedule`` and run it on a clock; ``not_before`` holds actions back to a given
-    start (e.g. a repeated-block schedule at its block times: ``Schedule.block_times``).
+    start (e.g. a repeated-block schedule at its block times: ``Schedule.block_times``);
+    ``weight_keep``: the fraction of a chunk-microbatch a split backward keeps for ``W``, one for
+    every stage or per stage (see the module docstring).
 
     Raises:
         ScheduleError: a missing, repeated or misplaced action, a dependency that runs later in
@@ -165,7 +194,8 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
         for d in deps_of[a]:
             if d not in present:
                 raise ScheduleError(f"{a} depends on {d}, which no rank runs")
-    copy_kinds = ("OFFLOAD", "RELOAD")
+    copy_kinds = COPY_KINDS
+    keep = _weight_keep(weight_keep, layout.num_stages)
     streams = {(r, c): [a for a in acts if (a.kind in copy_kinds) == (c == "copy")]
                for r, acts in schedule.items() for c in ("compute", "copy")}
     # A copy is issued where it sits in the rank's list: not before the compute action in front
@@ -221,11 +251,20 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
         if a.kind != "F":
             continue
         s, j = a.stage, a.microbatch
-        release = end.get(Action(s, "B", j), end.get(Action(s, "W", j)))
         intervals = res.resident.setdefault(rank, [])
+        split = Action(s, "I", j) in end
+        w = keep[s] if split else 0.0
+        before = end[Action(s, "I", j)] if split else end[Action(s, "B", j)]  # the whole chunk until then
         if Action(s, "OFFLOAD", j) in end:
-            intervals.append((t0, end[Action(s, "OFFLOAD", j)], s))
-            intervals.append((res.start[(rank, Action(s, "RELOAD", j))], release, s))
+            intervals.append((t0, end[Action(s, "OFFLOAD", j)], s, 1))
+            intervals.append((res.start[(rank, Action(s, "RELOAD", j))], before, s, 1))
         else:
-            intervals.append((t0, release, s))
+            intervals.append((t0, before, s, 1))
+        if w > 0:  # the part W needs, from the end of I to the end of W
+            release = end[Action(s, "W", j)]
+            if Action(s, "OFFLOAD_W", j) in end:
+                intervals.append((before, end[Action(s, "OFFLOAD_W", j)], s, w))
+                intervals.append((res.start[(rank, Action(s, "RELOAD_W", j))], release, s, w))
+            else:
+                intervals.append((before, release, s, w))
     return res

@@ -21,8 +21,15 @@ pair, and the runner calls :meth:`~ActivationStore.offload`, :meth:`~ActivationS
 - *unpack*: the saved tensor rebuilt as a view of the device storage. A backward that finds its
   entry still on the host (no reload scheduled) reloads it on the spot and counts it in
   :attr:`ActivationStore.late_reloads`: correct, but the schedule missed a prefetch.
+- *split*: after ``I`` of a split backward, every storage that ``W`` will not read is freed
+  (the runner finds them by walking ``W``'s part of the autograd graph); what is left can be
+  offloaded and reloaded on its own (``OFFLOAD_W``/``RELOAD_W``) like a whole entry. With
+  ``verify=True`` the dropped storages are kept aside on the device (and counted: they are
+  resident) until the release, and a ``W`` that reads one is recorded
+  (:meth:`ActivationStore.missed`) instead of failing: the runner checks a stage's first
+  splits this way before trusting the walk.
 - *release*: after the last backward pass that needs the entry (``B``, or ``W`` of a split
-  backward: ``I`` and ``W`` both unpack), its memory is freed.
+  backward), its memory is freed.
 
 Accounting: :attr:`ActivationStore.resident` holds the device-resident bytes per stage, changed
 at pack, offload completion, reload and release; :attr:`ActivationStore.history` records every
@@ -48,6 +55,9 @@ class _Entry:
     state: str = "device"  # device | offloading | host | reloading
     event: object = None  # CUDA event of the copy in flight
     pending_free: list = field(default_factory=list)  # device tensors kept alive until a D2H copy finishes
+    aside: dict[int, torch.Tensor] = field(default_factory=dict)  # dropped by a verifying split, held to release
+    aside_bytes: int = 0
+    missed: bool = False  # W read a storage the split dropped
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,8 @@ class ActivationStore:
         self._entries: dict[tuple[int, int], _Entry] = {}
         self.resident: dict[int, int] = defaultdict(int)
         self.packed: dict[tuple[int, int], int] = {}  # bytes registered per (stage, microbatch)
+        self.kept: dict[tuple[int, int], int] = {}  # bytes a split kept for W per (stage, microbatch)
+        self._recording: set | None = None
         self.history: list[tuple[int, float, int, int]] = []
         self.late_reloads = 0
         self.offloaded_bytes = 0
@@ -97,6 +109,7 @@ class ActivationStore:
         if self._entries:
             raise RuntimeError(f"saved activations still held: {self.held()}")
         self.packed.clear()
+        self.kept.clear()
         self.history.clear()
         self.late_reloads = 0
         self.offloaded_bytes = 0
@@ -150,6 +163,8 @@ class ActivationStore:
         def unpack(saved):
             if not isinstance(saved, _Saved):
                 return saved
+            if self._recording is not None:
+                self._recording.add((saved.key, saved.storage))
             return self._materialize(saved)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -165,9 +180,29 @@ class ActivationStore:
         if entry.state == "reloading":
             torch.cuda.current_stream(self.device).wait_event(entry.event)
             entry.state, entry.event = "device", None
-        flat = entry.storages[s.storage]
+        flat = entry.storages.get(s.storage)
+        if flat is None:
+            flat = entry.aside.get(s.storage)
+            if flat is None:
+                raise RuntimeError(f"stage {s.key[0]} microbatch {s.key[1]}: a saved tensor the weight-gradient "
+                                   f"pass needs was freed after the input-gradient pass")
+            entry.missed = True
         return torch.empty(0, dtype=s.dtype, device=flat.device).set_(
             flat.untyped_storage(), s.offset, s.size, s.stride)
+
+    def recording(self):
+        """Context manager yielding the set of ``((stage, microbatch), storage)`` unpacked inside it."""
+        store = self
+
+        class _Rec:
+            def __enter__(self):
+                store._recording = set()
+                return store._recording
+
+            def __exit__(self, *exc):
+                store._recording = None
+
+        return _Rec()
 
     # -- transitions ------------------------------------------------------------------------
 
@@ -228,6 +263,41 @@ class ActivationStore:
         entry.storages = dev
         self._account(stage, entry.nbytes)
 
+    def split(self, stage: int, microbatch: int, keep: set[int], *, verify: bool = False) -> None:
+        """After ``I``: free every storage of ``(stage, microbatch)`` not in ``keep`` (storage keys
+        as recorded by :meth:`recording`); ``verify``: keep them aside (still counted as resident,
+        which they are, until :meth:`release`) and note a ``W`` that reads one (:meth:`missed`)."""
+        entry = self._get(stage, microbatch, "split")
+        if entry.state == "reloading":  # an I that read nothing
+            torch.cuda.current_stream(self.device).wait_event(entry.event)
+            entry.state, entry.event = "device", None
+        if entry.state == "offloading":
+            entry.event.synchronize()
+            self._finish_offload(stage, entry)
+        on_device = entry.state == "device"  # else on the host: an I that read none of it
+        drop = [k for k in entry.storages if k not in keep]
+        dropped = sum(entry.storages[k].numel() for k in drop)
+        for k in drop:
+            flat = entry.storages.pop(k)
+            if not on_device:
+                if self._cuda:
+                    self._pool[flat.numel()].append(flat)
+                continue
+            if self._cuda:  # reloaded on the side stream, read by the compute stream
+                flat.record_stream(torch.cuda.current_stream(self.device))
+            if verify:
+                entry.aside[k] = flat
+                entry.aside_bytes += flat.numel()
+        entry.nbytes -= dropped
+        self.kept[(stage, microbatch)] = entry.nbytes
+        freed = dropped - entry.aside_bytes if on_device else 0
+        if freed:
+            self._account(stage, -freed)
+
+    def missed(self, stage: int, microbatch: int) -> bool:
+        """Whether a ``W`` read a storage that a verifying :meth:`split` dropped."""
+        return self._get(stage, microbatch, "missed").missed
+
     def release(self, stage: int, microbatch: int) -> None:
         """Free ``(stage, microbatch)``: its backward is complete."""
         entry = self._entries.pop((stage, microbatch), None)
@@ -240,10 +310,13 @@ class ActivationStore:
             if self._cuda:
                 for flat in entry.storages.values():  # the side stream may still be writing it
                     flat.record_stream(torch.cuda.current_stream(self.device))
-            self._account(stage, -entry.nbytes)
-        elif entry.state == "host" and self._cuda:
-            for host in entry.storages.values():
-                self._pool[host.numel()].append(host)
+            self._account(stage, -entry.nbytes - entry.aside_bytes)
+        else:
+            if entry.state == "host" and self._cuda:
+                for host in entry.storages.values():
+                    self._pool[host.numel()].append(host)
+            if entry.aside_bytes:
+                self._account(stage, -entry.aside_bytes)
 
     def poll(self) -> None:
         """Account finished CUDA offloads (non-blocking; a no-op on CPU)."""

@@ -11,7 +11,11 @@
   chunks: in model order the first chunk runs its forward first and its backward last, so it
   lives longest (PipeOffload, Wan et al., ICML 2025). A chunk-microbatch whose lifespan (end of
   forward to start of backward, on the clock of the given durations) is not longer than
-  ``min_lifespan`` stays resident: its round trip could not be hidden.
+  ``min_lifespan`` stays resident: its round trip could not be hidden. Under a split backward,
+  the part ``W`` needs of an offloaded chunk-microbatch goes out again on its own: an
+  ``OFFLOAD_W`` right after ``I`` and a ``RELOAD_W`` placed like a ``RELOAD``, before the compute
+  action that precedes ``W`` (when the ``I``-to-``W`` gap is longer than ``min_lifespan`` and the
+  policy's ``weight`` is on).
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ class OffloadPolicy:
         min_lifespan: keep a chunk-microbatch resident unless its forward-to-backward gap is
             longer than this (time units of the durations used to plan; a gap of 0, a backward
             right after the forward, is never worth a round trip).
+        weight: under a split backward, also offload what ``W`` keeps between ``I`` and ``W``
+            (same chunks, same ``min_lifespan`` rule on the ``I``-to-``W`` gap).
     """
 
     chunks: int = 0
     min_lifespan: float = 0.0
+    weight: bool = True
 
     def __post_init__(self) -> None:
         if self.chunks < 0:
@@ -91,24 +98,32 @@ def add_offload(schedule: dict[int, list[Action]], layout: StageLayout, num_micr
     plan = simulate(schedule, layout, num_microbatches, durations=durations)
     out: dict[int, list[Action]] = {}
     for rank, actions in schedule.items():
-        chosen = set()
+        chosen, chosen_w = set(), set()
         for a in actions:
             if a.kind == "F" and layout.chunk_of(a.stage) < policy.chunks:
-                bwd = next(b for b in (Action(a.stage, "B", a.microbatch), Action(a.stage, "I", a.microbatch))
-                           if (rank, b) in plan.start)
+                s, j = a.stage, a.microbatch
+                bwd = next(b for b in (Action(s, "B", j), Action(s, "I", j)) if (rank, b) in plan.start)
                 if plan.start[(rank, bwd)] - plan.end[(rank, a)] > policy.min_lifespan:
-                    chosen.add((a.stage, a.microbatch))
+                    chosen.add((s, j))
+                w = Action(s, "W", j)
+                if (policy.weight and bwd.kind == "I"
+                        and plan.start[(rank, w)] - plan.end[(rank, bwd)] > policy.min_lifespan):
+                    chosen_w.add((s, j))
         lowered: list[Action] = []
         for a in actions:
-            if a.kind in ("B", "I") and (a.stage, a.microbatch) in chosen:
-                # prefetch: place the reload before the compute action preceding the backward
-                # (never ahead of its own OFFLOAD: the copy stream runs in list order)
-                prev = next((k for k in range(len(lowered) - 1, -1, -1) if lowered[k].kind in ("F", "B", "I", "W")),
-                            len(lowered))
-                after_offload = lowered.index(Action(a.stage, "OFFLOAD", a.microbatch)) + 1
-                lowered.insert(max(prev, after_offload), Action(a.stage, "RELOAD", a.microbatch))
+            for kinds, picked in ((("B", "I"), chosen), (("W",), chosen_w)):
+                if a.kind in kinds and (a.stage, a.microbatch) in picked:
+                    # prefetch: place the reload before the compute action preceding the backward
+                    # (never ahead of its own offload: the copy stream runs in list order)
+                    out_kind, in_kind = ("OFFLOAD", "RELOAD") if kinds[0] == "B" else ("OFFLOAD_W", "RELOAD_W")
+                    prev = next((k for k in range(len(lowered) - 1, -1, -1)
+                                 if lowered[k].kind in ("F", "B", "I", "W")), len(lowered))
+                    after_offload = lowered.index(Action(a.stage, out_kind, a.microbatch)) + 1
+                    lowered.insert(max(prev, after_offload), Action(a.stage, in_kind, a.microbatch))
             lowered.append(a)
             if a.kind == "F" and (a.stage, a.microbatch) in chosen:
                 lowered.append(Action(a.stage, "OFFLOAD", a.microbatch))
+            if a.kind == "I" and (a.stage, a.microbatch) in chosen_w:
+                lowered.append(Action(a.stage, "OFFLOAD_W", a.microbatch))
         out[rank] = lowered
     return out

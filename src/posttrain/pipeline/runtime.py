@@ -32,7 +32,9 @@ every rank from the step's plan and given to each stage's forward; it is not sen
 
 from __future__ import annotations
 
+import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -72,6 +74,9 @@ class StepResult:
         curve: ``(time s, resident chunk-microbatches summed over this rank's stages)`` at every change.
         peak_units: the peak of ``curve``.
         offloaded_bytes: bytes copied to host memory.
+        weight_keep: per stage that ran a split backward, the largest fraction of a
+            chunk-microbatch kept for ``W`` after ``I`` (0 on stage 0; 1 without ``weight_split``):
+            what :func:`~posttrain.pipeline.deps.simulate` takes as ``weight_keep``.
         late_reloads: backwards that found their activations still on the host (0 when every
             reload was scheduled ahead).
         cuda_max_allocated: on CUDA, ``torch.cuda.max_memory_allocated`` during the step (all
@@ -87,8 +92,14 @@ class StepResult:
     curve: list[tuple[float, float]] = field(default_factory=list)
     peak_units: float = 0.0
     offloaded_bytes: int = 0
+    weight_keep: dict[int, float] = field(default_factory=dict)
     late_reloads: int = 0
     cuda_max_allocated: int | None = None
+
+
+#: Autograd node types that list what they saved (``_saved_*`` / ``saved_tensors``): torch's
+#: generated nodes (``MmBackward0``) and custom ``autograd.Function`` nodes (``FooBackward``).
+_SHOWS_SAVED = re.compile(r"Backward\d*$|^AccumulateGrad$")
 
 
 def execution_order(actions: Sequence[Action]) -> list[Action]:
@@ -99,7 +110,7 @@ def execution_order(actions: Sequence[Action]) -> list[Action]:
     last_compute = None  # index in out of the latest compute action
     after_copy = 0  # index in out just after the latest copy
     for a in actions:
-        if a.kind == "RELOAD" and last_compute is not None:
+        if a.kind in ("RELOAD", "RELOAD_W") and last_compute is not None:
             at = max(last_compute, after_copy)
             out.insert(at, a)
             after_copy = at + 1
@@ -109,7 +120,7 @@ def execution_order(actions: Sequence[Action]) -> list[Action]:
         if a.kind in ("F", "B", "I", "W"):
             last_compute = len(out)
         out.append(a)
-        if a.kind == "OFFLOAD":
+        if a.kind in ("OFFLOAD", "OFFLOAD_W"):
             after_copy = len(out)
     return out
 
@@ -156,11 +167,15 @@ class PipelineRunner:
             in a header with the first message of each stage boundary, and later receives are
             posted two compute actions ahead so the data lands while this rank computes. With
             ``False`` every message carries its header and is received when needed.
+        weight_split: under a split backward, free what only ``I`` needs when ``I`` ends (see
+            :meth:`ActivationStore.split`); ``False`` keeps a chunk-microbatch whole until ``W``.
+            A stage's first split is checked: if ``W`` reads something the graph walk missed,
+            the stage stops splitting (with a warning) and nothing is lost.
     """
 
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, *, loss_fn: Callable,
                  offload: OffloadPolicy | None = None, group=None, device: torch.device | str = "cpu",
-                 static_shapes: bool = True) -> None:
+                 static_shapes: bool = True, weight_split: bool = True) -> None:
         self.layout = schedule.layout
         self.schedule = schedule
         self.group = group
@@ -194,6 +209,8 @@ class PipelineRunner:
         self._last = self.layout.num_stages - 1
         # one store for the runner's life: its pinned host buffers (CUDA) are reused across steps
         self.store = ActivationStore([p for ps in self._params.values() for p in ps], self.device)
+        self.weight_split = weight_split
+        self._split_ok: dict[int, bool] = {}  # stage -> its first split was checked against W's reads
 
     # -- communication ----------------------------------------------------------------------
 
@@ -288,6 +305,7 @@ class PipelineRunner:
         self._grads: dict[tuple[int, int], torch.Tensor] = {}  # gradient w.r.t. a stage's output
         self._wgroups: dict[tuple[int, int], list] = {}
         self._dx: dict[tuple[int, int], torch.Tensor] = {}  # input gradient waiting for SEND_B
+        self._whole: set[int] = set()  # stages with a split backward kept whole this step (walk declined)
         loss = torch.zeros((), device=self.device) if self._last in self.stages else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -358,10 +376,18 @@ class PipelineRunner:
                 dx = x.grad if x.requires_grad else None
                 if a.kind == "B":
                     self.store.release(s, j)
+                elif self.weight_split:  # nothing is left for W
+                    self.store.split(s, j, set())
             else:
                 (dx,), groups = stage_backward_input([y], None if grad is None else [grad], [x],
                                                      iter(self._params[s]))
                 self._wgroups[key] = groups
+                if self.weight_split and self._split_ok.get(s, True):
+                    keep = self._weight_saved(key, groups)
+                    if keep is None:
+                        self._whole.add(s)
+                    else:
+                        self.store.split(s, j, keep, verify=s not in self._split_ok)
             self._inputs.pop(key)
             if s > 0 and self.layout.rank_of(s - 1) == self.rank:
                 self._grads[(s - 1, j)] = dx
@@ -371,14 +397,87 @@ class PipelineRunner:
             groups = self._wgroups.pop(key, None)
             if groups is not None:
                 stage_backward_weight(iter(self._params[s]), groups)
+            if s not in self._split_ok and key in self.store.kept and groups is not None:
+                # the stage's first split kept what it dropped aside: trust the walk only if W read none of it
+                self._split_ok[s] = not self.store.missed(s, j)
+                if not self._split_ok[s]:
+                    warnings.warn(f"pipeline stage {s}: the weight-gradient pass read a saved tensor the graph walk "
+                                  f"did not find; this stage keeps all its saved activations until W", stacklevel=2)
             self.store.release(s, j)
-        elif a.kind == "OFFLOAD":
+        elif a.kind in ("OFFLOAD", "OFFLOAD_W"):
             self.store.offload(s, j)
-        elif a.kind == "RELOAD":
+        elif a.kind in ("RELOAD", "RELOAD_W"):
             self.store.reload(s, j)
         else:  # pragma: no cover - KINDS is closed
             raise AssertionError(a.kind)
         return None
+
+    def _weight_saved(self, key: tuple[int, int], groups: list[dict]) -> set[int] | None:
+        """The storages of ``key``'s saved activations that ``W`` will read: those saved by the
+        autograd nodes ``stage_backward_weight`` runs, i.e. the nodes on a path from a parameter
+        group's intermediates (where ``I`` captured the gradients) to that group's parameters.
+        ``None`` (keep everything) where one of those nodes cannot list what it saved: only
+        torch's generated nodes and custom ``autograd.Function`` nodes (``...Backward``) can.
+        (A node inside a non-reentrant ``torch.utils.checkpoint`` region recomputes the region
+        when asked: correct, but slow; the pipeline stages do not checkpoint.)"""
+        bit_of_param: dict = {}
+        bit_of_mid: dict = {}
+        for i, g in enumerate(groups):
+            for n in g["params"]:
+                bit_of_param[n] = bit_of_param.get(n, 0) | 1 << i
+            for n in g["intermediates"]:
+                bit_of_mid[n] = bit_of_mid.get(n, 0) | 1 << i
+        order, seen = [], set()  # post-order: every node after the nodes it leads to
+        for root in bit_of_mid:
+            if root in seen:
+                continue
+            seen.add(root)
+            stack = [(root, iter(root.next_functions))]
+            while stack:
+                node, it = stack[-1]
+                child = next((c for c, _ in it if c is not None and c not in seen), None)
+                if child is None:
+                    order.append(node)
+                    stack.pop()
+                else:
+                    seen.add(child)
+                    stack.append((child, iter(child.next_functions)))
+        up: dict = {}  # groups whose parameters a node leads to
+        for node in order:
+            mask = bit_of_param.get(node, 0)
+            for c, _ in node.next_functions:
+                if c is not None:
+                    mask |= up.get(c, 0)
+            up[node] = mask
+        down: dict = {}  # groups whose intermediates lead to a node (or are it)
+        for node in reversed(order):
+            mask = down.get(node, 0) | bit_of_mid.get(node, 0)
+            down[node] = mask
+            for c, _ in node.next_functions:
+                if c is not None:
+                    down[c] = down.get(c, 0) | mask
+        runs = [node for node in order if up[node] & down[node]]
+        if any(not _SHOWS_SAVED.search(type(node).__name__) for node in runs):
+            return None  # e.g. CopySlices (an in-place op on a view) hides the node it wraps: keep everything
+        with self.store.recording() as read:
+            try:
+                for node in runs:
+                    for name in dir(node):
+                        if name.startswith("_saved_") or name == "saved_tensors":
+                            getattr(node, name)
+            except RuntimeError:  # a node that cannot show what it saved: keep everything
+                return None
+        return {storage for k, storage in read if k == key}
+
+    def _weight_keep(self, chunk: dict[int, int]) -> dict[int, float]:
+        split = {a.stage for a in self.order if a.kind == "W"}
+        keep = dict.fromkeys(split, 0.0)
+        for (s, _), n in self.store.kept.items():
+            keep[s] = max(keep[s], n / chunk[s]) if chunk.get(s) else keep[s]
+        for s in split:  # a stage that did not split, or stopped, keeps everything
+            if self._split_ok.get(s) is False or s in self._whole or not any(k[0] == s for k in self.store.kept):
+                keep[s] = 1.0
+        return keep
 
     def _result(self, loss, step_time: float, record, t_start: float) -> StepResult:
         store = self.store
@@ -396,5 +495,6 @@ class PipelineRunner:
             chunk_bytes=chunk, peak_bytes={s: store.peak(s) for s in self.stages},
             rank_peak_bytes=store.total_peak(), curve=curve,
             peak_units=max(u for _, u in curve), offloaded_bytes=store.offloaded_bytes,
+            weight_keep=self._weight_keep(chunk),
             late_reloads=store.late_reloads,
             cuda_max_allocated=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)

@@ -2,7 +2,8 @@
 bytes, a host link and an offload policy.
 
 It runs the same dependency model as the runtime's tests (:func:`posttrain.pipeline.deps`):
-compute actions on a compute stream, ``OFFLOAD``/``RELOAD`` on one copy stream per rank (both
+compute actions on a compute stream, the copies (``OFFLOAD``/``RELOAD``, and ``OFFLOAD_W``/
+``RELOAD_W`` for what a split backward keeps for ``W``) on one copy stream per rank (both
 directions share it, as in the PipeOffload reference), a copy taking
 ``activation_bytes / host_bandwidth``. Whether offload hides is read two ways: the measured
 overhead (makespan with offload over makespan without), and the design's criterion
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from posttrain.pipeline import Durations, OffloadPolicy, SimResult, add_offload, build_schedule, simulate
+from posttrain.pipeline import COPY_KINDS, Durations, OffloadPolicy, SimResult, add_offload, build_schedule, simulate
 
 __all__ = ["PipelineSimResult", "PipelineWorkload", "simulate_pipeline"]
 
@@ -29,6 +30,10 @@ class PipelineWorkload:
         weight_grad_s: its weight-gradient backward (``W``).
         activation_bytes: saved activations of one chunk-microbatch.
         host_bandwidth: bytes/s of the device-host link, per copy direction (shared stream).
+        weight_keep: under a split backward, the fraction of ``activation_bytes`` that ``W``
+            still needs after ``I`` (the rest is freed when ``I`` ends; this part is offloaded
+            on its own, ``OFFLOAD_W``/``RELOAD_W``); 1 assumes ``W`` needs everything.
+            ``posttrain pipeline`` prints the fraction it measured per stage.
     """
 
     forward_s: float = 1.0
@@ -36,8 +41,11 @@ class PipelineWorkload:
     weight_grad_s: float = 1.0
     activation_bytes: float = 1.0
     host_bandwidth: float = math.inf
+    weight_keep: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.weight_keep <= 1:
+            raise ValueError(f"weight_keep={self.weight_keep} must be between 0 and 1 (--weight-keep)")
         for name in ("forward_s", "input_grad_s", "weight_grad_s", "activation_bytes"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
@@ -57,8 +65,10 @@ class PipelineWorkload:
         return 2 * self.copy_s / compute if compute > 0 else math.inf
 
     def durations(self) -> Durations:
+        w_copy = self.copy_s * self.weight_keep
         return Durations(F=self.forward_s, B=self.input_grad_s + self.weight_grad_s, I=self.input_grad_s,
-                         W=self.weight_grad_s, OFFLOAD=self.copy_s, RELOAD=self.copy_s)
+                         W=self.weight_grad_s, OFFLOAD=self.copy_s, RELOAD=self.copy_s, OFFLOAD_W=w_copy,
+                         RELOAD_W=w_copy)
 
 
 @dataclass
@@ -80,7 +90,7 @@ class PipelineSimResult:
     workload: PipelineWorkload
     makespan: float
     base_makespan: float
-    peaks: list[int]
+    peaks: list[float]
     sim: SimResult
 
     @property
@@ -90,7 +100,9 @@ class PipelineSimResult:
     @property
     def offloaded_bytes(self) -> float:
         """Bytes a step copies to host memory, over all ranks (each comes back once)."""
-        return sum(a.kind == "OFFLOAD" for _, a in self.sim.start) * self.workload.activation_bytes
+        w = self.workload
+        return sum(w.activation_bytes if a.kind == "OFFLOAD" else w.activation_bytes * w.weight_keep
+                   for _, a in self.sim.start if a.kind in ("OFFLOAD", "OFFLOAD_W"))
 
     @property
     def overhead(self) -> float:
@@ -104,7 +116,7 @@ class PipelineSimResult:
 
     def copy_utilization(self, rank: int) -> float:
         busy = sum(self.sim.end[key] - t0 for key, t0 in self.sim.start.items()
-                   if key[0] == rank and key[1].kind in ("OFFLOAD", "RELOAD"))
+                   if key[0] == rank and key[1].kind in COPY_KINDS)
         return busy / self.makespan if self.makespan else 0.0
 
     def memory_curve_bytes(self, rank: int) -> list[tuple[float, float]]:
@@ -136,10 +148,10 @@ def simulate_pipeline(schedule: str, *, num_ranks: int, num_microbatches: int, n
         raise ValueError(f"offload_chunks={offload_chunks} must be between 0 and the {sched.layout.num_chunks} chunks "
                          "per rank (--offload-chunks)")
     d = workload.durations()
-    base = simulate(sched.actions, sched.layout, num_microbatches, durations=d)
+    base = simulate(sched.actions, sched.layout, num_microbatches, durations=d, weight_keep=workload.weight_keep)
     policy = OffloadPolicy(offload_chunks, 2 * workload.copy_s if min_lifespan is None else min_lifespan)
     lowered = add_offload(sched.actions, sched.layout, num_microbatches, policy, durations=d)
-    res = simulate(lowered, sched.layout, num_microbatches, durations=d)
+    res = simulate(lowered, sched.layout, num_microbatches, durations=d, weight_keep=workload.weight_keep)
     return PipelineSimResult(schedule=schedule, num_ranks=num_ranks, num_chunks=sched.layout.num_chunks,
                              group_size=sched.group_size, offload_chunks=offload_chunks, workload=workload,
                              makespan=res.makespan, base_makespan=base.makespan, peaks=res.peaks(), sim=res)

@@ -97,7 +97,7 @@ def plan_pipeline(*, num_ranks: int, num_microbatches: int, workload: PipelineWo
         v = c["num_chunks"]
         w = PipelineWorkload(forward_s=workload.forward_s / v, input_grad_s=workload.input_grad_s / v,
                              weight_grad_s=workload.weight_grad_s / v, activation_bytes=workload.activation_bytes / v,
-                             host_bandwidth=workload.host_bandwidth)
+                             host_bandwidth=workload.host_bandwidth, weight_keep=workload.weight_keep)
         try:
             res = simulate_pipeline(c["schedule"], num_ranks=num_ranks, num_microbatches=num_microbatches,
                                     num_chunks=v, group_size=c["group_size"], offload_chunks=c["offload_chunks"],

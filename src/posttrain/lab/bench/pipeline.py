@@ -30,6 +30,7 @@ from posttrain.pipeline.stages import split_model
 from posttrain.train.pipeline import (
     PipelineConfig,
     build_pipeline_model,
+    measured_weight_keep,
     microbatch_loss,
     predicted_peaks,
     run_pipeline,
@@ -50,17 +51,18 @@ def _memory_rows(base: PipelineConfig, rank_counts, out) -> list[dict]:
             offloads = ("none", "full") if chunks == 1 else ("none", "1", "full")
             base_peak = None
             for off in offloads:
-                cfg = replace(base, schedule=name, num_ranks=p, chunks=chunks, group_size=group, offload=off, steps=1,
+                cfg = replace(base, schedule=name, num_ranks=p, chunks=chunks, group_size=group, offload=off, steps=2,
                               num_microbatches=2 * p, num_layers=max(base.num_layers, p * chunks))
                 res = run_pipeline(cfg)
                 peak_mib = max(r["result"]["rank_peak_bytes"] for r in res) / 2**20
                 units = max(r["result"]["peak_units"] for r in res)
                 base_peak = base_peak or peak_mib
+                predicted = max(predicted_peaks(cfg, weight_keep=measured_weight_keep(res)))
                 row = {"ranks": p, "schedule": name, "chunks": chunks, "group_size": group, "offload": off,
-                       "peak_mib": peak_mib, "peak_units": units, "predicted_units": max(predicted_peaks(cfg)),
+                       "peak_mib": peak_mib, "peak_units": round(units, 9), "predicted_units": predicted,
                        "vs_none": peak_mib / base_peak}
                 rows.append(row)
-                out(f"{p:>6} {name:>20} {off:>7} {peak_mib:>9.2f} {units:>6.1f} {row['predicted_units']:>9} "
+                out(f"{p:>6} {name:>20} {off:>7} {peak_mib:>9.2f} {units:>6.2f} {row['predicted_units']:>9.2f} "
                     f"{row['vs_none']:>7.2f}")
     return rows
 

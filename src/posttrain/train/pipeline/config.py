@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from posttrain.models import MODELS
@@ -25,6 +25,9 @@ class PipelineConfig:
         group_size: group size of group_interleaved, group_interleaved_zb and interleaved_zb
             (default: the number of ranks); the other schedules take none.
         offload: none, full, or the number of chunks per rank to offload (the longest-lived first).
+        no_weight_split: under a split backward (zb_h1, zbv, the _zb schedules), keep a
+            chunk-microbatch's saved activations whole until W instead of freeing what only I
+            needs when I ends (and offloading W's part on its own).
         model: gpt (built in) or llama (transformers, random init).
         dim: model hidden size.
         num_layers: transformer blocks (at least ranks x chunks).
@@ -72,6 +75,7 @@ class PipelineConfig:
     num_microbatches: int = field(default=4, metadata={"flag": "--microbatches"})
     group_size: int | None = None
     offload: str = "none"
+    no_weight_split: bool = False
     model: str = field(default="gpt", metadata={"choices": lambda: MODELS})
     dim: int = 64
     num_layers: int = field(default=4, metadata={"flag": "--layers"})
@@ -193,7 +197,7 @@ class PipelineConfig:
                               num_chunks=self.num_chunks, group_size=self.group_size)
 
     def policy(self) -> OffloadPolicy:
-        return OffloadPolicy.parse(self.offload, self.num_chunks)
+        return replace(OffloadPolicy.parse(self.offload, self.num_chunks), weight=not self.no_weight_split)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, dim=self.dim, num_layers=self.num_layers,

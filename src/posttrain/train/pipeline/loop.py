@@ -28,8 +28,8 @@ from .config import PipelineConfig
 from .data import PipelineData, packed_loss
 
 __all__ = [
-    "build_pipeline_model", "check_model_and_data", "microbatch_loss", "predicted_peaks", "reference_gradients", "run_pipeline",
-    "step_batch",
+    "build_pipeline_model", "check_model_and_data", "measured_weight_keep", "microbatch_loss", "predicted_peaks",
+    "reference_gradients", "run_pipeline", "step_batch",
 ]
 
 
@@ -73,14 +73,22 @@ def _tied_weight(model, stages: list) -> torch.nn.Parameter | None:
     return shared[0] if shared else None
 
 
-def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None) -> list[int]:
+def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None, *,
+                    weight_keep: float | dict[int, float] = 1.0) -> list[float]:
     """Peak resident chunk-microbatches per rank that the schedule predicts, lowered as the runner
     runs it (offload, then sends and receives); ``num_microbatches``: instead of ``cfg``'s (a
-    data-parallel replica's own count)."""
+    data-parallel replica's own count); ``weight_keep``: what a split backward keeps for ``W``
+    (per stage: :func:`measured_weight_keep` of a run; 1, the default, assumes everything)."""
     m = num_microbatches or cfg.num_microbatches
     sched = cfg.build(m)
     lowered = add_offload(sched.actions, sched.layout, m, cfg.policy())
-    return simulate(add_send_recv(lowered, sched.layout), sched.layout, m).peaks()
+    return simulate(add_send_recv(lowered, sched.layout), sched.layout, m, weight_keep=weight_keep).peaks()
+
+
+def measured_weight_keep(results: list[dict]) -> dict[int, float]:
+    """Per stage, the fraction of a chunk-microbatch ``W`` kept in a run (``run_pipeline``'s
+    results: each rank's last step)."""
+    return {int(s): f for r in results for s, f in r["result"]["weight_keep"].items()}
 
 
 def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
@@ -91,6 +99,7 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
     mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
     data = PipelineData(cfg, _model_config(model)) if cfg.data else None
     runner = PipelineRunner(mine, sched, loss_fn=packed_loss if data else microbatch_loss, offload=cfg.policy(),
+                            weight_split=not cfg.no_weight_split,
                             static_shapes=data is None)
     params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
     opt = _optimizer(cfg, params)
@@ -194,6 +203,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             m = len(sets)
             if m not in runners:
                 runners[m] = PipelineRunner(mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
+                                            weight_split=not cfg.no_weight_split,
                                             group=grid.pp_group, static_shapes=False)
                 runners[m].store.is_weight = column.is_weight()
             batch = data.pack(samples, sets, 1.0)
