@@ -172,3 +172,20 @@ def test_results_keeps_each_finished_command_when_a_later_one_fails(tmp_path, mo
     assert "old demo" in text and "old profiles" not in text
     assert "report 1 for longalign" in text and "report 2 for swe_smith" in text
     assert text.count("<!-- end: profiles -->") == 1
+
+
+def test_results_reruns_one_profile_and_keeps_the_others(tmp_path, monkeypatch):
+    from posttrain.lab import results
+
+    path = tmp_path / "results.md"
+    monkeypatch.setattr(results, "_run", lambda argv, log: f"first {argv[argv.index('--profile') + 1]}")
+    results.run_results(str(path), only=["profiles"], log=lambda line: None)
+    monkeypatch.setattr(results, "_run", lambda argv, log: f"second {argv[argv.index('--profile') + 1]}")
+    results.run_results(str(path), only=["profiles:swe_smith", "profiles:uniform"], log=lambda line: None)
+    text = path.read_text()
+    assert [p for p in results._PROFILES if f"first {p}" in text] == ["longalign", "long_tail", "bimodal"]
+    assert "second swe_smith" in text and "second uniform" in text and "second longalign" not in text
+    # in the file's order
+    assert text.index("first longalign") < text.index("second swe_smith") < text.index("first long_tail")
+    with pytest.raises(ValueError, match="unknown profile 'nope'"):
+        results.run_results(str(path), only=["profiles:nope"], log=lambda line: None)

@@ -21,5 +21,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("results", help="rerun every measurement of docs/results.md and rewrite it (hours)")
     p.add_argument("--path", default="docs/results.md", help="the file to rewrite (default docs/results.md)")
     p.add_argument("--only", default=None,
-                   help=f"comma-separated sections to rerun, keeping the rest ({', '.join(s.name for s in SECTIONS)})")
+                   help=f"comma-separated sections to rerun, keeping the rest ({', '.join(s.name for s in SECTIONS)}); "
+                        "profiles:NAME reruns one profile of the profiles section")
     p.set_defaults(func=_run)

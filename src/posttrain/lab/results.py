@@ -5,8 +5,10 @@ Each section is one ``posttrain`` command. Its report (what the command prints, 
 dropped) goes into the file verbatim under the command line, the commit it ran on and the date,
 so every figure names the command that produced it and can be rerun. Sections are delimited by
 ``<!-- result: NAME -->`` / ``<!-- end: NAME -->`` markers; ``--only NAME,...`` reruns some and
-keeps the others as they are. The file is rewritten after every finished command, so an
-interrupted or failed run keeps what it measured (and the old text of the sections it had not reached).
+keeps the others as they are (``--only profiles:longalign,profiles:swe_smith`` reruns some
+profiles of the per-profile section and keeps the other profiles' reports). The file is
+rewritten after every finished command, so an interrupted or failed run keeps what it measured
+(and the old text of the sections it had not reached).
 """
 
 from __future__ import annotations
@@ -133,18 +135,31 @@ def _run(argv: Sequence[str], log: Callable[[str], None]) -> str:
     return "\n".join(line for line in proc.stdout.splitlines() if not _NOISE.match(line)).strip()
 
 
+def _blocks(section_text: str) -> dict[str, str]:
+    """The per-command reports of an old section, by command line."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"`posttrain ([^`]+)` \(commit [^\n]*\n\n```\n.*?\n```\n",
+                                                         section_text, re.S)}
+
+
 def _render(section: Section, commit: str, log: Callable[[str], None],
-            done: Callable[[str], None] = lambda text: None) -> str:
+            done: Callable[[str], None] = lambda text: None, *, profiles: Sequence[str] | None = None,
+            old: str = "") -> str:
     """The section's text; ``done`` gets the text so far (closed by its end marker) after each
-    command, so a long section keeps what it measured if a later command fails or is interrupted."""
+    command, so a long section keeps what it measured if a later command fails or is interrupted.
+    ``profiles``: of a per-profile section, rerun only these and keep the others' old reports."""
     today = datetime.date.today().isoformat()
     parts = [f"<!-- result: {section.name} -->", f"## {section.title}", "", section.intro, ""]
     argvs = ([tuple(a.replace("{profile}", p) for a in section.argv) for p in _PROFILES]
              if "{profile}" in section.argv else [section.argv])
+    kept = _blocks(old)
     end = f"<!-- end: {section.name} -->"
-    for argv in argvs:
+    for argv, profile in zip(argvs, _PROFILES if len(argvs) > 1 else [None]):
+        line = " ".join(argv)
+        if profiles is not None and profile not in profiles and line in kept:
+            parts += [kept[line].rstrip("\n"), ""]
+            continue
         report = _run(argv, log)
-        parts += [f"`posttrain {' '.join(argv)}` (commit {commit}, {today}):", "", "```", report, "```", ""]
+        parts += [f"`posttrain {line}` (commit {commit}, {today}):", "", "```", report, "```", ""]
         done("\n".join([*parts, end]))
     parts.append(end)
     return "\n".join(parts)
@@ -164,7 +179,18 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
                 log: Callable[[str], None] = print) -> str:
     """Rerun the sections (all, or those named in ``only``) and rewrite ``path``; returns its text."""
     names = [s.name for s in SECTIONS]
+    profiles: dict[str, list[str]] = {}  # section -> the profiles to rerun (``profiles:longalign,...``)
     if only:
+        sections = []
+        for item in only:
+            name, _, profile = item.partition(":")
+            if name not in profiles or not profile:
+                sections.append(name)
+            if profile:
+                if profile not in _PROFILES:
+                    raise ValueError(f"--only: unknown profile {profile!r} in {item!r}; choose from {', '.join(_PROFILES)}")
+                profiles.setdefault(name, []).append(profile)
+        only = sections
         unknown = sorted(set(only) - set(names))
         if unknown:
             raise ValueError(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(names)}")
@@ -198,7 +224,8 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
             write()
             log(f"  kept in {path}")
 
-        rendered[section.name] = _render(section, commit, log, done)
+        rendered[section.name] = _render(section, commit, log, done, profiles=profiles.get(section.name),
+                                         old=old.get(section.name, ""))
     text = write()
     log(f"wrote {path}")
     return text
