@@ -91,7 +91,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("pipeline", "Pipeline memory per schedule and offload; our runner against torch's",
             ("bench", "pipeline"),
             "Largest per-rank peak of saved activations measured by the hooks (MiB and chunk-microbatches, "
-            "measured = predicted) for each schedule and offload policy; then step time of our runner against "
+            "measured = predicted; under a split backward, with what each stage measured it keeps for W) for each "
+            "schedule and offload policy (the last of 2 steps); then step time of our runner against "
             "torch.distributed.pipelining on the same stages (these timings move by up to 20% on this machine).",
             2),
     Section("paper-table", "The PipeOffload unit-cost table", ("simulate", "pipeline", "--paper-table"),
