@@ -34,22 +34,29 @@ preset) still work and say which flag replaces them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import sys
 
-from . import bench, chat, demo, export, pipeline, plan, results, rl, simulate, train
+__all__ = ["COMMANDS", "build_parser", "main"]
 
-__all__ = ["build_parser", "main"]
+#: Each command and the module of this package that adds it, in the order ``--help`` lists them.
+COMMANDS = {"demo": "demo", "train": "train", "export": "export", "chat-task": "chat", "evaluate": "chat",
+            "rl": "rl", "pipeline": "pipeline", "bench": "bench", "simulate": "simulate", "plan": "plan",
+            "results": "results"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``posttrain`` parser: one subcommand per module of this package."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``posttrain`` parser: one subcommand per module of this package; with ``command``, only
+    the module adding it (a command's options come from the code it runs, so building every
+    command imports torch, transformers and the rest: seconds before a typo is reported)."""
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (demo, train, export, chat, rl, pipeline, bench, simulate, plan, results):
-        module.add_parser(sub)
+    names = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for name in names:
+        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
     return parser
 
 
@@ -69,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .options import apply_config_file
 
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
     try:
         apply_config_file(parser, argv)
     except ValueError as e:
