@@ -329,6 +329,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
     """
     from posttrain.pipeline import Action
     from posttrain.sim.pipeline import PipelineWorkload
+    from posttrain.train.pipeline.report import measured_weight_keep
 
     try:
         with open(path) as f:
@@ -336,7 +337,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
         cfg, ranks = data["config"], data["ranks"]
         actions = [(Action.parse(a), t0, t1, {int(s): b for s, b in r["result"]["chunk_bytes"].items()})
                    for r in ranks for a, t0, t1 in r["result"]["actions"]]
-        kept = {int(s): f for r in ranks for s, f in r["result"].get("weight_keep", {}).items()}
+        kept = measured_weight_keep(ranks)
     except OSError as e:
         raise ValueError(f"--calibrate {path}: {e.strerror}") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError):

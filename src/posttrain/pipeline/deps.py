@@ -194,9 +194,8 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
         for d in deps_of[a]:
             if d not in present:
                 raise ScheduleError(f"{a} depends on {d}, which no rank runs")
-    copy_kinds = COPY_KINDS
     keep = _weight_keep(weight_keep, layout.num_stages)
-    streams = {(r, c): [a for a in acts if (a.kind in copy_kinds) == (c == "copy")]
+    streams = {(r, c): [a for a in acts if (a.kind in COPY_KINDS) == (c == "copy")]
                for r, acts in schedule.items() for c in ("compute", "copy")}
     # A copy is issued where it sits in the rank's list: not before the compute action in front
     # of it has started (that is how a RELOAD placed ahead of a backward prefetches it). Only
@@ -207,7 +206,7 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
     for acts in schedule.values():
         last_compute = None
         for a in acts:
-            if a.kind in copy_kinds:
+            if a.kind in COPY_KINDS:
                 if last_compute is not None:
                     trigger[a] = last_compute
             elif a.kind in COMPUTE_KINDS:

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -190,19 +192,14 @@ class ActivationStore:
         return torch.empty(0, dtype=s.dtype, device=flat.device).set_(
             flat.untyped_storage(), s.offset, s.size, s.stride)
 
-    def recording(self):
-        """Context manager yielding the set of ``((stage, microbatch), storage)`` unpacked inside it."""
-        store = self
-
-        class _Rec:
-            def __enter__(self):
-                store._recording = set()
-                return store._recording
-
-            def __exit__(self, *exc):
-                store._recording = None
-
-        return _Rec()
+    @contextmanager
+    def recording(self) -> Iterator[set]:
+        """Yields the set of ``((stage, microbatch), storage)`` unpacked inside the block."""
+        self._recording = read = set()
+        try:
+            yield read
+        finally:
+            self._recording = None
 
     # -- transitions ------------------------------------------------------------------------
 

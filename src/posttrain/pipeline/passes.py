@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._ir import Action
+from ._ir import COMPUTE_KINDS, Action
 from .deps import Durations, simulate
 from .layout import StageLayout
 
@@ -111,15 +111,16 @@ def add_offload(schedule: dict[int, list[Action]], layout: StageLayout, num_micr
                     chosen_w.add((s, j))
         lowered: list[Action] = []
         for a in actions:
-            for kinds, picked in ((("B", "I"), chosen), (("W",), chosen_w)):
-                if a.kind in kinds and (a.stage, a.microbatch) in picked:
-                    # prefetch: place the reload before the compute action preceding the backward
-                    # (never ahead of its own offload: the copy stream runs in list order)
-                    out_kind, in_kind = ("OFFLOAD", "RELOAD") if kinds[0] == "B" else ("OFFLOAD_W", "RELOAD_W")
-                    prev = next((k for k in range(len(lowered) - 1, -1, -1)
-                                 if lowered[k].kind in ("F", "B", "I", "W")), len(lowered))
-                    after_offload = lowered.index(Action(a.stage, out_kind, a.microbatch)) + 1
-                    lowered.insert(max(prev, after_offload), Action(a.stage, in_kind, a.microbatch))
+            reload = (("OFFLOAD", "RELOAD") if a.kind in ("B", "I") and (a.stage, a.microbatch) in chosen
+                      else ("OFFLOAD_W", "RELOAD_W") if a.kind == "W" and (a.stage, a.microbatch) in chosen_w
+                      else None)
+            if reload:
+                # prefetch: place the reload before the compute action preceding the backward
+                # (never ahead of its own offload: the copy stream runs in list order)
+                prev = next((k for k in range(len(lowered) - 1, -1, -1) if lowered[k].kind in COMPUTE_KINDS),
+                            len(lowered))
+                after_offload = lowered.index(Action(a.stage, reload[0], a.microbatch)) + 1
+                lowered.insert(max(prev, after_offload), Action(a.stage, reload[1], a.microbatch))
             lowered.append(a)
             if a.kind == "F" and (a.stage, a.microbatch) in chosen:
                 lowered.append(Action(a.stage, "OFFLOAD", a.microbatch))

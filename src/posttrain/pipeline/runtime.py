@@ -32,6 +32,7 @@ every rank from the step's plan and given to each stage's forward; it is not sen
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import warnings
@@ -100,6 +101,12 @@ class StepResult:
 #: Autograd node types that list what they saved (``_saved_*`` / ``saved_tensors``): torch's
 #: generated nodes (``MmBackward0``) and custom ``autograd.Function`` nodes (``FooBackward``).
 _SHOWS_SAVED = re.compile(r"Backward\d*$|^AccumulateGrad$")
+
+
+@functools.cache
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    """The attributes through which an autograd node type shows what it saved."""
+    return tuple(n for n in dir(node_type) if n.startswith("_saved_") or n == "saved_tensors")
 
 
 def execution_order(actions: Sequence[Action]) -> list[Action]:
@@ -462,9 +469,8 @@ class PipelineRunner:
         with self.store.recording() as read:
             try:
                 for node in runs:
-                    for name in dir(node):
-                        if name.startswith("_saved_") or name == "saved_tensors":
-                            getattr(node, name)
+                    for name in _saved_names(type(node)):
+                        getattr(node, name)
             except RuntimeError:  # a node that cannot show what it saved: keep everything
                 return None
         return {storage for k, storage in read if k == key}

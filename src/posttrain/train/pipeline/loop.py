@@ -28,7 +28,7 @@ from .config import PipelineConfig
 from .data import PipelineData, packed_loss
 
 __all__ = [
-    "build_pipeline_model", "check_model_and_data", "measured_weight_keep", "microbatch_loss", "predicted_peaks",
+    "build_pipeline_model", "check_model_and_data", "microbatch_loss", "predicted_peaks",
     "reference_gradients", "run_pipeline", "step_batch",
 ]
 
@@ -78,17 +78,11 @@ def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None, *,
     """Peak resident chunk-microbatches per rank that the schedule predicts, lowered as the runner
     runs it (offload, then sends and receives); ``num_microbatches``: instead of ``cfg``'s (a
     data-parallel replica's own count); ``weight_keep``: what a split backward keeps for ``W``
-    (per stage: :func:`measured_weight_keep` of a run; 1, the default, assumes everything)."""
+    (per stage: :func:`~posttrain.train.pipeline.report.measured_weight_keep` of a run; 1, the default, assumes everything)."""
     m = num_microbatches or cfg.num_microbatches
     sched = cfg.build(m)
     lowered = add_offload(sched.actions, sched.layout, m, cfg.policy())
     return simulate(add_send_recv(lowered, sched.layout), sched.layout, m, weight_keep=weight_keep).peaks()
-
-
-def measured_weight_keep(results: list[dict]) -> dict[int, float]:
-    """Per stage, the fraction of a chunk-microbatch ``W`` kept in a run (``run_pipeline``'s
-    results: each rank's last step)."""
-    return {int(s): f for r in results for s, f in r["result"]["weight_keep"].items()}
 
 
 def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:

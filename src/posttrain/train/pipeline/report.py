@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["format_dp_report", "format_report"]
+__all__ = ["format_dp_report", "format_report", "measured_weight_keep"]
+
+def measured_weight_keep(results: list[dict]) -> dict[int, float]:
+    """Per stage, the fraction of a chunk-microbatch ``W`` kept in a run (``run_pipeline``'s
+    results, or a ``--metrics`` file's ranks: each rank's last step)."""
+    return {int(s): f for r in results for s, f in r["result"].get("weight_keep", {}).items()}
+
 
 def _weight_keep_line(results: list[dict]) -> list[str]:
-    keep = {int(s): f for r in results for s, f in r["result"].get("weight_keep", {}).items()}
+    keep = measured_weight_keep(results)
     if not keep:
         return []
     return ["kept for W after I, of a chunk-microbatch, per stage: "
