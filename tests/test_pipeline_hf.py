@@ -168,13 +168,16 @@ def long_tail_data(tmp_path_factory):
     ("qwen2", "1f1b", 1, "full", "odc", "odc", "diff_micro"),  # tied: copies on each replica's first and last rank
     ("llama", "1f1b", 1, "full", "odc", "collective", "same_micro"),
     ("qwen2", "1f1b", 1, "full", "fsdp", "odc", "same_micro"),
+    # split backward: W's gradients are pushed after W (stage_backward_weight bypasses the push hook)
+    ("llama", "zbv", 2, "full", "odc", "odc", "diff_micro"),
+    ("qwen2", "zb_h1", 1, "none", "odc", "collective", "same_micro"),
 ])
 def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data, tmp_path, family, schedule, chunks,
                                                      offload, dp, mode, balance):
     from posttrain.models import load_pretrained as load
     from posttrain.models import tied_names
     from posttrain.train.dp.loop import loss_units
-    from posttrain.train.pipeline.dp import replica_plans, runnable
+    from posttrain.train.pipeline.dp import SPLIT_BACKWARD, replica_plans, runnable
 
     cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, dp_size=2, model_path=deep_model(family),
                          data=long_tail_data, sequences=16, max_tokens=64, steps=1, lr=0.5, optimizer="sgd",
@@ -186,10 +189,14 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
         assert micro[0] != micro[1], micro  # the replicas ran different numbers of microbatches in the step
     if balance == "same_micro":
         assert micro[0] == micro[1], micro
+    # The first split of a split backward is checked (what it drops stays resident until W): as unsplit.
+    bound = replace(cfg, no_weight_split=True) if schedule in SPLIT_BACKWARD else cfg
     for r in results:  # resident saved activations within each replica's predicted peak (in units of a stage's
         # largest microbatch, so smaller microbatches count less than one)
-        predicted = predicted_peaks(cfg, r["microbatches"][0])[r["pp_rank"]]
+        predicted = predicted_peaks(bound, r["microbatches"][0])[r["pp_rank"]]
         assert 0 < r["result"]["peak_units"] <= predicted + 1e-9, (r["rank"], predicted)
+        if schedule in SPLIT_BACKWARD:  # W kept only its part: each parameter its own group (ODC's views)
+            assert all(k < 0.5 for k in r["result"]["weight_keep"].values()), r["result"]["weight_keep"]
     # One process: the unsplit model on every replica's microbatches, the loss over all trained tokens.
     model = load(cfg.model_path)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -226,8 +233,8 @@ def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_
     assert "2 data-parallel replicas (flat ODC, diff_micro)" in stdout and "microbatches per replica and step" in stdout
     assert len([line for line in stdout.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
     rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--dp-size", "2",
-                     "--schedule", "zbv")
-    assert rc == 2 and "split-backward schedules are not yet supported with data parallelism" in err
+                     "--schedule", "zbv", "--dp", "fsdp", "--balance", "same_micro")
+    assert rc == 2 and "--dp fsdp with --schedule zbv" in err
 
 
 def test_a_pipeline_resumes_with_sgd_and_another_packing(deep_model, chat_data, tmp_path):

@@ -34,7 +34,8 @@ or :meth:`FlatODC.sharded_state_dict`), and :meth:`FlatODC.close` puts the full 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -181,6 +182,9 @@ class FlatODC:
         self.rank = dist.get_rank(self.shard_group)
         self.shard_size = dist.get_world_size(self.shard_group)
         self._hooks: list = []
+        # id(gathered leaf) -> (unit, leaf, its trainable parameter views), from a forward in this
+        # minibatch until the leaf's gradient is pushed (for weight_views / push_grads)
+        self._gathered: dict[int, tuple[FlatUnit, torch.Tensor, list[torch.Tensor]]] = {}
         self._protocol: MinibatchProtocol | None = None
         self._closed = False
         self.layouts = self._build_units(model, units)  # checked before anything is taken off the model
@@ -519,6 +523,7 @@ class FlatODC:
                 view[u.shard_numel :].copy_(u.frozen_shard)
 
     def release(self) -> None:
+        self._gathered.clear()
         for u in self.layouts:
             for t in (u.full, u.frozen_full):
                 if t is not None:
@@ -537,6 +542,46 @@ class FlatODC:
             if u.shard.grad is None:
                 u.shard.grad = torch.empty_like(u.shard)
             u.shard.grad.copy_(g)
+
+    def weight_views(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` with each gathered leaf of this minibatch replaced by the parameter views
+        its unit's modules use (one per trainable parameter; other tensors kept). For a split
+        backward (torch's ``stage_backward_input`` / ``stage_backward_weight``): with the views as
+        its weights, each parameter is its own group and the weight pass runs only the nodes
+        between a parameter and where its gradient meets the input gradient's path; with the one
+        flat leaf of a unit as the weight, that pass would run the unit's whole backward again."""
+        out: list[torch.Tensor] = []
+        for t in tensors:
+            entry = self._gathered.get(id(t))
+            out += entry[2] if entry is not None and entry[1] is t else [t]
+        return out
+
+    def push_grads(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Push the gradients set on gathered leaves, or on their :meth:`weight_views`, without
+        autograd's accumulation into the leaf (so its post-accumulate hook did not fire): e.g.
+        by ``stage_backward_weight``, which assigns ``.grad`` itself. Views' gradients are
+        assembled into the leaf's flat gradient first. Tensors of no leaf of this handle, or
+        without a gradient (already pushed), are skipped; returns the number of leaves pushed."""
+        given = {id(t) for t in tensors}
+        n = 0
+        with warnings.catch_warnings():  # .grad of a view (a non-leaf): set by the weight pass, read here
+            warnings.simplefilter("ignore", UserWarning)
+            for key, (u, full, views) in list(self._gathered.items()):
+                mine = [v for v in views if id(v) in given and v.grad is not None]
+                if not mine and not (key in given and full.grad is not None):
+                    continue
+                if mine:
+                    flat = full.grad if full.grad is not None else torch.zeros_like(full)
+                    offset = 0
+                    for v in views:  # the views split full[:numel] in order
+                        if id(v) in given and v.grad is not None:
+                            flat[offset: offset + v.numel()].add_(v.grad.reshape(-1))
+                            v.grad = None
+                        offset += v.numel()
+                    full.grad = flat
+                self._make_push(u)(full)
+                n += 1
+        return n
 
     # ---------------------------------------------------------------- hooks
     def _fill(self, u: FlatUnit, full: torch.Tensor | None, frozen: torch.Tensor | None) -> None:
@@ -583,6 +628,8 @@ class FlatODC:
                 views += frozen[: u.frozen_numel].split(u.sizes[u.num_trainable :])
             u.full, u.frozen_full = full, frozen
             views = [v.view(p.shape) for v, p in zip(views, u.params)]
+            if full is not None and full.requires_grad and self._protocol.in_minibatch:
+                self._gathered[id(full)] = (u, full, views[: u.num_trainable])
             for m, attr, i in u.slots:
                 m.__dict__[attr] = views[i]
             changed = False
@@ -653,6 +700,7 @@ class FlatODC:
             with record_function("ODC::scatter_accumulate"):
                 p.check_in_minibatch_for_backward()
                 p.push_rows(u, full.grad.view(self.shard_size, u.shard_numel))
+                self._gathered.pop(id(full), None)
                 full.grad = None
                 full.untyped_storage().resize_(0)
             if p.on_comm is not None:

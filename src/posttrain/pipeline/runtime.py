@@ -160,6 +160,24 @@ def _to(target, device: torch.device):
     return target.to(device)
 
 
+def _graph_leaves(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors that require grad reached from ``y``'s autograd graph, except ``x``
+    (the stage input), in a fixed (depth-first) order."""
+    out, seen, stack = [], set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad
+        if leaf is not None:
+            if leaf is not x and leaf.requires_grad:
+                out.append(leaf)
+            continue
+        stack.extend(c for c, _ in reversed(node.next_functions))
+    return out
+
+
 class PipelineRunner:
     """Runs one rank's share of a schedule (see the module docstring).
 
@@ -178,11 +196,30 @@ class PipelineRunner:
             :meth:`ActivationStore.split`); ``False`` keeps a chunk-microbatch whole until ``W``.
             A stage's first split is checked: if ``W`` reads something the graph walk missed,
             the stage stops splitting (with a warning) and nothing is lost.
+        split_checked: ``{stage: verdict}`` of the stages whose first split was already checked;
+            pass one dict to every runner of the same stages (one per microbatch count, say) so
+            that each stage is checked once (default: this runner's own). While checking, the
+            dropped storages stay resident: that step's memory is the unsplit one's.
+        weights_of: for a stage with no registered parameters (see below), maps the leaves its
+            forward's autograd graph reaches to the tensors the split backward treats as its
+            weights (default: the leaves themselves; flat ODC: ``handle.weight_views``, one view
+            per parameter, so that ``W`` runs only the weight-gradient nodes).
+        on_weight_grads: called after each split-backward ``W`` with the weights it gave
+            gradients to. ``stage_backward_weight`` assigns ``.grad`` itself, so hooks that run
+            when autograd accumulates a gradient (a sharding engine's gradient push) do not fire:
+            this is where such an engine pushes them (flat ODC: ``handle.push_grads``).
+
+    A stage whose parameters a sharding engine has taken off the module (flat ODC gathers fresh
+    leaf tensors every forward) has no registered parameters: its weights for the split backward
+    come from the leaves its forward's autograd graph reaches (``weights_of``).
     """
 
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, *, loss_fn: Callable,
                  offload: OffloadPolicy | None = None, group=None, device: torch.device | str = "cpu",
-                 static_shapes: bool = True, weight_split: bool = True) -> None:
+                 static_shapes: bool = True, weight_split: bool = True,
+                 split_checked: dict[int, bool] | None = None,
+                 weights_of: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+                 on_weight_grads: Callable[[list[torch.Tensor]], object] | None = None) -> None:
         self.layout = schedule.layout
         self.schedule = schedule
         self.group = group
@@ -217,7 +254,10 @@ class PipelineRunner:
         # one store for the runner's life: its pinned host buffers (CUDA) are reused across steps
         self.store = ActivationStore([p for ps in self._params.values() for p in ps], self.device)
         self.weight_split = weight_split
-        self._split_ok: dict[int, bool] = {}  # stage -> its first split was checked against W's reads
+        self.weights_of = weights_of
+        self.on_weight_grads = on_weight_grads
+        # stage -> its first split was checked against W's reads (and held)
+        self._split_ok: dict[int, bool] = {} if split_checked is None else split_checked
 
     # -- communication ----------------------------------------------------------------------
 
@@ -310,7 +350,7 @@ class PipelineRunner:
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # stage input (leaf)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # stage output, or the loss on the last stage
         self._grads: dict[tuple[int, int], torch.Tensor] = {}  # gradient w.r.t. a stage's output
-        self._wgroups: dict[tuple[int, int], list] = {}
+        self._wgroups: dict[tuple[int, int], tuple[list, list]] = {}  # (param groups, weights) from I for W
         self._dx: dict[tuple[int, int], torch.Tensor] = {}  # input gradient waiting for SEND_B
         self._whole: set[int] = set()  # stages with a split backward kept whole this step (walk declined)
         loss = torch.zeros((), device=self.device) if self._last in self.stages else None
@@ -386,9 +426,9 @@ class PipelineRunner:
                 elif self.weight_split:  # nothing is left for W
                     self.store.split(s, j, set())
             else:
-                (dx,), groups = stage_backward_input([y], None if grad is None else [grad], [x],
-                                                     iter(self._params[s]))
-                self._wgroups[key] = groups
+                weights = self._params[s] or self._graph_weights(y, x)
+                (dx,), groups = stage_backward_input([y], None if grad is None else [grad], [x], iter(weights))
+                self._wgroups[key] = groups, weights
                 if self.weight_split and self._split_ok.get(s, True):
                     keep = self._weight_saved(key, groups)
                     if keep is None:
@@ -401,9 +441,11 @@ class PipelineRunner:
             elif s > 0:
                 self._dx[key] = dx
         elif a.kind == "W":
-            groups = self._wgroups.pop(key, None)
+            groups, weights = self._wgroups.pop(key, (None, None))
             if groups is not None:
-                stage_backward_weight(iter(self._params[s]), groups)
+                stage_backward_weight(iter(weights), groups)
+                if self.on_weight_grads is not None:
+                    self.on_weight_grads(weights)
             if s not in self._split_ok and key in self.store.kept and groups is not None:
                 # the stage's first split kept what it dropped aside: trust the walk only if W read none of it
                 self._split_ok[s] = not self.store.missed(s, j)
@@ -418,6 +460,10 @@ class PipelineRunner:
         else:  # pragma: no cover - KINDS is closed
             raise AssertionError(a.kind)
         return None
+
+    def _graph_weights(self, y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+        leaves = _graph_leaves(y, x)
+        return leaves if self.weights_of is None else self.weights_of(leaves)
 
     def _weight_saved(self, key: tuple[int, int], groups: list[dict]) -> set[int] | None:
         """The storages of ``key``'s saved activations that ``W`` will read: those saved by the

@@ -155,9 +155,10 @@ class PipelineConfig:
 
             if not self.data:
                 raise ValueError("--dp-size needs --data (and --model-path): replicas balance a step's records")
-            if self.schedule in SPLIT_BACKWARD:
-                raise ValueError(f"--dp-size with --schedule {self.schedule}: split-backward schedules are not yet "
-                                 "supported with data parallelism; use gpipe, 1f1b, interleaved_1f1b or group_interleaved")
+            if self.schedule in SPLIT_BACKWARD and self.dp == "fsdp":
+                raise ValueError(f"--dp fsdp with --schedule {self.schedule}: FSDP2 reduces gradients from its "
+                                 "backward hooks, which a split backward's weight pass bypasses; use --dp odc, or "
+                                 "gpipe, 1f1b, interleaved_1f1b or group_interleaved")
             if self.checkpoint_dir:
                 raise ValueError("--checkpoint-dir is not yet supported with --dp-size > 1")
             if self.balance not in METHODS:

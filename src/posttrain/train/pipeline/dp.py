@@ -17,9 +17,14 @@ FSDP2 as the data-parallel axis (``dp="fsdp"``, :class:`ColumnFSDP2`) shards the
 ``fully_shard`` over the column: its per-layer all-gathers and reduce-scatters are collectives of
 the column, so every replica must run the same number of microbatches in the same order
 (``same_micro``), and gradients are averaged over the column (the loss divisor is the global
-count over the replicas). Tied input and output embeddings: :class:`TiedEmbedding`. Not supported
-yet (refused): split-backward schedules (zb_h1, zbv, the ``*_zb`` families: their weight-gradient
-step runs outside the engines' hooks), and a tied embedding with one pipeline rank.
+count over the replicas). Tied input and output embeddings: :class:`TiedEmbedding`.
+
+Split-backward schedules (zb_h1, zbv, the ``*_zb`` families) run under ODC: their weight pass
+(torch's ``stage_backward_weight``) assigns ``.grad`` without autograd's accumulation, so the hook
+that pushes a unit's gradient does not fire; the runner hands the weights to
+:meth:`ColumnODC.push_grads` after each ``W`` instead. Refused: split backward under FSDP2 (its
+reduce-scatter runs from backward hooks a separate weight pass bypasses), and a tied embedding
+with one pipeline rank.
 """
 
 from __future__ import annotations
@@ -115,6 +120,16 @@ class ColumnODC:
     def is_weight(self):
         return owned_storage(self.handle)
 
+    def weights_of(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A split backward's weights: each gathered leaf's per-parameter views (see
+        :meth:`posttrain.odc.FlatODC.weight_views`)."""
+        return self.handle.weight_views(leaves)
+
+    def push_grads(self, weights: list[torch.Tensor]) -> None:
+        """After a split backward's ``W``: push the weight gradients it assigned (see
+        :meth:`posttrain.odc.FlatODC.push_grads`)."""
+        self.handle.push_grads(weights)
+
     def tied_shard(self) -> torch.Tensor | None:
         for u in self.handle.layouts:
             if u.name.endswith((".embed_tokens", ".lm_head")) and u.shard is not None:
@@ -171,6 +186,8 @@ class ColumnFSDP2:
                 if m is not None:
                     return m.weight
         return None
+
+    weights_of = push_grads = None  # split-backward schedules are refused: FSDP2 reduces from its own backward hooks
 
     def full_parameters(self, stages: dict[int, nn.Module]) -> None:
         """Replace every sharded parameter of ``stages`` by its full tensor (a collective)."""

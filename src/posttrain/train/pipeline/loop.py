@@ -182,7 +182,8 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     tie = TiedEmbedding(grid, column, first, last) if tied else None
     opt = _optimizer(cfg, column.parameters())
     data = PipelineData(cfg, config)
-    runners: dict[int, PipelineRunner] = {}
+    runners: dict[int, PipelineRunner] = {}  # one per microbatch count, sharing the split check
+    checked: dict[int, bool] = {}
     fits = runnable(cfg)
     losses, times, walls, micro, tokens, result = [], [], [], [], [], None
     try:
@@ -197,7 +198,9 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             m = len(sets)
             if m not in runners:
                 runners[m] = PipelineRunner(mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
-                                            weight_split=not cfg.no_weight_split,
+                                            weight_split=not cfg.no_weight_split, split_checked=checked,
+                                            weights_of=column.weights_of,
+                                            on_weight_grads=column.push_grads,
                                             group=grid.pp_group, static_shapes=False)
                 runners[m].store.is_weight = column.is_weight()
             batch = data.pack(samples, sets, 1.0)
