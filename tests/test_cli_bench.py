@@ -42,21 +42,23 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
     assert "partition bound" in proc.stdout and "even bound" in proc.stdout
 
 
-def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path):
+def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path, cli):
     import json
 
     out = tmp_path / "s.json"
     proc = run_cli("bench", "odc", "--sweep", "--sequences-per-rank", "1,2", "--sweep-max-tokens", "64,128", "--steps",
                 "2", "--max-len", "64", "--dim", "32", "--layers", "1", "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    points = json.loads(out.read_text())["points"]
+    saved = json.loads(out.read_text())
+    points = saved["points"]
+    assert set(saved["calibration"]["engine"]) == {"odc", "collective"}  # what the predictions rest on
     assert [(p["sequences_per_rank"], p["max_tokens"]) for p in points] == [(1, 64), (1, 128), (2, 64), (2, 128)]
     for p in points:
         assert p["headroom"][0] > 0 and p["mechanism"][0] > 0
         assert p["predicted"]["headroom"] > 0 and p["predicted"]["mechanism"] > 0
     assert "pred head" in proc.stdout
-    proc = run_cli("bench", "odc", "--sweep", "--sweep-max-tokens", "32", "--max-len", "64")
-    assert proc.returncode == 2 and "is below --max-len=64" in proc.stderr
+    rc, _, err = cli("bench", "odc", "--sweep", "--sweep-max-tokens", "32", "--max-len", "64")
+    assert rc == 2 and "is below --max-len=64" in err
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])
@@ -70,7 +72,7 @@ def test_odc_overhead_benchmark_reports_every_rank(run_cli, world_size):
         assert all("Python calls" in ln and "/ plain:" in ln for ln in lines[:2])
 
 
-def test_bench_pipeline_tiny(run_cli, tmp_path):
+def test_bench_pipeline_tiny(run_cli, tmp_path, cli):
     out = tmp_path / "b.json"
     proc = run_cli("bench", "pipeline", "--ranks", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
                 "--repeats", "2", "--json", str(out))
@@ -84,28 +86,28 @@ def test_bench_pipeline_tiny(run_cli, tmp_path):
     assert all(r["peak_units"] == r["predicted_units"] for r in res["memory"])
     assert [r["schedule"] for r in res["timing"]] == ["1f1b", "interleaved_1f1b"]
     assert all(r["max_grad_diff"] == 0.0 and r["ratio"] > 0 for r in res["timing"])
-    proc = run_cli("bench", "pipeline", "--ranks", "two")
-    assert proc.returncode == 2 and "comma-separated" in proc.stderr
+    rc, _, err = cli("bench", "pipeline", "--ranks", "two")
+    assert rc == 2 and "comma-separated" in err
 
 
-def test_bench_transport_prints_both_ratios(run_cli, tmp_path):
+def test_bench_transport_prints_both_ratios(run_cli, tmp_path, cli):
     out = tmp_path / "t.json"
     proc = run_cli("bench", "transport", "--sizes-mib", "0.25", "--iters", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "shm gather" in proc.stdout and out.exists()
-    proc = run_cli("bench", "transport", "--iters", "0")
-    assert proc.returncode == 2 and "--iters=0" in proc.stderr
+    rc, _, err = cli("bench", "transport", "--iters", "0")
+    assert rc == 2 and "--iters=0" in err
 
 
-def test_bench_balance_prints_every_method_and_the_targets(run_cli, tmp_path):
+def test_bench_balance_prints_every_method_and_the_targets(run_cli, tmp_path, cli):
     out = tmp_path / "b.json"
     proc = run_cli("bench", "balance", "--world-sizes", "2,4", "--seeds", "1", "--profiles", "long_tail", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     for method in ("round_robin", "local_sort", "same_micro", "diff_micro"):
         assert f" {method} " in proc.stdout
     assert "targets" in proc.stdout and out.exists()
-    proc = run_cli("bench", "balance", "--world-sizes", "2,x")
-    assert proc.returncode == 2 and "--world-sizes" in proc.stderr and "Traceback" not in proc.stderr
+    rc, _, err = cli("bench", "balance", "--world-sizes", "2,x")
+    assert rc == 2 and "--world-sizes" in err and "Traceback" not in err
 
 
 def test_bench_rl_replays_the_same_rollouts_under_three_engines(cli, tmp_path):

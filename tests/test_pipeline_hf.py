@@ -226,6 +226,26 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
         assert got.hf.lm_head.weight is got.hf.model.embed_tokens.weight
 
 
+def test_a_pipeline_x_odc_checkpoint_resumes_as_one_pipeline_on_another_split_and_back(deep_model, long_tail_data,
+                                                                                       tmp_path):
+    # Whole parameters and AdamW state under the model's names: pp=2 x dp=2 (1F1B) -> one pipeline
+    # (interleaved 1F1B, 2 chunks) -> pp=2 x dp=2 (zbv): the loss curve of the uninterrupted run.
+    base = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, dp_size=2, model_path=deep_model("llama"),
+                          data=long_tail_data, sequences=16, max_tokens=64, steps=3, lr=1e-2, skip_long=True)
+
+    def curve(results):
+        return next(r["losses"] for r in results if r["losses"] and r["losses"][0] is not None)
+
+    whole = curve(run_pipeline(base))
+    cut = replace(base, checkpoint_dir=str(tmp_path / "ckpt"))
+    first = run_pipeline(replace(cut, steps=1))
+    assert curve(first) == pytest.approx(whole[:1], rel=1e-6)
+    one = run_pipeline(replace(cut, steps=2, dp_size=1, schedule="interleaved_1f1b", chunks=2, num_microbatches=8))
+    assert {r["resumed_from"] for r in one} == {1} and curve(one) == pytest.approx(whole[1:2], rel=1e-5)
+    back = run_pipeline(replace(cut, schedule="zbv", chunks=2))
+    assert {r["resumed_from"] for r in back} == {2} and curve(back) == pytest.approx(whole[2:], rel=1e-5)
+
+
 def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_tail_data):
     rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--ranks", "2",
                           "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--chart", "")

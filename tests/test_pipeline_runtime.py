@@ -126,7 +126,7 @@ def test_at_8_ranks_group_interleaved_offload_of_half_cuts_more_than_half_interl
     # 12, 6 | 13, 5, 2 | 22, 14, 8, 4; full offload 2 where the paper counts 3 at g=4 and v=4)
     ("group_interleaved_zb", 2, 4, 32, {"none": 12, "1": 6}),
     ("group_interleaved_zb", 2, 1, 32, {"none": 13, "1": 5, "full": 2}),
-    ("group_interleaved_zb", 4, 2, 32, {"none": 22, "1": 14, "2": 8, "3": 4, "full": 2}),
+    ("group_interleaved_zb", 4, 2, 32, {"none": 22, "2": 8, "full": 2}),  # (1 and 3 chunks: 14, 4)
 ])
 def test_at_8_ranks_split_backward_group_interleaved_memory_is_measured_as_predicted(schedule, chunks, group,
                                                                                     microbatches, expected):

@@ -161,19 +161,19 @@ def test_save_pretrained_one_part_at_a_time_reloads_equal(tiny_model, tmp_path):
     assert not list(tmp_path.glob(".m.*"))  # no temporary folder left behind
 
 
-def test_export_command_turns_a_checkpoint_into_the_same_model(tmp_path, tiny_model, run_cli):
+def test_export_command_turns_a_checkpoint_into_the_same_model(tmp_path, tiny_model, cli):
     src = tiny_model("qwen2")
     data = _chat_file(tmp_path, n=8)
     ckpt, direct, exported = tmp_path / "ckpt", tmp_path / "direct", tmp_path / "exported"
-    proc = run_cli("train", "--model-path", src, "--data", data, "--sequences", "4", "--max-tokens", "320", "--steps", "2",
-                   "--checkpoint-dir", str(ckpt), "--output-dir", str(direct))
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("export", str(ckpt), str(exported))
-    assert proc.returncode == 0, proc.stderr
+    rc, _, err = cli("train", "--model-path", src, "--data", data, "--sequences", "4", "--max-tokens", "320", "--steps",
+                     "2", "--checkpoint-dir", str(ckpt), "--output-dir", str(direct))
+    assert rc == 0, err
+    rc, _, err = cli("export", str(ckpt), str(exported))
+    assert rc == 0, err
     probe = torch.tensor([list(range(3, 30))])
     torch.testing.assert_close(_probe(str(exported), probe), _probe(str(direct), probe))
-    proc = run_cli("export", str(tmp_path), str(tmp_path / "x"))
-    assert proc.returncode == 2 and "not a posttrain checkpoint" in proc.stderr
+    rc, _, err = cli("export", str(tmp_path), str(tmp_path / "x"))
+    assert rc == 2 and "not a posttrain checkpoint" in err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -314,5 +314,8 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
                 cells.append(f"{at['headroom']:6.2f}/{at['mechanism']:5.2f}x")
             log(f"{spr:8d} {cfg.max_tokens:7d} " + " ".join(f"{c:>15}" for c in cells))
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "points": out_points}
+    if machine:  # what the predictions rest on: the per-layer cost fit and each mode's engine costs
+        out["calibration"] = {"layer_cost": asdict(machine["layer_cost"]),
+                              "fit_median_error": machine["fit_median_error"], "engine": machine["engine"]}
     _write(json_path, out, log)
     return out

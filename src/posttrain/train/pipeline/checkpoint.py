@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain.dp.engine import ensure_optimizer_state
@@ -64,3 +65,87 @@ class PipelineState:
         saved = state["optim"]["state"]  # (SGD without momentum keeps no per-parameter state)
         optimizer.load_state_dict({"state": {i: saved[n] for i, n in enumerate(names) if n in saved},
                                    "param_groups": groups})
+
+
+class ColumnState:
+    """The checkpointable state of one rank of a pipeline x ODC run (``--dp-size``), written in
+    :class:`PipelineState`'s format: whole parameters and their optimizer state under the model's
+    names. A checkpoint therefore resumes on any split, any number of replicas, or none (and a
+    single pipeline's checkpoint resumes here). Saving gathers each unit's shards and shard-shaped
+    optimizer state over the column (the ranks holding the same stages; a collective); loading
+    cuts this rank's shard out of the whole tensors. Flat ODC steps each unit's shard as one
+    tensor and the optimizers here are elementwise, so a whole parameter's state is the
+    concatenation of its shards'.
+
+    Args:
+        handle: the column's :class:`~posttrain.odc.FlatODC`.
+        names: ``id(parameter) -> name in the model``, taken before sharding took the parameters
+            off the model.
+    """
+
+    checkpoint_format = "pipeline"
+
+    def __init__(self, handle, names: dict[int, str]) -> None:
+        self.handle = handle
+        self.group = handle.shard_group
+        self.units = [u for u in handle.layouts if u.shard is not None]
+        self.unit_names = [[names[id(p)] for p in u.params[: u.num_trainable]] for u in self.units]
+
+    def _whole(self, u, local: torch.Tensor) -> list[torch.Tensor]:
+        """The whole parameters of unit ``u`` from every rank's ``local`` shard-shaped tensor."""
+        out = torch.empty(local.numel() * dist.get_world_size(self.group), dtype=local.dtype)
+        dist.all_gather_single(out, local.detach().contiguous(), group=self.group)
+        parts = out[: u.numel].split(u.sizes[: u.num_trainable])
+        return [t.view(p.shape).clone() for t, p in zip(parts, u.params)]
+
+    def _cut(self, u, whole: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of unit ``u`` out of its whole parameters (zero padding)."""
+        flat = torch.zeros(u.shard_numel * dist.get_world_size(self.group), dtype=whole[0].dtype)
+        flat[: u.numel] = torch.cat([t.reshape(-1) for t in whole])
+        rank = dist.get_rank(self.group)
+        return flat[rank * u.shard_numel: (rank + 1) * u.shard_numel]
+
+    def _order(self, optimizer: torch.optim.Optimizer) -> list[int]:
+        index = {id(u.shard): k for k, u in enumerate(self.units)}
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(id(p) not in index for p in order):
+            raise ValueError("the optimizer steps tensors that are not this column's shards")
+        return [index[id(p)] for p in order]
+
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """As :meth:`PipelineState.state_dict`; a collective over the column."""
+        ensure_optimizer_state(optimizer)
+        self._order(optimizer)
+        model, state = {}, {}
+        for u, names in zip(self.units, self.unit_names):
+            model.update(zip(names, self._whole(u, u.shard)))
+            values = optimizer.state.get(u.shard, {})
+            per = {k: self._whole(u, v) if isinstance(v, torch.Tensor) and v.shape == u.shard.shape
+                   else [v.clone() if isinstance(v, torch.Tensor) else v for _ in names] for k, v in values.items()}
+            for i, n in enumerate(names):
+                state[n] = {k: v[i] for k, v in per.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        return {"model": model, "optim": {"state": state, "groups": groups}}
+
+    def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Restore a :meth:`state_dict` filled in place by ``dcp.load``."""
+        with torch.no_grad():
+            for u, names in zip(self.units, self.unit_names):
+                u.shard.copy_(self._cut(u, [state["model"][n] for n in names]))
+        order = self._order(optimizer)
+        mine = optimizer.state_dict()
+        saved = state["optim"]["state"]
+        osd = {}
+        for i, k in enumerate(order):
+            u, names = self.units[k], self.unit_names[k]
+            if names[0] not in saved:  # (SGD without momentum keeps no per-parameter state)
+                continue
+            whole = {key: isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == state["model"][names[0]].shape
+                     for key, v in saved[names[0]].items()}
+            osd[i] = {key: self._cut(u, [saved[n][key] for n in names]).clone() if is_whole else saved[names[0]][key]
+                      for key, is_whole in whole.items()}
+        groups = [{**g_saved, "params": g["params"]} for g_saved, g in zip(state["optim"]["groups"], mine["param_groups"])]
+        optimizer.load_state_dict({"state": osd, "param_groups": groups})
+
+
+__all__.append("ColumnState")

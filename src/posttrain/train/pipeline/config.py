@@ -159,8 +159,8 @@ class PipelineConfig:
                 raise ValueError(f"--dp fsdp with --schedule {self.schedule}: FSDP2 reduces gradients from its "
                                  "backward hooks, which a split backward's weight pass bypasses; use --dp odc, or "
                                  "gpipe, 1f1b, interleaved_1f1b or group_interleaved")
-            if self.checkpoint_dir:
-                raise ValueError("--checkpoint-dir is not yet supported with --dp-size > 1")
+            if self.checkpoint_dir and self.dp == "fsdp":
+                raise ValueError("--checkpoint-dir with --dp-size is for --dp odc (not yet --dp fsdp)")
             if self.balance not in METHODS:
                 raise ValueError(f"--balance={self.balance!r} is not one of {', '.join(METHODS)}")
             if self.dp not in ("odc", "fsdp"):

@@ -23,7 +23,7 @@ from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simul
 from posttrain.pipeline.stages import split_model
 from posttrain.train.dp.checkpoint import resume, save_checkpoint
 
-from .checkpoint import PipelineState
+from .checkpoint import ColumnState, PipelineState
 from .config import PipelineConfig
 from .data import PipelineData, packed_loss
 
@@ -176,6 +176,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
     skip = tied_names(model)  # tied aliases, written once on export
     tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
+    names = {id(p): n for n, p in model.named_parameters()}  # likewise (a tied weight: its first name)
     column = (ColumnFSDP2(mine, grid.dp_mesh) if cfg.dp == "fsdp"
               else ColumnODC(mine, grid.dp_mesh, mode=cfg.odc_mode, deterministic=cfg.deterministic))
     first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
@@ -185,9 +186,11 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     runners: dict[int, PipelineRunner] = {}  # one per microbatch count, sharing the split check
     checked: dict[int, bool] = {}
     fits = runnable(cfg)
-    losses, times, walls, micro, tokens, result = [], [], [], [], [], None
+    losses, times, walls, micro, tokens, result, done = [], [], [], [], [], None, 0
     try:
-        for step in range(cfg.steps):
+        state = ColumnState(column.handle, names) if cfg.checkpoint_dir else None
+        done = resume(cfg, state, opt) if state is not None else 0
+        for step in range(done, cfg.steps):
             samples = data.data.minibatch(step)
             tokens.append(sum(len(x) - 1 for x in samples))
             plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
@@ -220,6 +223,9 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             losses.append(float(part) / (cfg.dp_size if cfg.dp == "fsdp" else 1))  # the step's loss, on every rank
             times.append(result.step_time_s)
             micro.append(m)
+            due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
+            if state is not None and due:
+                save_checkpoint(cfg, state, opt, step, rank)
     except BaseException:
         column.close()
         raise
@@ -234,7 +240,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     full = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in ids} if return_params else {}
     return {"rank": rank, "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank, "losses": losses, "step_times": times,
             "microbatches": micro, "result": None if result is None else asdict(result), "params": full,
-            "stages": sorted(mine), "resumed_from": 0, "wall_times": walls, "step_tokens": tokens}
+            "stages": sorted(mine), "resumed_from": done, "wall_times": walls, "step_tokens": tokens}
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:
