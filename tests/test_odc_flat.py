@@ -403,3 +403,56 @@ def _setup_fails(rank, world_size):
 
 def test_flat_setup_failure_gives_the_model_its_parameters_back():
     assert run_ranks(_setup_fails, 2) == [True, True]
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    out, seen, stack = [], set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            out.append(node.variable)
+        else:
+            stack.extend(c for c, _ in node.next_functions)
+    return out
+
+
+def _weight_pass(rank, world_size, push):
+    """Gradients of one minibatch by a plain backward, then by a weight pass that assigns .grad
+    to the per-parameter views itself (as torch's stage_backward_weight does)."""
+    from odc_helpers import batches
+
+    model = make_gpt()
+    h = odc_mod.flat_shard(model)
+    seq = batches(0, rank, 1)[0]
+    out = {}
+    for mode in ("backward", "weight pass"):
+        try:
+            with h.minibatch():
+                loss = loss_of(model, seq)
+                if mode == "backward":
+                    loss.backward()
+                else:
+                    views = h.weight_views(_leaves(loss))
+                    assert len(views) == len([p for u in h.layouts for p in u.params])  # one per parameter
+                    for v, g in zip(views, torch.autograd.grad(loss, views)):
+                        v.grad = g
+                    if push:
+                        assert h.push_grads(views) == len(h.layouts)  # each unit's leaf once
+        except RuntimeError as e:
+            h.close(restore=False)
+            return str(e)
+        out[mode] = [p.grad.clone() for p in h.parameters()]
+    h.close()
+    return out
+
+
+def test_a_weight_pass_that_assigns_grads_itself_is_pushed_or_refused():
+    # 2 shards of every unit (vectors padded to a multiple of 2): what a split backward's W relies on
+    for got in run_ranks(_weight_pass, 2, True):
+        for a, b in zip(got["backward"], got["weight pass"]):
+            torch.testing.assert_close(b, a, **FP32)
+    refused = run_ranks(_weight_pass, 2, False)  # not pushed: the minibatch refuses to end (a peer learns of it)
+    assert all(isinstance(got, str) for got in refused) and any("never pushed" in got for got in refused), refused

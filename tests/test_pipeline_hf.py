@@ -16,6 +16,7 @@ from posttrain.models import load_pretrained
 from posttrain.pipeline.stages import balanced_block_ranges, split_model
 from posttrain.train.pipeline import PipelineConfig, predicted_peaks, run_pipeline
 from posttrain.train.pipeline.data import PipelineData, packed_loss
+from posttrain.train.pipeline.loop import check_model_and_data
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,14 @@ def test_bad_pipeline_data_flags_are_named(deep_model, chat_data):
     cfg = PipelineConfig(model_path=deep_model("llama"), data=chat_data, sequences=16, num_microbatches=2, max_tokens=40)
     with pytest.raises(ValueError, match="do not fit in --microbatches=2 microbatches of at most --max-tokens=40"):
         PipelineData(replace(cfg), load_pretrained(cfg.model_path).config).step(0)
+    with pytest.raises(ValueError, match="--checkpoint-dir with --dp-size is for --dp odc"):
+        PipelineConfig(model_path=deep_model("llama"), data=chat_data, dp_size=2, dp="fsdp", balance="same_micro",
+                       checkpoint_dir="ckpt")
+    with pytest.raises(ValueError, match="--schedule zbv, which puts the first and the last stage on one rank"):
+        check_model_and_data(PipelineConfig(model_path=deep_model("qwen2"), data=chat_data, dp_size=2, schedule="zbv",
+                                            chunks=2))
+    with pytest.raises(ValueError, match="with one pipeline rank does not support yet; use posttrain train"):
+        check_model_and_data(PipelineConfig(model_path=deep_model("qwen2"), data=chat_data, dp_size=2, num_ranks=1))
 
 
 def test_the_pipeline_command_trains_a_model_directory_on_chat_data(cli, deep_model, chat_data, tmp_path):

@@ -375,6 +375,18 @@ class FlatODC:
             raise RuntimeError("this flat ODC handle is closed")
         with self._protocol.minibatch(num_tokens=num_tokens) as mb:
             yield mb
+            self._check_pushed()  # inside: a failure here is the protocol's (peers are told)
+
+    def _check_pushed(self) -> None:
+        """Refuse to end a minibatch with a gradient computed but never pushed (it would be lost)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # .grad of a view
+            for u, full, views in self._gathered.values():
+                if full.grad is not None or any(v.grad is not None for v in views):
+                    raise RuntimeError(
+                        f"flat ODC: a gradient of unit {u.name!r} was computed but never pushed; a weight pass "
+                        "that assigns .grad itself (torch's stage_backward_weight) must hand its weights to "
+                        "handle.push_grads")
 
     def iter_full_units(self) -> Iterator[dict[str, torch.Tensor]]:
         """Unit by unit, every parameter under each name a module uses for it (tied parameters
@@ -459,6 +471,7 @@ class FlatODC:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._gathered.clear()
         for u in self.layouts:
             u.full = u.frozen_full = None
         if self._protocol is not None:

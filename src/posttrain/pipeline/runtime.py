@@ -443,7 +443,9 @@ class PipelineRunner:
         elif a.kind == "W":
             groups, weights = self._wgroups.pop(key, (None, None))
             if groups is not None:
-                stage_backward_weight(iter(weights), groups)
+                with warnings.catch_warnings():  # weights that are views (a sharding engine's): torch reads .grad
+                    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+                    stage_backward_weight(iter(weights), groups)
                 if self.on_weight_grads is not None:
                     self.on_weight_grads(weights)
             if s not in self._split_ok and key in self.store.kept and groups is not None:

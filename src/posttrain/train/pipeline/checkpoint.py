@@ -75,7 +75,9 @@ class ColumnState:
     optimizer state over the column (the ranks holding the same stages; a collective); loading
     cuts this rank's shard out of the whole tensors. Flat ODC steps each unit's shard as one
     tensor and the optimizers here are elementwise, so a whole parameter's state is the
-    concatenation of its shards'.
+    concatenation of its shards'. Cost: while saving (and while loading), every rank of a column
+    holds its stages' whole parameters and optimizer state at once (about three times the
+    stages' parameters with AdamW), not its shard.
 
     Args:
         handle: the column's :class:`~posttrain.odc.FlatODC`.
@@ -140,10 +142,12 @@ class ColumnState:
             u, names = self.units[k], self.unit_names[k]
             if names[0] not in saved:  # (SGD without momentum keeps no per-parameter state)
                 continue
-            whole = {key: isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == state["model"][names[0]].shape
-                     for key, v in saved[names[0]].items()}
-            osd[i] = {key: self._cut(u, [saved[n][key] for n in names]).clone() if is_whole else saved[names[0]][key]
-                      for key, is_whole in whole.items()}
+            def per_element(key: str) -> bool:  # state shaped like each parameter (not a scalar like step)
+                return all(isinstance(saved[n][key], torch.Tensor) and saved[n][key].dim() > 0
+                           and saved[n][key].shape == state["model"][n].shape for n in names)
+
+            osd[i] = {key: self._cut(u, [saved[n][key] for n in names]).clone() if per_element(key) else value
+                      for key, value in saved[names[0]].items()}
         groups = [{**g_saved, "params": g["params"]} for g_saved, g in zip(state["optim"]["groups"], mine["param_groups"])]
         optimizer.load_state_dict({"state": osd, "param_groups": groups})
 

@@ -24,7 +24,7 @@ Split-backward schedules (zb_h1, zbv, the ``*_zb`` families) run under ODC: thei
 that pushes a unit's gradient does not fire; the runner hands the weights to
 :meth:`ColumnODC.push_grads` after each ``W`` instead. Refused: split backward under FSDP2 (its
 reduce-scatter runs from backward hooks a separate weight pass bypasses), and a tied embedding
-with one pipeline rank.
+whose first and last stage share a rank (one pipeline rank, or ``zbv``'s V).
 """
 
 from __future__ import annotations

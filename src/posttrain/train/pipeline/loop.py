@@ -289,9 +289,15 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     if layers is not None and layers < cfg.num_stages:
         raise ValueError(f"--model-path {cfg.model_path} has {layers} decoder layers, fewer than the {cfg.num_stages} "
                          f"stages (--ranks {cfg.num_ranks} x --chunks {cfg.num_chunks}): every stage needs one")
-    if cfg.dp_size > 1 and cfg.num_ranks == 1 and getattr(config, "tie_word_embeddings", False):
+    layout = cfg.build().layout
+    if (cfg.dp_size > 1 and getattr(config, "tie_word_embeddings", False)
+            and layout.rank_of(0) == layout.rank_of(cfg.num_stages - 1)):
+        where = ("one pipeline rank" if cfg.num_ranks == 1 else
+                 f"--schedule {cfg.schedule}, which puts the first and the last stage on one rank,")
         raise ValueError(f"--model-path {cfg.model_path} ties its input and output embeddings, which --dp-size with "
-                         "one pipeline rank does not support; use posttrain train for data parallelism alone")
+                         f"{where} does not support yet; "
+                         + ("use posttrain train for data parallelism alone" if cfg.num_ranks == 1
+                            else "use another schedule"))
     if cfg.data:
         data = PipelineData(cfg, config, log=log)
         fits = None
