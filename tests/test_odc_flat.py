@@ -421,7 +421,8 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _weight_pass(rank, world_size, push):
     """Gradients of one minibatch by a plain backward, then by a weight pass that assigns .grad
-    to the per-parameter views itself (as torch's stage_backward_weight does)."""
+    to the per-parameter views itself (as torch's stage_backward_weight does), after the weights
+    were freed and gathered again."""
     from odc_helpers import batches
 
     model = make_gpt()
@@ -437,7 +438,11 @@ def _weight_pass(rank, world_size, push):
                 else:
                     views = h.weight_views(_leaves(loss))
                     assert len(views) == len([p for u in h.layouts for p in u.params])  # one per parameter
-                    for v, g in zip(views, torch.autograd.grad(loss, views)):
+                    torch.autograd.grad(loss, views, retain_graph=True)  # (an input pass: weights gathered back)
+                    # freed until the weight pass, then gathered again: what the pipeline does between I and W
+                    resharded = sum(u.reshard for u in h.layouts)
+                    assert h.release_weights(views) == resharded and h.regather_weights(views) == resharded
+                    for v, g in zip(views, torch.autograd.grad(loss, views)):  # reads the regathered weights
                         v.grad = g
                     if push:
                         assert h.push_grads(views) == len(h.layouts)  # each unit's leaf once

@@ -569,6 +569,39 @@ class FlatODC:
             out += entry[2] if entry is not None and entry[1] is t else [t]
         return out
 
+    def _entries(self, tensors: Iterable[torch.Tensor]) -> list[tuple[FlatUnit, torch.Tensor, list[torch.Tensor]]]:
+        """The gathered entries whose leaf or one of whose views is in ``tensors``."""
+        given = {id(t) for t in tensors}
+        return [(u, full, views) for key, (u, full, views) in self._gathered.items()
+                if key in given or any(id(v) in given for v in views)]
+
+    def release_weights(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Free the gathered storage of the units whose leaves (or :meth:`weight_views`) are in
+        ``tensors``: after a split backward's input pass, whose weight pass comes later, so that a
+        microbatch waiting for it holds no unsharded copy of the weights. :meth:`regather_weights`
+        fills them again. Units that are not resharded (the root) are kept. Returns the count freed."""
+        n = 0
+        for u, full, _ in self._entries(tensors):
+            if u.reshard and full.untyped_storage().nbytes():
+                full.untyped_storage().resize_(0)
+                n += 1
+        return n
+
+    def regather_weights(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Gather again what :meth:`release_weights` freed (from the owners' exposures, which do
+        not change inside a minibatch). Returns the count gathered."""
+        n = 0
+        for u, full, _ in self._entries(tensors):
+            storage = full.untyped_storage()
+            nbytes = full.numel() * full.element_size()
+            if storage.nbytes() == nbytes:
+                continue
+            storage.resize_(nbytes)
+            # a tensor of its own on the storage: filling it leaves the saved views' version alone
+            self._fill(u, torch.empty(0, dtype=full.dtype).set_(storage, 0, full.shape, full.stride()), None)
+            n += 1
+        return n
+
     def push_grads(self, tensors: Iterable[torch.Tensor]) -> int:
         """Push the gradients set on gathered leaves, or on their :meth:`weight_views`, without
         autograd's accumulation into the leaf (so its post-accumulate hook did not fire): e.g.

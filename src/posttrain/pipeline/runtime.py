@@ -38,6 +38,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,8 @@ from .offload import ActivationStore
 from .passes import OffloadPolicy, add_offload, add_send_recv
 from .schedules import Schedule
 
-__all__ = ["PipelineActionError", "PipelineRunner", "StepResult", "execution_order", "to_torch_actions"]
+__all__ = ["PipelineActionError", "PipelineRunner", "ShardedWeights", "StepResult", "execution_order",
+           "to_torch_actions"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 10  # ndim, up to 8 dims, dtype code
@@ -160,6 +162,27 @@ def _to(target, device: torch.device):
     return target.to(device)
 
 
+class ShardedWeights(Protocol):
+    """What a sharding engine that gathers fresh weight tensors every forward does around a split
+    backward (flat ODC: :class:`~posttrain.train.pipeline.dp.ColumnODC`). ``weights`` is what
+    :meth:`weights_of` returned for the microbatch."""
+
+    def weights_of(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors ``I`` and ``W`` treat as the stage's weights, given the leaves of its
+        forward's graph (flat ODC: one view per parameter, so that ``W`` runs only the
+        weight-gradient nodes, not the whole backward again)."""
+
+    def after_input(self, weights: list[torch.Tensor]) -> None:
+        """``I`` is done: the gathered weights may be freed until :meth:`before_weight`."""
+
+    def before_weight(self, weights: list[torch.Tensor]) -> None:
+        """``W`` comes next: gather what :meth:`after_input` freed."""
+
+    def after_weight(self, weights: list[torch.Tensor]) -> None:
+        """``W`` is done. torch's ``stage_backward_weight`` assigns ``.grad`` itself, so hooks
+        that run when autograd accumulates a gradient (a gradient push) did not fire: push."""
+
+
 def _graph_leaves(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
     """The leaf tensors that require grad reached from ``y``'s autograd graph, except ``x``
     (the stage input), in a fixed (depth-first) order."""
@@ -200,26 +223,16 @@ class PipelineRunner:
             pass one dict to every runner of the same stages (one per microbatch count, say) so
             that each stage is checked once (default: this runner's own). While checking, the
             dropped storages stay resident: that step's memory is the unsplit one's.
-        weights_of: for a stage with no registered parameters (see below), maps the leaves its
-            forward's autograd graph reaches to the tensors the split backward treats as its
-            weights (default: the leaves themselves; flat ODC: ``handle.weight_views``, one view
-            per parameter, so that ``W`` runs only the weight-gradient nodes).
-        on_weight_grads: called after each split-backward ``W`` with the weights it gave
-            gradients to. ``stage_backward_weight`` assigns ``.grad`` itself, so hooks that run
-            when autograd accumulates a gradient (a sharding engine's gradient push) do not fire:
-            this is where such an engine pushes them (flat ODC: ``handle.push_grads``).
-
-    A stage whose parameters a sharding engine has taken off the module (flat ODC gathers fresh
-    leaf tensors every forward) has no registered parameters: its weights for the split backward
-    come from the leaves its forward's autograd graph reaches (``weights_of``).
+        sharded: for stages whose parameters a sharding engine took off the modules (flat ODC
+            gathers fresh leaf tensors every forward), what that engine does around a split
+            backward (see :class:`ShardedWeights`): such a stage has no registered parameters,
+            so its weights come from the leaves its forward's autograd graph reaches.
     """
 
     def __init__(self, stages: dict[int, nn.Module], schedule: Schedule, *, loss_fn: Callable,
                  offload: OffloadPolicy | None = None, group=None, device: torch.device | str = "cpu",
                  static_shapes: bool = True, weight_split: bool = True,
-                 split_checked: dict[int, bool] | None = None,
-                 weights_of: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-                 on_weight_grads: Callable[[list[torch.Tensor]], object] | None = None) -> None:
+                 split_checked: dict[int, bool] | None = None, sharded: ShardedWeights | None = None) -> None:
         self.layout = schedule.layout
         self.schedule = schedule
         self.group = group
@@ -254,8 +267,7 @@ class PipelineRunner:
         # one store for the runner's life: its pinned host buffers (CUDA) are reused across steps
         self.store = ActivationStore([p for ps in self._params.values() for p in ps], self.device)
         self.weight_split = weight_split
-        self.weights_of = weights_of
-        self.on_weight_grads = on_weight_grads
+        self.sharded = sharded
         # stage -> its first split was checked against W's reads (and held)
         self._split_ok: dict[int, bool] = {} if split_checked is None else split_checked
 
@@ -435,6 +447,8 @@ class PipelineRunner:
                         self._whole.add(s)
                     else:
                         self.store.split(s, j, keep, verify=s not in self._split_ok)
+                if self.sharded is not None and not self._params[s]:
+                    self.sharded.after_input(weights)
             self._inputs.pop(key)
             if s > 0 and self.layout.rank_of(s - 1) == self.rank:
                 self._grads[(s - 1, j)] = dx
@@ -443,11 +457,14 @@ class PipelineRunner:
         elif a.kind == "W":
             groups, weights = self._wgroups.pop(key, (None, None))
             if groups is not None:
+                engine = self.sharded if self.sharded is not None and not self._params[s] else None
+                if engine is not None:
+                    engine.before_weight(weights)
                 with warnings.catch_warnings():  # weights that are views (a sharding engine's): torch reads .grad
                     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
                     stage_backward_weight(iter(weights), groups)
-                if self.on_weight_grads is not None:
-                    self.on_weight_grads(weights)
+                if engine is not None:
+                    engine.after_weight(weights)
             if s not in self._split_ok and key in self.store.kept and groups is not None:
                 # the stage's first split kept what it dropped aside: trust the walk only if W read none of it
                 self._split_ok[s] = not self.store.missed(s, j)
@@ -465,7 +482,7 @@ class PipelineRunner:
 
     def _graph_weights(self, y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
         leaves = _graph_leaves(y, x)
-        return leaves if self.weights_of is None else self.weights_of(leaves)
+        return leaves if self.sharded is None else self.sharded.weights_of(leaves)
 
     def _weight_saved(self, key: tuple[int, int], groups: list[dict]) -> set[int] | None:
         """The storages of ``key``'s saved activations that ``W`` will read: those saved by the

@@ -22,7 +22,8 @@ count over the replicas). Tied input and output embeddings: :class:`TiedEmbeddin
 Split-backward schedules (zb_h1, zbv, the ``*_zb`` families) run under ODC: their weight pass
 (torch's ``stage_backward_weight``) assigns ``.grad`` without autograd's accumulation, so the hook
 that pushes a unit's gradient does not fire; the runner hands the weights to
-:meth:`ColumnODC.push_grads` after each ``W`` instead. Refused: split backward under FSDP2 (its
+:meth:`ColumnODC.after_weight` after each ``W`` instead; between ``I`` and ``W`` the gathered
+weights are freed (:meth:`ColumnODC.after_input`) and gathered again before ``W``. Refused: split backward under FSDP2 (its
 reduce-scatter runs from backward hooks a separate weight pass bypasses), and a tied embedding
 whose first and last stage share a rank (one pipeline rank, or ``zbv``'s V).
 """
@@ -120,14 +121,20 @@ class ColumnODC:
     def is_weight(self):
         return owned_storage(self.handle)
 
+    # -- what the pipeline runner calls around a split backward (ShardedWeights) ----------------
     def weights_of(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A split backward's weights: each gathered leaf's per-parameter views (see
-        :meth:`posttrain.odc.FlatODC.weight_views`)."""
+        """Each gathered leaf's per-parameter views (see :meth:`posttrain.odc.FlatODC.weight_views`)."""
         return self.handle.weight_views(leaves)
 
-    def push_grads(self, weights: list[torch.Tensor]) -> None:
-        """After a split backward's ``W``: push the weight gradients it assigned (see
-        :meth:`posttrain.odc.FlatODC.push_grads`)."""
+    def after_input(self, weights: list[torch.Tensor]) -> None:
+        """Free the gathered weights from ``I`` until ``W`` (an unsharded copy per microbatch)."""
+        self.handle.release_weights(weights)
+
+    def before_weight(self, weights: list[torch.Tensor]) -> None:
+        self.handle.regather_weights(weights)
+
+    def after_weight(self, weights: list[torch.Tensor]) -> None:
+        """Push the weight gradients ``W`` assigned (see :meth:`posttrain.odc.FlatODC.push_grads`)."""
         self.handle.push_grads(weights)
 
     def tied_shard(self) -> torch.Tensor | None:
@@ -187,7 +194,6 @@ class ColumnFSDP2:
                     return m.weight
         return None
 
-    weights_of = push_grads = None  # split-backward schedules are refused: FSDP2 reduces from its own backward hooks
 
     def full_parameters(self, stages: dict[int, nn.Module]) -> None:
         """Replace every sharded parameter of ``stages`` by its full tensor (a collective)."""

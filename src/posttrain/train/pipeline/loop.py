@@ -202,8 +202,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             if m not in runners:
                 runners[m] = PipelineRunner(mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
                                             weight_split=not cfg.no_weight_split, split_checked=checked,
-                                            weights_of=column.weights_of,
-                                            on_weight_grads=column.push_grads,
+                                            sharded=column if cfg.dp == "odc" else None,
                                             group=grid.pp_group, static_shapes=False)
                 runners[m].store.is_weight = column.is_weight()
             batch = data.pack(samples, sets, 1.0)
