@@ -28,6 +28,7 @@ from odc_helpers import (
 )
 from posttrain.launch import run_ranks
 from posttrain.models import checkpoint_blocks
+from posttrain.pipeline.runtime import graph_leaves
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -405,20 +406,6 @@ def test_flat_setup_failure_gives_the_model_its_parameters_back():
     assert run_ranks(_setup_fails, 2) == [True, True]
 
 
-def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    out, seen, stack = [], set(), [t.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            out.append(node.variable)
-        else:
-            stack.extend(c for c, _ in node.next_functions)
-    return out
-
-
 def _weight_pass(rank, world_size, push):
     """Gradients of one minibatch by a plain backward, then by a weight pass that assigns .grad
     to the per-parameter views itself (as torch's stage_backward_weight does), after the weights
@@ -436,7 +423,7 @@ def _weight_pass(rank, world_size, push):
                 if mode == "backward":
                     loss.backward()
                 else:
-                    views = h.weight_views(_leaves(loss))
+                    views = h.weight_views(graph_leaves(loss))
                     assert len(views) == len([p for u in h.layouts for p in u.params])  # one per parameter
                     torch.autograd.grad(loss, views, retain_graph=True)  # (an input pass: weights gathered back)
                     # freed until the weight pass, then gathered again: what the pipeline does between I and W

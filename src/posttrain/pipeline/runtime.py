@@ -52,7 +52,7 @@ from .passes import OffloadPolicy, add_offload, add_send_recv
 from .schedules import Schedule
 
 __all__ = ["PipelineActionError", "PipelineRunner", "ShardedWeights", "StepResult", "execution_order",
-           "to_torch_actions"]
+           "graph_leaves", "to_torch_actions"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 10  # ndim, up to 8 dims, dtype code
@@ -183,9 +183,10 @@ class ShardedWeights(Protocol):
         that run when autograd accumulates a gradient (a gradient push) did not fire: push."""
 
 
-def _graph_leaves(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors that require grad reached from ``y``'s autograd graph, except ``x``
-    (the stage input), in a fixed (depth-first) order."""
+def graph_leaves(y: torch.Tensor, exclude: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The leaf tensors that require grad reached from ``y``'s autograd graph, except ``exclude``
+    (a stage's input), in a fixed (depth-first) order: a stage's weights when a sharding engine
+    gathers fresh leaves every forward."""
     out, seen, stack = [], set(), [y.grad_fn]
     while stack:
         node = stack.pop()
@@ -194,7 +195,7 @@ def _graph_leaves(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
         seen.add(node)
         leaf = getattr(node, "variable", None)  # AccumulateGrad
         if leaf is not None:
-            if leaf is not x and leaf.requires_grad:
+            if leaf is not exclude and leaf.requires_grad:
                 out.append(leaf)
             continue
         stack.extend(c for c, _ in reversed(node.next_functions))
@@ -481,7 +482,7 @@ class PipelineRunner:
         return None
 
     def _graph_weights(self, y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
-        leaves = _graph_leaves(y, x)
+        leaves = graph_leaves(y, x)
         return leaves if self.sharded is None else self.sharded.weights_of(leaves)
 
     def _weight_saved(self, key: tuple[int, int], groups: list[dict]) -> set[int] | None:
