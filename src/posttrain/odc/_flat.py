@@ -508,16 +508,34 @@ class FlatODC:
     def _gather_unit(self, u: FlatUnit) -> list[torch.Tensor]:
         """Every parameter of ``u``, full, in the model's dtype (a collective over the shard group)."""
         values: list[torch.Tensor] = []
-        for shard, numel, shard_numel, params in (
-            (u.shard, u.numel, u.shard_numel, u.params[: u.num_trainable]),
-            (u.frozen_shard, u.frozen_numel, u.frozen_shard_numel, u.params[u.num_trainable :]),
-        ):
-            if shard is None:
-                continue
-            flat = torch.empty(shard_numel * self.shard_size, dtype=u.master_dtype)
-            dist.all_gather_single(flat, shard.detach(), group=self.shard_group)
-            values += [v.view(p.shape).clone() for v, p in zip(flat[:numel].split([p.numel() for p in params]), params)]
+        for shard, frozen in ((u.shard, False), (u.frozen_shard, True)):
+            if shard is not None:
+                values += self.unshard(u, shard, frozen=frozen)
         return values
+
+    def _half(self, u: FlatUnit, frozen: bool) -> tuple[int, int, list[torch.Tensor]]:
+        """``(numel, shard_numel, parameters)`` of ``u``'s trainable or frozen vector."""
+        if frozen:
+            return u.frozen_numel, u.frozen_shard_numel, u.params[u.num_trainable :]
+        return u.numel, u.shard_numel, u.params[: u.num_trainable]
+
+    def unshard(self, u: FlatUnit, local: torch.Tensor, *, frozen: bool = False) -> list[torch.Tensor]:
+        """Unit ``u``'s trainable (``frozen``: frozen) parameters, whole, from every rank's
+        shard-shaped ``local``: the shard itself, or optimizer state shaped like it. A collective
+        over the shard group."""
+        numel, shard_numel, params = self._half(u, frozen)
+        flat = torch.empty(shard_numel * self.shard_size, dtype=local.dtype)
+        dist.all_gather_single(flat, local.detach().contiguous(), group=self.shard_group)
+        return [v.view(p.shape).clone() for v, p in zip(flat[:numel].split([p.numel() for p in params]), params)]
+
+    def shard_of(self, u: FlatUnit, whole: Sequence[torch.Tensor], *, frozen: bool = False) -> torch.Tensor:
+        """This rank's padded shard of ``u``'s trainable (``frozen``: frozen) vector, cut out of its
+        whole parameters (or state shaped like them): the inverse of :meth:`unshard`, without
+        communication."""
+        numel, shard_numel, _ = self._half(u, frozen)
+        flat = torch.zeros(shard_numel * self.shard_size, dtype=whole[0].dtype)
+        torch.cat([t.reshape(-1) for t in whole], out=flat[:numel])
+        return flat[self.rank * shard_numel : (self.rank + 1) * shard_numel].clone()
 
     def _refuse_state_dict(self, module, prefix, keep_vars) -> None:
         raise _ModelSharded(
@@ -608,25 +626,23 @@ class FlatODC:
         by ``stage_backward_weight``, which assigns ``.grad`` itself. Views' gradients are
         assembled into the leaf's flat gradient first. Tensors of no leaf of this handle, or
         without a gradient (already pushed), are skipped; returns the number of leaves pushed."""
-        given = {id(t) for t in tensors}
         n = 0
         with warnings.catch_warnings():  # .grad of a view (a non-leaf): set by the weight pass, read here
             warnings.simplefilter("ignore", UserWarning)
-            for key, (u, full, views) in list(self._gathered.items()):
-                mine = [v for v in views if id(v) in given and v.grad is not None]
-                if not mine and not (key in given and full.grad is not None):
-                    continue
-                if mine:
+            for u, full, views in self._entries(tensors):
+                grads = [v.grad for v in views]
+                if any(g is not None for g in grads):
                     flat = full.grad if full.grad is not None else torch.zeros_like(full)
                     offset = 0
-                    for v in views:  # the views split full[:numel] in order
-                        if id(v) in given and v.grad is not None:
-                            flat[offset: offset + v.numel()].add_(v.grad.reshape(-1))
+                    for v, g in zip(views, grads):  # the views split full[:numel] in order
+                        if g is not None:
+                            flat[offset : offset + v.numel()].add_(g.reshape(-1))
                             v.grad = None
                         offset += v.numel()
                     full.grad = flat
-                self._make_push(u)(full)
-                n += 1
+                if full.grad is not None:
+                    self._make_push(u)(full)
+                    n += 1
         return n
 
     # ---------------------------------------------------------------- hooks

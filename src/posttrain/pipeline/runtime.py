@@ -268,7 +268,8 @@ class PipelineRunner:
         # one store for the runner's life: its pinned host buffers (CUDA) are reused across steps
         self.store = ActivationStore([p for ps in self._params.values() for p in ps], self.device)
         self.weight_split = weight_split
-        self.sharded = sharded
+        # the engine of each stage whose parameters it took off the module (none registered)
+        self._sharded = {s: sharded if not self._params[s] else None for s in stages}
         # stage -> its first split was checked against W's reads (and held)
         self._split_ok: dict[int, bool] = {} if split_checked is None else split_checked
 
@@ -439,7 +440,7 @@ class PipelineRunner:
                 elif self.weight_split:  # nothing is left for W
                     self.store.split(s, j, set())
             else:
-                weights = self._params[s] or self._graph_weights(y, x)
+                weights = self._params[s] or self._graph_weights(s, y, x)
                 (dx,), groups = stage_backward_input([y], None if grad is None else [grad], [x], iter(weights))
                 self._wgroups[key] = groups, weights
                 if self.weight_split and self._split_ok.get(s, True):
@@ -448,8 +449,8 @@ class PipelineRunner:
                         self._whole.add(s)
                     else:
                         self.store.split(s, j, keep, verify=s not in self._split_ok)
-                if self.sharded is not None and not self._params[s]:
-                    self.sharded.after_input(weights)
+                if self._sharded[s] is not None:
+                    self._sharded[s].after_input(weights)
             self._inputs.pop(key)
             if s > 0 and self.layout.rank_of(s - 1) == self.rank:
                 self._grads[(s - 1, j)] = dx
@@ -458,7 +459,7 @@ class PipelineRunner:
         elif a.kind == "W":
             groups, weights = self._wgroups.pop(key, (None, None))
             if groups is not None:
-                engine = self.sharded if self.sharded is not None and not self._params[s] else None
+                engine = self._sharded[s]
                 if engine is not None:
                     engine.before_weight(weights)
                 with warnings.catch_warnings():  # weights that are views (a sharding engine's): torch reads .grad
@@ -481,9 +482,9 @@ class PipelineRunner:
             raise AssertionError(a.kind)
         return None
 
-    def _graph_weights(self, y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+    def _graph_weights(self, s: int, y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
         leaves = graph_leaves(y, x)
-        return leaves if self.sharded is None else self.sharded.weights_of(leaves)
+        return leaves if self._sharded[s] is None else self._sharded[s].weights_of(leaves)
 
     def _weight_saved(self, key: tuple[int, int], groups: list[dict]) -> set[int] | None:
         """The storages of ``key``'s saved activations that ``W`` will read: those saved by the

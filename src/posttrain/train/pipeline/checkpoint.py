@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain.dp.engine import ensure_optimizer_state
@@ -71,12 +70,12 @@ class ColumnState:
     """The checkpointable state of one rank of a pipeline x ODC run (``--dp-size``), written in
     :class:`PipelineState`'s format: whole parameters and their optimizer state under the model's
     names. A checkpoint therefore resumes on any split, any number of replicas, or none (and a
-    single pipeline's checkpoint resumes here). Saving gathers each unit's shards and shard-shaped
-    optimizer state over the column (the ranks holding the same stages; a collective); loading
-    cuts this rank's shard out of the whole tensors. Flat ODC steps each unit's shard as one
-    tensor and the optimizers here are elementwise, so a whole parameter's state is the
-    concatenation of its shards'. Cost: while saving (and while loading), every rank of a column
-    holds its stages' whole parameters and optimizer state at once (about three times the
+    single pipeline's checkpoint resumes here). Saving gathers each unit's shard and its
+    shard-shaped optimizer state over the column (``FlatODC.unshard``, a collective); loading cuts
+    this rank's shard out of the whole tensors (``FlatODC.shard_of``). Flat ODC steps each unit's
+    shard as one tensor and the optimizers here are elementwise, so a whole parameter's state is
+    the concatenation of its shards'. Cost: while saving (and while loading), every rank of a
+    column holds its stages' whole parameters and optimizer state at once (about three times the
     stages' parameters with AdamW), not its shard.
 
     Args:
@@ -89,23 +88,8 @@ class ColumnState:
 
     def __init__(self, handle, names: dict[int, str]) -> None:
         self.handle = handle
-        self.group = handle.shard_group
         self.units = [u for u in handle.layouts if u.shard is not None]
         self.unit_names = [[names[id(p)] for p in u.params[: u.num_trainable]] for u in self.units]
-
-    def _whole(self, u, local: torch.Tensor) -> list[torch.Tensor]:
-        """The whole parameters of unit ``u`` from every rank's ``local`` shard-shaped tensor."""
-        out = torch.empty(local.numel() * dist.get_world_size(self.group), dtype=local.dtype)
-        dist.all_gather_single(out, local.detach().contiguous(), group=self.group)
-        parts = out[: u.numel].split(u.sizes[: u.num_trainable])
-        return [t.view(p.shape).clone() for t, p in zip(parts, u.params)]
-
-    def _cut(self, u, whole: Sequence[torch.Tensor]) -> torch.Tensor:
-        """This rank's shard of unit ``u`` out of its whole parameters (zero padding)."""
-        flat = torch.zeros(u.shard_numel * dist.get_world_size(self.group), dtype=whole[0].dtype)
-        flat[: u.numel] = torch.cat([t.reshape(-1) for t in whole])
-        rank = dist.get_rank(self.group)
-        return flat[rank * u.shard_numel: (rank + 1) * u.shard_numel]
 
     def _order(self, optimizer: torch.optim.Optimizer) -> list[int]:
         index = {id(u.shard): k for k, u in enumerate(self.units)}
@@ -120,9 +104,9 @@ class ColumnState:
         self._order(optimizer)
         model, state = {}, {}
         for u, names in zip(self.units, self.unit_names):
-            model.update(zip(names, self._whole(u, u.shard)))
+            model.update(zip(names, self.handle.unshard(u, u.shard)))
             values = optimizer.state.get(u.shard, {})
-            per = {k: self._whole(u, v) if isinstance(v, torch.Tensor) and v.shape == u.shard.shape
+            per = {k: self.handle.unshard(u, v) if isinstance(v, torch.Tensor) and v.shape == u.shard.shape
                    else [v.clone() if isinstance(v, torch.Tensor) else v for _ in names] for k, v in values.items()}
             for i, n in enumerate(names):
                 state[n] = {k: v[i] for k, v in per.items()}
@@ -133,7 +117,7 @@ class ColumnState:
         """Restore a :meth:`state_dict` filled in place by ``dcp.load``."""
         with torch.no_grad():
             for u, names in zip(self.units, self.unit_names):
-                u.shard.copy_(self._cut(u, [state["model"][n] for n in names]))
+                u.shard.copy_(self.handle.shard_of(u, [state["model"][n] for n in names]))
         order = self._order(optimizer)
         mine = optimizer.state_dict()
         saved = state["optim"]["state"]
@@ -142,14 +126,17 @@ class ColumnState:
             u, names = self.units[k], self.unit_names[k]
             if names[0] not in saved:  # (SGD without momentum keeps no per-parameter state)
                 continue
-            def per_element(key: str) -> bool:  # state shaped like each parameter (not a scalar like step)
-                return all(isinstance(saved[n][key], torch.Tensor) and saved[n][key].dim() > 0
-                           and saved[n][key].shape == state["model"][n].shape for n in names)
-
-            osd[i] = {key: self._cut(u, [saved[n][key] for n in names]).clone() if per_element(key) else value
+            osd[i] = {key: self.handle.shard_of(u, [saved[n][key] for n in names])
+                      if _per_element(saved, state["model"], names, key) else value
                       for key, value in saved[names[0]].items()}
         groups = [{**g_saved, "params": g["params"]} for g_saved, g in zip(state["optim"]["groups"], mine["param_groups"])]
         optimizer.load_state_dict({"state": osd, "param_groups": groups})
+
+
+def _per_element(saved: dict, params: dict, names: list[str], key: str) -> bool:
+    """Whether optimizer state ``key`` is shaped like each named parameter (not a scalar like step)."""
+    return all(isinstance(saved[n][key], torch.Tensor) and saved[n][key].dim() > 0
+               and saved[n][key].shape == params[n].shape for n in names)
 
 
 __all__.append("ColumnState")

@@ -22,10 +22,11 @@ count over the replicas). Tied input and output embeddings: :class:`TiedEmbeddin
 Split-backward schedules (zb_h1, zbv, the ``*_zb`` families) run under ODC: their weight pass
 (torch's ``stage_backward_weight``) assigns ``.grad`` without autograd's accumulation, so the hook
 that pushes a unit's gradient does not fire; the runner hands the weights to
-:meth:`ColumnODC.after_weight` after each ``W`` instead; between ``I`` and ``W`` the gathered
-weights are freed (:meth:`ColumnODC.after_input`) and gathered again before ``W``. Refused: split backward under FSDP2 (its
-reduce-scatter runs from backward hooks a separate weight pass bypasses), and a tied embedding
-whose first and last stage share a rank (one pipeline rank, or ``zbv``'s V).
+:meth:`ColumnODC.after_weight` after each ``W`` instead. Between ``I`` and ``W`` the gathered
+weights are freed (:meth:`ColumnODC.after_input`) and gathered again before ``W``. Refused: split
+backward under FSDP2 (its reduce-scatter runs from backward hooks a separate weight pass
+bypasses), and a tied embedding whose first and last stage share a rank (one pipeline rank, or
+``zbv``'s V).
 """
 
 from __future__ import annotations
@@ -193,7 +194,6 @@ class ColumnFSDP2:
                 if m is not None:
                     return m.weight
         return None
-
 
     def full_parameters(self, stages: dict[int, nn.Module]) -> None:
         """Replace every sharded parameter of ``stages`` by its full tensor (a collective)."""

@@ -239,7 +239,8 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     full = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in ids} if return_params else {}
     return {"rank": rank, "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank, "losses": losses, "step_times": times,
             "microbatches": micro, "result": None if result is None else asdict(result), "params": full,
-            "stages": sorted(mine), "resumed_from": done, "wall_times": walls, "step_tokens": tokens}
+            "stages": sorted(mine), "resumed_from": done, "wall_times": walls, "step_tokens": tokens,
+            "odc": dict(column.handle.stats, units=len(column.handle.layouts)) if cfg.dp == "odc" else None}
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:
@@ -291,12 +292,11 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     layout = cfg.build().layout
     if (cfg.dp_size > 1 and getattr(config, "tie_word_embeddings", False)
             and layout.rank_of(0) == layout.rank_of(cfg.num_stages - 1)):
-        where = ("one pipeline rank" if cfg.num_ranks == 1 else
-                 f"--schedule {cfg.schedule}, which puts the first and the last stage on one rank,")
+        where, instead = ((f"--schedule {cfg.schedule}, which puts the first and the last stage on one rank,",
+                           "use another schedule") if cfg.num_ranks > 1 else
+                          ("one pipeline rank", "use posttrain train for data parallelism alone"))
         raise ValueError(f"--model-path {cfg.model_path} ties its input and output embeddings, which --dp-size with "
-                         f"{where} does not support yet; "
-                         + ("use posttrain train for data parallelism alone" if cfg.num_ranks == 1
-                            else "use another schedule"))
+                         f"{where} does not support yet; {instead}")
     if cfg.data:
         data = PipelineData(cfg, config, log=log)
         fits = None

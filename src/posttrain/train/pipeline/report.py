@@ -6,6 +6,7 @@ import statistics
 
 __all__ = ["format_dp_report", "format_report", "measured_weight_keep"]
 
+
 def measured_weight_keep(results: list[dict]) -> dict[int, float]:
     """Per stage, the fraction of a chunk-microbatch ``W`` kept in a run (``run_pipeline``'s
     results, or a ``--metrics`` file's ranks: each rank's last step)."""
