@@ -301,3 +301,47 @@ def test_cluster_one_sided_time_splits_local_and_remote_peers():
                  inter_latency=0.0)
     assert cl.one_sided_time(160.0, 16, across_nodes=True) == pytest.approx(max(7 * 10 / 100, 8 * 10 / 10))
     assert math.isclose(cl.one_sided_time(160.0, 8, across_nodes=False), 7 * 20 / 100)
+
+
+def _free(n: int) -> Cluster:
+    return Cluster(num_gpus=n, gpus_per_node=n, intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0,
+                   inter_latency=0.0, accumulate_bandwidth=1e30)
+
+
+def test_jitter_makes_per_layer_rendezvous_wait_on_equal_work_and_more_with_more_ranks():
+    """Equal work, free links: without jitter FSDP and ODC take the same time; with it FSDP waits
+    at every layer for that layer's slower rank, ODC once for the slower sum."""
+    gap = {}
+    for n in (2, 8):
+        mbs = [[[100], [100]]] * n
+        kw = dict(model=_model(4), cluster=_free(n), overlap=False)  # as on CPU: a rendezvous at every layer
+        plain = [simulate_minibatch(mbs, strategy=s, **kw).time for s in ("fsdp", "odc")]
+        assert plain[0] == pytest.approx(plain[1]) == pytest.approx(2 * 3 * 100 * 4)
+        fsdp = [simulate_minibatch(mbs, strategy="fsdp", jitter=0.1, seed=d, **kw) for d in range(8)]
+        odc = [simulate_minibatch(mbs, strategy="odc", jitter=0.1, seed=d, **kw) for d in range(8)]
+        gap[n] = sum(f.time for f in fsdp) / sum(o.time for o in odc)
+        assert gap[n] > 1.02
+        # the work itself is unchanged on average (mean-one factors)
+        assert sum(sum(f.compute) for f in fsdp) / (8 * n * plain[0]) == pytest.approx(1.0, abs=0.03)
+    assert gap[8] > gap[2]  # the slowest of more ranks is slower
+    again = simulate_minibatch([[[100]]] * 2, strategy="fsdp", model=_model(4), cluster=_free(2), jitter=0.1, seed=3)
+    other = simulate_minibatch([[[100]]] * 2, strategy="fsdp", model=_model(4), cluster=_free(2), jitter=0.1, seed=4)
+    assert again.time == simulate_minibatch([[[100]]] * 2, strategy="fsdp", model=_model(4), cluster=_free(2),
+                                            jitter=0.1, seed=3).time != other.time
+    with pytest.raises(ValueError, match="jitter"):
+        simulate_minibatch([[[100]]] * 2, strategy="odc", model=_model(4), cluster=_free(2), jitter=-0.1)
+
+
+def test_fit_jitter_recovers_the_jitter_that_made_a_steps_excess():
+    from posttrain.lab.calibrate import fit_jitter, simulated_excess
+
+    plans = [plan_minibatch([512] * 8, world_size=2, max_tokens=1024, method="same_micro") for _ in range(3)]
+    model = SimModel(num_layers=4, layer_cost=LayerCost(linear=1e-5), layer_param_bytes=0.0, layer_grad_bytes=0.0,
+                     optimizer_s=0.002)
+    kw = dict(model=model, cluster=_free(2), op_times={"gather": 1e-4, "reduce": 1e-4})
+    assert simulated_excess(plans, jitter=0.0, **kw) == pytest.approx(2 * 4 * 3 * 1e-4)  # the operations alone
+    made = simulated_excess(plans, jitter=0.08, **kw)
+    assert made > 2 * simulated_excess(plans, jitter=0.0, **kw)
+    assert fit_jitter(plans, excess=made, **kw) == pytest.approx(0.08, abs=0.002)
+    assert fit_jitter(plans, excess=0.0, **kw) == 0.0
+    assert fit_jitter(plans, excess=1.0, limit=0.5, **kw) == 0.5

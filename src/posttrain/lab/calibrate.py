@@ -35,7 +35,7 @@ from posttrain.balance import FlopsCost
 from posttrain.data import synthetic_sequences
 from posttrain.launch import run_ranks
 from posttrain.models import build_model
-from posttrain.sim import Cluster, LayerCost, SimModel, simulate_dp
+from posttrain.sim import Cluster, LayerCost, SimModel, plan_lengths, simulate_dp, simulate_minibatch
 from posttrain.train.dp import (
     TrainConfig,
     TrainData,
@@ -46,8 +46,9 @@ from posttrain.train.dp import (
     train_worker,
 )
 
-__all__ = ["calibrate_odc", "calibrate_pipeline", "machine_from_shapes", "measure_machine", "measure_sweep_machine",
-           "pipeline_workload_from_metrics", "predict_mechanism", "predict_plans", "write_pipeline_metrics"]
+__all__ = ["calibrate_odc", "calibrate_pipeline", "fit_jitter", "flat_odc_costs", "machine_from_shapes", "measure_machine",
+           "measure_sweep_machine", "pipeline_workload_from_metrics", "predict_mechanism", "predict_plans",
+           "simulated_excess", "write_pipeline_metrics"]
 
 
 def _plans(cfg: TrainConfig, world_size: int, method: str):
@@ -175,19 +176,140 @@ def measure_sweep_machine(base: TrainConfig, points: list[TrainConfig], *, world
 
 
 def machine_from_shapes(ref: TrainConfig, shapes: list[list[int]], seconds: list[float], *, world_size: int = 2,
-                        log=print) -> dict:
+                        rounds: int = 3, log=print) -> dict:
     """What :func:`predict_plans` needs: the per-layer cost fitted to ``seconds`` (forward and
     backward of the whole ``ref.num_layers``-layer model on each microbatch shape, measured with
-    every rank computing at once), and flat ODC's costs in both modes, measured on ``ref``'s
-    model on equal-length sequences."""
+    every rank computing at once), and flat ODC's costs in both modes with the compute jitter that
+    explains the collective mode's, measured on ``ref``'s model on sequences of the shapes'
+    median length (:func:`flat_odc_costs`)."""
     per_layer = [t / ref.num_layers for t in seconds]
     cost = LayerCost.fit(shapes, per_layer)
     pred = [(1 + cost.backward_ratio) * cost.forward(s) for s in shapes]
     err = statistics.median(abs(p - m) / m for p, m in zip(pred, per_layer))
     log(f"  layer cost fit over {len(shapes)} microbatch shapes: forward {cost.linear * 1e6:.3f} us/token + "
         f"{cost.quadratic * 1e9:.4f} ns/token^2 + {cost.overhead * 1e3:.3f} ms; median error {err:.1%}", flush=True)
-    engine = {mode: _engine_costs(ref, "odc", world_size, log, mode=mode) for mode in ("odc", "collective")}
-    return {"layer_cost": cost, "fit_median_error": err, "shapes": len(shapes), "engine": engine}
+    length = round(statistics.median(n for shape in shapes for n in shape))
+    costs = flat_odc_costs(ref, cost, length=length, world_size=world_size, rounds=rounds, log=log)
+    return {"layer_cost": cost, "fit_median_error": err, "shapes": len(shapes), "engine": costs["engine"],
+            "jitter": costs["jitter"]}
+
+
+def _excess(results: list[dict]) -> tuple[list[float], list[float]]:
+    """Per step after the first: what the step took beyond its slowest rank's own compute and the
+    per-step work (seconds), and that per-step work: the optimizer and the sync of the rank that
+    arrived last (the exit's own cost, not waiting for a slower peer)."""
+    excess, per_step = [], []
+    for s in list(zip(*(r["metrics"] for r in results)))[1:]:
+        step = statistics.mean(r["optimizer_s"] for r in s) + min(r["sync_s"] for r in s)
+        per_step.append(step)
+        excess.append(max(0.0, s[0]["step_time_s"] - max(r["compute_s"] for r in s) - step))
+    return excess, per_step
+
+
+def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, world_size: int = 2, rounds: int = 3,
+                   draws: int = 8, log=print) -> dict:
+    """Flat ODC's costs on this machine, from ``rounds`` interleaved pairs of runs of both modes on
+    sequences of ``length`` tokens (``cfg``'s model, two sequences a microbatch, two microbatches
+    a rank).
+
+    Each run is its own reference: per step, its time beyond the slowest rank's compute (timed
+    around each microbatch, communication excluded) and the optimizer and exit sync. (Taking the
+    compute from a separate run of the same work on a plain model, as before, left 0-25 ms per
+    layer and microbatch inside a run-to-run noise of +-10%.)
+
+    - ``engine[mode]``: ``per_layer_microbatch`` (ODC: the copies and adds; the simulator's
+      operation cost for both modes, since both move the same bytes through the same transport)
+      and ``per_step`` (optimizer and exit).
+    - ``jitter``: the coefficient of variation of a layer's compute time with which the
+      simulated collective run (per-layer rendezvous, ODC's operation cost) loses what the
+      measured one lost beyond that cost. On equal work only the variance of each rank's layer
+      times makes a rendezvous wait; it is what the collective mode pays beyond ODC there. The
+      relative variance is larger on short microbatches (measured here: the collective mode lost
+      about 5.5% of the compute beyond ODC on 1,024-token microbatches, 3-4% on 4,096 and 8,192),
+      so the caller picks a length typical of its microbatches.
+    """
+    length = max(8, length)
+    sequences = 4 * world_size
+    runs: dict[str, list] = {"odc": [], "collective": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "equal.jsonl")
+        with open(path, "w") as f:
+            for i in range(sequences):
+                f.write(json.dumps({"input_ids": [(i + k) % 97 for k in range(length + 1)]}) + "\n")
+        c = replace(cfg, data=path, dp="odc", balance="same_micro", sequences=sequences, max_len=length + 1,
+                    max_tokens=2 * length, progress=False, checkpoint_dir=None)
+        for _ in range(rounds):
+            for mode in runs:
+                runs[mode].append(run_ranks(train_worker, world_size, replace(c, odc_mode=mode), timeout_s=3600))
+        data = TrainData(c, world_size)
+        cost = FlopsCost.from_config(c.model_config(data.vocab_size))
+        plans = [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
+    mbs = max(plans[0].num_microbatches)
+    engine, measured = {}, {}
+    for mode, results in runs.items():
+        excess, per_step = [], []
+        for res in results:
+            e, p = _excess(res)
+            excess += e
+            per_step += p
+        measured[mode] = statistics.median(excess)
+        engine[mode] = {"per_layer_microbatch": measured[mode] / (mbs * cfg.num_layers),
+                        "per_step": statistics.median(per_step), "microbatches": mbs,
+                        "excess_per_step": measured[mode]}
+        log(f"  flat ODC {mode} on {length}-token sequences ({rounds} runs, {len(excess)} steps): beyond the slowest rank's "
+            f"compute {measured[mode] * 1e3:.1f} ms a step (quartiles {_quartiles(excess)}), optimizer and exit "
+            f"{engine[mode]['per_step'] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
+    # Both modes copy the same bytes: the collective run's operations cost what ODC's do.
+    engine["collective"]["per_layer_microbatch"] = engine["odc"]["per_layer_microbatch"]
+    cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
+    model = SimModel(num_layers=cfg.num_layers, layer_cost=layer_cost, layer_param_bytes=0.0, layer_grad_bytes=0.0,
+                     optimizer_s=engine["collective"]["per_step"])
+    per_op = engine["odc"]["per_layer_microbatch"] / 3
+    ops = {"gather": per_op, "reduce": per_op}
+
+    jitter = fit_jitter(plans, model=model, cluster=cluster, op_times=ops, excess=measured["collective"], draws=draws)
+    log(f"  -> per layer and microbatch: {engine['odc']['per_layer_microbatch'] * 1e3:.2f} ms of copies (both modes); "
+        f"compute jitter {jitter:.1%} (coefficient of variation) explains the collective run's "
+        f"{(measured['collective'] - measured['odc']) * 1e3:.1f} ms a step more than ODC's", flush=True)
+    return {"engine": engine, "jitter": jitter}
+
+
+def simulated_excess(plans: list, *, model: SimModel, cluster: Cluster, op_times: dict, jitter: float,
+                     draws: int = 8) -> float:
+    """Seconds a simulated FSDP-style step of ``plans`` (per-layer rendezvous, no overlap) lasts
+    beyond its slowest rank's compute and ``model.optimizer_s``, as :func:`_excess` measures a real
+    one; the mean over ``draws`` seeded draws and the steps."""
+    total = 0.0
+    for d in range(draws if jitter else 1):
+        for k, plan in enumerate(plans):
+            res = simulate_minibatch(plan_lengths(plan), strategy="fsdp", model=model, cluster=cluster,
+                                     op_times=op_times, overlap=False, jitter=jitter, seed=1000 * d + k)
+            total += res.time - max(res.compute) - model.optimizer_s
+    return total / ((draws if jitter else 1) * len(plans))
+
+
+def fit_jitter(plans: list, *, model: SimModel, cluster: Cluster, op_times: dict, excess: float, draws: int = 8,
+               limit: float = 1.0) -> float:
+    """The compute jitter (coefficient of variation, in ``[0, limit]``) with which
+    :func:`simulated_excess` of ``plans`` equals ``excess`` seconds a step (bisection; the draws'
+    seeds are fixed, so the simulated excess grows with the jitter)."""
+    def f(j: float) -> float:
+        return simulated_excess(plans, model=model, cluster=cluster, op_times=op_times, jitter=j, draws=draws)
+
+    lo, hi = 0.0, limit
+    if f(lo) >= excess:
+        return 0.0
+    if f(hi) <= excess:
+        return hi
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < excess else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _quartiles(xs: list[float]) -> str:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return f"{q[0] * 1e3:.1f}-{q[2] * 1e3:.1f}"
 
 
 def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -> dict:
@@ -198,21 +320,25 @@ def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -
     - odc+diff_micro: with ODC's one barrier per minibatch;
     - partition bound: each step's best whole-sequence assignment under the fitted costs, every
       rank's share packed as the measured bound packs it, no communication.
-    Both runs use flat ODC's measured per-layer and per-step costs of their mode, and no overlap
-    (on CPU the engine copies synchronously).
+    All three with the machine's compute jitter (averaged over seeded draws); both runs with flat
+    ODC's measured per-layer and per-step costs of their mode, and no overlap (on CPU the engine
+    copies synchronously).
     """
     return predict_plans(_plans(cfg, world_size, "same_micro"), _plans(cfg, world_size, "diff_micro"), machine,
                          num_layers=cfg.num_layers, max_tokens=cfg.max_tokens, world_size=world_size)
 
 
 def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_layers: int, max_tokens: int,
-                  world_size: int = 2) -> dict:
+                  world_size: int = 2, draws: int = 8) -> dict:
     """:func:`predict_mechanism` for given plans: ``same_micro`` and ``diff_micro`` hold each
-    step's :class:`~posttrain.balance.Plan` of the same minibatches under those methods."""
+    step's :class:`~posttrain.balance.Plan` of the same minibatches under those methods; with
+    jitter, every figure is the mean of ``draws`` seeded simulations."""
     from posttrain.balance import pack_share
     from posttrain.balance.exact import min_max_partition
 
     cost = machine["layer_cost"]
+    jitter = machine.get("jitter", 0.0)
+    draws = draws if jitter else 1
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
     times = {}
     for mode, strategy, plans in (("collective", "fsdp", same_micro), ("odc", "odc", diff_micro)):
@@ -221,15 +347,20 @@ def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_laye
         model = SimModel(num_layers=num_layers, layer_cost=cost, layer_param_bytes=0.0, layer_grad_bytes=0.0,
                          optimizer_s=eng["per_step"])
         ops = {"gather": per_op, "reduce": per_op, **({"add": 0.0} if strategy == "odc" else {})}
-        times[mode] = simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, op_times=ops,
-                                  overlap=False).time
+        times[mode] = statistics.mean(simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, op_times=ops,
+                                                  overlap=False, jitter=jitter, seed=1000 * d).time
+                                      for d in range(draws))
     layers = num_layers * (1 + cost.backward_ratio)
+    bare = SimModel(num_layers=num_layers, layer_cost=cost, layer_param_bytes=0.0, layer_grad_bytes=0.0)
     partition = 0.0
-    for plan in diff_micro:
+    for k, plan in enumerate(diff_micro):
         lengths = plan.lengths
         parts, _ = min_max_partition([layers * cost.forward([n]) for n in lengths], world_size)
-        partition += max(sum(layers * cost.forward([lengths[i] for i in mb])
-                             for mb in pack_share(lengths, part, max_tokens)) for part in parts)
+        shares = [[[lengths[i] for i in mb] for mb in pack_share(lengths, part, max_tokens)] for part in parts]
+        partition += statistics.mean(
+            simulate_minibatch(shares, strategy="odc", model=bare, cluster=cluster,
+                               op_times={"gather": 0.0, "reduce": 0.0, "add": 0.0}, overlap=False, jitter=jitter,
+                               seed=1000 * d + k).time for d in range(draws))
     return {"headroom": times["collective"] / partition, "mechanism": times["collective"] / times["odc"],
             "collective_s": times["collective"], "odc_s": times["odc"], "partition_s": partition}
 

@@ -27,10 +27,20 @@ starts, and ``RS(l)`` when ``B(l)`` ends.
 
 Per rank, compute time is the sum of its ``F``/``B``; utilization is compute over the
 minibatch's makespan; the bubble fraction is one minus the mean utilization.
+
+**Jitter** (``jitter > 0``): every ``F``/``B`` lasts its cost times an independent random factor
+of mean 1 and that coefficient of variation (log-normal, seeded: the same arguments give the same
+result). Real ranks never compute a layer in exactly the same time, so a rendezvous at every
+layer waits each time for the slower rank of that layer, while ODC's ranks wait once for the
+slower sum, where the deviations have partly cancelled; FSDP pays for the variance even when
+the work is balanced. Measured on 2 CPU processes with equal sequences, FSDP-style rendezvous
+cost several times ODC's copies (see ``posttrain.lab.calibrate``).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -114,7 +124,7 @@ def _ops(num_layers: int, overlap: bool) -> list[tuple[str, int]]:
 def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strategy: Strategy, model: SimModel,
                        cluster: Cluster, hsdp: bool = False, slowdown: Sequence[float] | None = None,
                        trace: bool = False, op_times: Mapping[str, float] | None = None,
-                       overlap: bool = True) -> DPResult:
+                       overlap: bool = True, jitter: float = 0.0, seed: int = 0) -> DPResult:
     """Simulate one minibatch.
 
     Args:
@@ -131,6 +141,9 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
         overlap: communication overlaps compute (prefetched gathers, reduces in the background),
             as on GPUs. ``False``: each gather is issued when its layer needs it and compute waits
             for every reduce, as FSDP2 on CPU/gloo and ODC's CPU transport do.
+        jitter: coefficient of variation of every forward and backward's duration (see the
+            module note); 0 is deterministic.
+        seed: the jitter's random seed.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -140,6 +153,13 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
     slowdown = list(slowdown) if slowdown is not None else [1.0] * n
     if len(slowdown) != n or any(not s > 0 for s in slowdown):
         raise ValueError(f"slowdown needs {n} positive factors, got {slowdown}")
+    if not 0 <= jitter < 10:
+        raise ValueError(f"jitter={jitter} must be a coefficient of variation in [0, 10)")
+    sigma = math.sqrt(math.log1p(jitter * jitter))
+    draws = [random.Random(seed * 1_000_003 + r) for r in range(n)]
+
+    def noise(r: int) -> float:  # mean 1, coefficient of variation ``jitter``
+        return math.exp(draws[r].gauss(-sigma * sigma / 2, sigma)) if jitter else 1.0
     mbs = [list(m) for m in microbatches]
     tokens = sum(sum(sum(mb) for mb in rank) for rank in mbs)
     if strategy == "fsdp":  # collectives need equal microbatch counts: pad with dummies
@@ -235,7 +255,7 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
                     if not overlap and l > 0:
                         issued[base + index[("AG", l)]].fire()
                     yield from wait(done[base + index[("AG", l)]], f"AG{l}")
-                    yield from run(f"F{l} mb{j}", tf)
+                    yield from run(f"F{l} mb{j}", tf * noise(r))
                 issued[base + index[("AGb", L - 1)]].fire()
                 for l in range(L - 1, -1, -1):
                     if l > 0 and overlap:
@@ -243,7 +263,7 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
                     if not overlap and l < L - 1:
                         issued[base + index[("AGb", l)]].fire()
                     yield from wait(done[base + index[("AGb", l)]], f"AGb{l}")
-                    yield from run(f"B{l} mb{j}", tb)
+                    yield from run(f"B{l} mb{j}", tb * noise(r))
                     issued[base + index[("RS", l)]].fire()
                     if not overlap:
                         yield from wait(done[base + index[("RS", l)]], f"RS{l}")
@@ -276,16 +296,18 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
 
 def simulate_dp(plans: Sequence[Plan], *, strategy: Strategy, model: SimModel, cluster: Cluster,
                 hsdp: bool = False, slowdown: Sequence[float] | None = None, trace: bool = False,
-                op_times: Mapping[str, float] | None = None, overlap: bool = True) -> DPResult:
+                op_times: Mapping[str, float] | None = None, overlap: bool = True, jitter: float = 0.0,
+                seed: int = 0) -> DPResult:
     """Simulate consecutive minibatches, one balancing plan each (minibatches meet at the
-    optimizer step, so they are simulated one after another). See :func:`simulate_minibatch`."""
+    optimizer step, so they are simulated one after another). See :func:`simulate_minibatch`;
+    minibatch ``k`` draws its jitter with seed ``seed + k``."""
     if not plans:
         raise ValueError("no minibatches to simulate")
     total: DPResult | None = None
-    for plan in plans:
+    for k, plan in enumerate(plans):
         one = simulate_minibatch(plan_lengths(plan), strategy=strategy, model=model, cluster=cluster,
                                  hsdp=hsdp, slowdown=slowdown, trace=trace, op_times=op_times,
-                                 overlap=overlap)
+                                 overlap=overlap, jitter=jitter, seed=seed + k)
         if total is None:
             total = one
         else:

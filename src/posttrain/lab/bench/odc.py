@@ -316,6 +316,7 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "points": out_points}
     if machine:  # what the predictions rest on: the per-layer cost fit and each mode's engine costs
         out["calibration"] = {"layer_cost": asdict(machine["layer_cost"]),
-                              "fit_median_error": machine["fit_median_error"], "engine": machine["engine"]}
+                              "fit_median_error": machine["fit_median_error"], "engine": machine["engine"],
+                              "jitter": machine["jitter"]}
     _write(json_path, out, log)
     return out
