@@ -7,6 +7,9 @@
    ODC train on *equal-length* sequences, where no rank waits for another, and their step time
    minus the compute alone is spread over layers and microbatches. (A gloo all-gather timed on
    its own misses FSDP2's copies and hooks and predicted 1.14 against a measured 1.38.)
+   Flat ODC's two modes (``bench odc --sweep``, ``bench rl``) are calibrated more tightly by
+   :func:`flat_odc_costs`: each run is its own reference, and the collective mode's excess over
+   ODC's copies is fitted as compute jitter (:func:`fit_jitter`).
 2. **Predict** the benchmark's imbalanced steps (the same minibatches and plans as
    ``posttrain bench odc``) with :func:`posttrain.sim.simulate_dp`, the measured per-layer times
    in place of the link model and no overlap (on CPU both engines communicate synchronously).
@@ -224,9 +227,8 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
       simulated collective run (per-layer rendezvous, ODC's operation cost) loses what the
       measured one lost beyond that cost. On equal work only the variance of each rank's layer
       times makes a rendezvous wait; it is what the collective mode pays beyond ODC there. The
-      relative variance is larger on short microbatches (measured here: the collective mode lost
-      about 5.5% of the compute beyond ODC on 1,024-token microbatches, 3-4% on 4,096 and 8,192),
-      so the caller picks a length typical of its microbatches.
+      relative variance may depend on the microbatch size (fixed per-operation overheads), so the
+      caller picks a length typical of its microbatches.
     """
     length = max(8, length)
     sequences = 4 * world_size
