@@ -221,8 +221,12 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     layer and microbatch inside a run-to-run noise of +-10%.)
 
     - ``engine[mode]``: ``per_layer_microbatch`` (ODC: the copies and adds; the simulator's
-      operation cost for both modes, since both move the same bytes through the same transport)
-      and ``per_step`` (optimizer and exit).
+      operation cost for both modes, since both move the same bytes through the same transport),
+      ``per_step`` (optimizer and exit) and ``compute_factor``: the mode's compute (communication
+      excluded) over ODC's on the same work, the median of the rounds' paired ratios. Ranks in
+      lockstep at every layer computed 3.5-6% slower than ODC's on this machine (measured on 200-,
+      890- and 3,000-token sequences), every round at 890; ODC's compute matched the partition
+      bound's plain model (``bench odc``'s ``compute/even``), so its factor is 1.
     - ``jitter``: the coefficient of variation of a layer's compute time with which the
       simulated collective run (per-layer rendezvous, ODC's operation cost) loses what the
       measured one lost beyond that cost. On equal work only the variance of each rank's layer
@@ -247,6 +251,12 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
         cost = FlopsCost.from_config(c.model_config(data.vocab_size))
         plans = [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
     mbs = max(plans[0].num_microbatches)
+
+    def compute(results: list[dict]) -> float:  # per step, the ranks' mean compute; median over steps
+        return statistics.median(statistics.mean(r["compute_s"] for r in s)
+                                 for s in list(zip(*(r["metrics"] for r in results)))[1:])
+
+    factor = statistics.median(compute(a) / compute(b) for a, b in zip(runs["collective"], runs["odc"]))
     engine, measured = {}, {}
     for mode, results in runs.items():
         excess, per_step = [], []
@@ -257,20 +267,22 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
         measured[mode] = statistics.median(excess)
         engine[mode] = {"per_layer_microbatch": measured[mode] / (mbs * cfg.num_layers),
                         "per_step": statistics.median(per_step), "microbatches": mbs,
-                        "excess_per_step": measured[mode]}
+                        "excess_per_step": measured[mode], "compute_factor": factor if mode == "collective" else 1.0}
         log(f"  flat ODC {mode} on {length}-token sequences ({rounds} runs, {len(excess)} steps): beyond the slowest rank's "
             f"compute {measured[mode] * 1e3:.1f} ms a step (quartiles {_quartiles(excess)}), optimizer and exit "
             f"{engine[mode]['per_step'] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
     # Both modes copy the same bytes: the collective run's operations cost what ODC's do.
     engine["collective"]["per_layer_microbatch"] = engine["odc"]["per_layer_microbatch"]
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
-    model = SimModel(num_layers=cfg.num_layers, layer_cost=layer_cost, layer_param_bytes=0.0, layer_grad_bytes=0.0,
-                     optimizer_s=engine["collective"]["per_step"])
+    model = SimModel(num_layers=cfg.num_layers, layer_cost=layer_cost.scaled(factor), layer_param_bytes=0.0,
+                     layer_grad_bytes=0.0, optimizer_s=engine["collective"]["per_step"])
     per_op = engine["odc"]["per_layer_microbatch"] / 3
     ops = {"gather": per_op, "reduce": per_op}
 
     jitter = fit_jitter(plans, model=model, cluster=cluster, op_times=ops, excess=measured["collective"], draws=draws)
     log(f"  -> per layer and microbatch: {engine['odc']['per_layer_microbatch'] * 1e3:.2f} ms of copies (both modes); "
+        f"the collective mode's compute {factor:.3f}x ODC's on the same work (rounds: "
+        f"{', '.join(f'{compute(a) / compute(b):.3f}' for a, b in zip(runs['collective'], runs['odc']))}); "
         f"compute jitter {jitter:.1%} (coefficient of variation) explains the collective run's "
         f"{(measured['collective'] - measured['odc']) * 1e3:.1f} ms a step more than ODC's", flush=True)
     return {"engine": engine, "jitter": jitter}
@@ -323,8 +335,8 @@ def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -
     - partition bound: each step's best whole-sequence assignment under the fitted costs, every
       rank's share packed as the measured bound packs it, no communication.
     All three with the machine's compute jitter (averaged over seeded draws); both runs with flat
-    ODC's measured per-layer and per-step costs of their mode, and no overlap (on CPU the engine
-    copies synchronously).
+    ODC's measured per-layer and per-step costs and compute factor of their mode, and no overlap
+    (on CPU the engine copies synchronously).
     """
     return predict_plans(_plans(cfg, world_size, "same_micro"), _plans(cfg, world_size, "diff_micro"), machine,
                          num_layers=cfg.num_layers, max_tokens=cfg.max_tokens, world_size=world_size)
@@ -346,8 +358,8 @@ def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_laye
     for mode, strategy, plans in (("collective", "fsdp", same_micro), ("odc", "odc", diff_micro)):
         eng = machine["engine"][mode]
         per_op = eng["per_layer_microbatch"] / 3
-        model = SimModel(num_layers=num_layers, layer_cost=cost, layer_param_bytes=0.0, layer_grad_bytes=0.0,
-                         optimizer_s=eng["per_step"])
+        model = SimModel(num_layers=num_layers, layer_cost=cost.scaled(eng.get("compute_factor", 1.0)),
+                         layer_param_bytes=0.0, layer_grad_bytes=0.0, optimizer_s=eng["per_step"])
         ops = {"gather": per_op, "reduce": per_op, **({"add": 0.0} if strategy == "odc" else {})}
         times[mode] = statistics.mean(simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, op_times=ops,
                                                   overlap=False, jitter=jitter, seed=1000 * d).time
