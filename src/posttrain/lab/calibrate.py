@@ -223,10 +223,10 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     - ``engine[mode]``: ``per_layer_microbatch`` (ODC: the copies and adds; the simulator's
       operation cost for both modes, since both move the same bytes through the same transport),
       ``per_step`` (optimizer and exit) and ``compute_factor``: the mode's compute (communication
-      excluded) over ODC's on the same work, the median of the rounds' paired ratios. Ranks in
-      lockstep at every layer computed 3.5-6% slower than ODC's on this machine (measured on 200-,
-      890- and 3,000-token sequences), every round at 890; ODC's compute matched the partition
-      bound's plain model (``bench odc``'s ``compute/even``), so its factor is 1.
+      excluded) over ODC's on the same work, the median of the rounds' paired ratios (printed
+      with each round's). Ranks that meet at every layer computed a few percent slower than ODC's
+      on this machine; ODC's compute is taken as the plain model's (``bench odc``'s
+      ``compute/even`` column compares both with the partition bound's), so its factor is 1.
     - ``jitter``: the coefficient of variation of a layer's compute time with which the
       simulated collective run (per-layer rendezvous, ODC's operation cost) loses what the
       measured one lost beyond that cost. On equal work only the variance of each rank's layer
