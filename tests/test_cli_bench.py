@@ -62,6 +62,24 @@ def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path,
     assert rc == 2 and "is below --max-len=64" in err
 
 
+def test_bench_odc_rounds_rotate_their_order_bounds_included(monkeypatch):
+    """A machine that drifts over a round must not always favour the variant that runs first."""
+    import posttrain.lab.bench.odc as bench
+
+    order = []
+    monkeypatch.setattr(bench, "run_ranks", lambda fn, n, cfg, **kw: order.append(f"{cfg.dp_label}+{cfg.balance}") or [])
+    monkeypatch.setattr(bench, "summarize", lambda results: {"tokens_per_s": 1.0})
+    monkeypatch.setattr(bench, "measure_bounds", lambda cfg, n: order.append("bounds") or {})
+    base = bench.TrainConfig(steps=2, sequences=4, max_len=64, dim=32, num_layers=1)
+    firsts = []
+    for k in range(4):
+        order.clear()
+        bench._round(base, 2, bench.MECHANISM_VARIANTS, lambda *a, **kw: None, "", k)
+        assert sorted(order) == sorted(["odc-collective+same_micro", "odc+diff_micro", "bounds"])
+        firsts.append(order[0])
+    assert firsts == ["odc-collective+same_micro", "odc+diff_micro", "bounds", "odc-collective+same_micro"]
+
+
 @pytest.mark.parametrize("world_size", ["1", "2"])
 def test_odc_overhead_benchmark_reports_every_rank(run_cli, world_size):
     proc = run_cli("bench", "overhead", "--dim", "32", "--world-size", world_size)

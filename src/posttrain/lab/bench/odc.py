@@ -14,7 +14,9 @@ and two bounds with no communication at all (:mod:`posttrain.train.dp.bounds`): 
 whole sequences to ranks under their measured compute times, each rank running its share back to
 back: per step the fastest of three candidate assignments, chosen on one run and timed on
 another). Every figure is a throughput (tokens/s over the steps after the first); variants run
-interleaved for ``repeats`` rounds and ratios are medians of the per-round ratios, with their
+interleaved for ``repeats`` rounds (each round's order rotated by one, the bounds included, so a
+drifting machine does not always favour the same variant: one run here slowed by 17% from its first round to its last) and
+ratios are medians of the per-round ratios, with their
 range (this machine's noise is about +-10% a run).
 
 [Note: where ODC's gain comes from]
@@ -115,16 +117,23 @@ def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainCo
     return replace(base, dp=dp, odc_mode=mode, balance=balance)
 
 
-def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: str) -> dict[str, dict]:
+def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: str, k: int = 0) -> dict[str, dict]:
+    """One round: every variant and the bounds, in an order rotated by ``k`` (round ``k`` starts
+    ``k`` places later), so that a machine slowing or speeding up over a round does not always
+    favour the same variant."""
     got = {}
-    for dp, mode, balance in variants:
+    jobs = [*variants, None]  # None: the bounds
+    for job in jobs[k % len(jobs):] + jobs[:k % len(jobs)]:
+        if job is None:
+            for name, bound in measure_bounds(base, world_size).items():
+                got[name] = bound
+                log(f"  {prefix}{name + ' bound':32} {bound['tokens_per_s']:9.0f} tokens/s", flush=True)
+            continue
+        dp, mode, balance = job
         cfg = _variant_cfg(base, dp, mode, balance)
         name = f"{cfg.dp_label}+{balance}"
         got[name] = summarize(run_ranks(train_worker, world_size, cfg, timeout_s=3600))
         log(f"  {prefix}{name:32} {got[name]['tokens_per_s']:9.0f} tokens/s", flush=True)
-    for name, bound in measure_bounds(base, world_size).items():
-        got[name] = bound
-        log(f"  {prefix}{name + ' bound':32} {bound['tokens_per_s']:9.0f} tokens/s", flush=True)
     return got
 
 
@@ -182,7 +191,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         raise ValueError(f"--steps={base.steps} must be at least 2 (the first step is warm-up)")
     base = replace(base, progress=False, checkpoint_dir=None)
     TrainData(base, world_size)
-    rounds = [_round(base, world_size, ODC_VARIANTS, log, f"round {k + 1}/{repeats}  ") for k in range(repeats)]
+    rounds = [_round(base, world_size, ODC_VARIANTS, log, f"round {k + 1}/{repeats}  ", k) for k in range(repeats)]
     median, spread = {}, {}
     for name in rounds[0]:
         ratios = {
@@ -273,7 +282,7 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
     for k in range(repeats):
         for i, cfg in enumerate(points):
             tag = f"round {k + 1}/{repeats} {cfg.sequences // world_size:3d} seq/rank max_tokens {cfg.max_tokens:5d}  "
-            rounds[i].append(factors(_round(cfg, world_size, MECHANISM_VARIANTS, log, tag)))
+            rounds[i].append(factors(_round(cfg, world_size, MECHANISM_VARIANTS, log, tag, k)))
     machine = None
     if predict:
         from posttrain.lab.calibrate import measure_sweep_machine, predict_mechanism
