@@ -85,6 +85,25 @@ def _compute_worker(rank: int, world_size: int, cfg: TrainConfig, shapes: list[l
     return seconds
 
 
+def _write_equal(path: str, sequences: int, length: int) -> None:
+    """A JSONL of ``sequences`` token-id sequences of ``length`` inputs each (one more id: the
+    last target), for the equal-length calibration runs."""
+    with open(path, "w") as f:
+        for i in range(sequences):
+            f.write(json.dumps({"input_ids": [(i + k) % 97 for k in range(length + 1)]}) + "\n")
+
+
+def _steady(results: list[dict]) -> list[tuple[dict, ...]]:
+    """A run's steps after the first (warm-up), each as every rank's metrics row."""
+    return list(zip(*(r["metrics"] for r in results)))[1:]
+
+
+def _per_step(step: tuple[dict, ...]) -> float:
+    """A step's own per-step work: the optimizer and the sync of the rank that arrived last (the
+    exit's own cost, not waiting for a slower peer: the simulator models that waiting itself)."""
+    return statistics.mean(r["optimizer_s"] for r in step) + min(r["sync_s"] for r in step)
+
+
 def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str = "odc") -> dict[str, float]:
     """What engine ``dp`` (in ``mode``) adds to pure compute, from a run on equal-length sequences
     where no rank waits for another: seconds per layer and microbatch (communication, copies,
@@ -92,9 +111,7 @@ def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str 
     length = max(8, cfg.max_tokens // 2)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "equal.jsonl")
-        with open(path, "w") as f:
-            for i in range(max(cfg.sequences, 4 * world_size)):
-                f.write(json.dumps({"input_ids": [(i + k) % 97 for k in range(length + 1)]}) + "\n")
+        _write_equal(path, max(cfg.sequences, 4 * world_size), length)
         c = replace(cfg, data=path, dp=dp, odc_mode=mode, balance="same_micro",
                     sequences=max(cfg.sequences, 4 * world_size), max_len=length + 1,
                     max_tokens=max(cfg.max_tokens, length))
@@ -108,11 +125,7 @@ def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str 
         per_rank = run_ranks(partition_bound_worker, world_size, c, shares, timeout_s=3600)
         ideal = statistics.mean(max(r["plan"][k] for r in per_rank) for k in range(len(plans)))
         mbs = max(plans[0].num_microbatches)
-    steady = list(zip(*(r["metrics"] for r in results)))[1:]
-    # Per step: the optimizer and the sync of the rank that arrived last (whose sync is the exit's
-    # own cost, not waiting for a slower peer: the simulator models that waiting itself).
-    per_step = statistics.median(statistics.mean(r["optimizer_s"] for r in s) + min(r["sync_s"] for r in s)
-                                 for s in steady)
+    per_step = statistics.median(_per_step(s) for s in _steady(results))
     extra = max(0.0, run["step_time_s"] - ideal - per_step) / (mbs * cfg.num_layers)
     log(f"  {c.dp_label} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
         f"optimizer and sync {per_step * 1e3:.1f} ms, {mbs} microbatches x {cfg.num_layers} layers -> "
@@ -197,16 +210,14 @@ def machine_from_shapes(ref: TrainConfig, shapes: list[list[int]], seconds: list
             "jitter": costs["jitter"]}
 
 
-def _excess(results: list[dict]) -> tuple[list[float], list[float]]:
-    """Per step after the first: what the step took beyond its slowest rank's own compute and the
-    per-step work (seconds), and that per-step work: the optimizer and the sync of the rank that
-    arrived last (the exit's own cost, not waiting for a slower peer)."""
-    excess, per_step = [], []
-    for s in list(zip(*(r["metrics"] for r in results)))[1:]:
-        step = statistics.mean(r["optimizer_s"] for r in s) + min(r["sync_s"] for r in s)
-        per_step.append(step)
-        excess.append(max(0.0, s[0]["step_time_s"] - max(r["compute_s"] for r in s) - step))
-    return excess, per_step
+def _excess(step: tuple[dict, ...]) -> float:
+    """Seconds a step took beyond its slowest rank's own compute and its :func:`_per_step` work."""
+    return max(0.0, step[0]["step_time_s"] - max(r["compute_s"] for r in step) - _per_step(step))
+
+
+def _compute(results: list[dict]) -> float:
+    """A run's compute a step: per step the ranks' mean compute, the median over the steps."""
+    return statistics.median(statistics.mean(r["compute_s"] for r in s) for s in _steady(results))
 
 
 def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, world_size: int = 2, rounds: int = 3,
@@ -239,9 +250,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     runs: dict[str, list] = {"odc": [], "collective": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "equal.jsonl")
-        with open(path, "w") as f:
-            for i in range(sequences):
-                f.write(json.dumps({"input_ids": [(i + k) % 97 for k in range(length + 1)]}) + "\n")
+        _write_equal(path, sequences, length)
         c = replace(cfg, data=path, dp="odc", balance="same_micro", sequences=sequences, max_len=length + 1,
                     max_tokens=2 * length, progress=False, checkpoint_dir=None)
         for _ in range(rounds):
@@ -251,38 +260,30 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
         cost = FlopsCost.from_config(c.model_config(data.vocab_size))
         plans = [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
     mbs = max(plans[0].num_microbatches)
-
-    def compute(results: list[dict]) -> float:  # per step, the ranks' mean compute; median over steps
-        return statistics.median(statistics.mean(r["compute_s"] for r in s)
-                                 for s in list(zip(*(r["metrics"] for r in results)))[1:])
-
-    factor = statistics.median(compute(a) / compute(b) for a, b in zip(runs["collective"], runs["odc"]))
-    engine, measured = {}, {}
+    ratios = [_compute(a) / _compute(b) for a, b in zip(runs["collective"], runs["odc"])]
+    factor = statistics.median(ratios)
+    measured, per_step = {}, {}
     for mode, results in runs.items():
-        excess, per_step = [], []
-        for res in results:
-            e, p = _excess(res)
-            excess += e
-            per_step += p
+        steps = [s for res in results for s in _steady(res)]
+        excess = [_excess(s) for s in steps]
         measured[mode] = statistics.median(excess)
-        engine[mode] = {"per_layer_microbatch": measured[mode] / (mbs * cfg.num_layers),
-                        "per_step": statistics.median(per_step), "microbatches": mbs,
-                        "excess_per_step": measured[mode], "compute_factor": factor if mode == "collective" else 1.0}
+        per_step[mode] = statistics.median(_per_step(s) for s in steps)
         log(f"  flat ODC {mode} on {length}-token sequences ({rounds} runs, {len(excess)} steps): beyond the slowest rank's "
             f"compute {measured[mode] * 1e3:.1f} ms a step (quartiles {_quartiles(excess)}), optimizer and exit "
-            f"{engine[mode]['per_step'] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
+            f"{per_step[mode] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
     # Both modes copy the same bytes: the collective run's operations cost what ODC's do.
-    engine["collective"]["per_layer_microbatch"] = engine["odc"]["per_layer_microbatch"]
+    copies = measured["odc"] / (mbs * cfg.num_layers)
+    engine = {mode: {"per_layer_microbatch": copies, "per_step": per_step[mode], "microbatches": mbs,
+                     "excess_per_step": measured[mode], "compute_factor": factor if mode == "collective" else 1.0}
+              for mode in runs}
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
     model = SimModel(num_layers=cfg.num_layers, layer_cost=layer_cost.scaled(factor), layer_param_bytes=0.0,
                      layer_grad_bytes=0.0, optimizer_s=engine["collective"]["per_step"])
-    per_op = engine["odc"]["per_layer_microbatch"] / 3
-    ops = {"gather": per_op, "reduce": per_op}
-
+    ops = {"gather": copies / 3, "reduce": copies / 3}
     jitter = fit_jitter(plans, model=model, cluster=cluster, op_times=ops, excess=measured["collective"], draws=draws)
-    log(f"  -> per layer and microbatch: {engine['odc']['per_layer_microbatch'] * 1e3:.2f} ms of copies (both modes); "
+    log(f"  -> per layer and microbatch: {copies * 1e3:.2f} ms of copies (both modes); "
         f"the collective mode's compute {factor:.3f}x ODC's on the same work (rounds: "
-        f"{', '.join(f'{compute(a) / compute(b):.3f}' for a, b in zip(runs['collective'], runs['odc']))}); "
+        f"{', '.join(f'{x:.3f}' for x in ratios)}); "
         f"compute jitter {jitter:.1%} (coefficient of variation) explains the collective run's "
         f"{(measured['collective'] - measured['odc']) * 1e3:.1f} ms a step more than ODC's", flush=True)
     return {"engine": engine, "jitter": jitter}
@@ -292,7 +293,7 @@ def simulated_excess(plans: list, *, model: SimModel, cluster: Cluster, op_times
                      draws: int = 8) -> float:
     """Seconds a simulated FSDP-style step of ``plans`` (per-layer rendezvous, no overlap) lasts
     beyond its slowest rank's compute and ``model.optimizer_s``, as :func:`_excess` measures a real
-    one; the mean over ``draws`` seeded draws and the steps."""
+    one's; the mean over ``draws`` seeded draws and the steps."""
     total = 0.0
     for d in range(draws if jitter else 1):
         for k, plan in enumerate(plans):

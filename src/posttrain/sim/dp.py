@@ -33,8 +33,8 @@ of mean 1 and that coefficient of variation (log-normal, seeded: the same argume
 result). Real ranks never compute a layer in exactly the same time, so a rendezvous at every
 layer waits each time for the slower rank of that layer, while ODC's ranks wait once for the
 slower sum, where the deviations have partly cancelled; FSDP pays for the variance even when
-the work is balanced. Measured on 2 CPU processes with equal sequences, FSDP-style rendezvous
-cost several times ODC's copies (see ``posttrain.lab.calibrate``).
+the work is balanced. ``posttrain.lab.calibrate.fit_jitter`` fits it to what flat ODC's
+collective mode loses beyond ODC's copies on equal sequences.
 """
 
 from __future__ import annotations
