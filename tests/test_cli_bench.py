@@ -35,6 +35,21 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
             * tp["odc-collective+same_micro"] / tp["odc-fsdp2-collective+same_micro"]
             * tp["odc+diff_micro"] / tp["odc-collective+same_micro"])
     assert set(fac) >= {"total", "transport", "engine", "mechanism", "headroom", "partition_vs_even"}
+    from posttrain.lab.bench.odc import split_odc_vs_partition
+
+    for r in got["rounds"]:  # odc/part splits into the balancer's plan, the engine's compute, the critical share
+        split = split_odc_vs_partition(r)
+        odc = r["odc+diff_micro"]
+        assert split["odc_critical_share"] == odc["busiest_compute_s"] / odc["step_time_s"] and 0 < odc[
+            "busiest_compute_s"] <= odc["step_time_s"]
+        assert split["plan_vs_partition"] == r["partition"]["plan_tokens_per_s"] / r["partition"]["tokens_per_s"]
+        assert split["plan_vs_partition"] * split["plain_vs_engine_compute"] * split["odc_critical_share"] == \
+            pytest.approx(odc["tokens_per_s"] / r["partition"]["tokens_per_s"])
+    per_round = [r["partition"]["tokens_per_s"] / r["odc-collective+same_micro"]["tokens_per_s"]
+                 * r["odc+diff_micro"]["tokens_per_s"] / r["partition"]["plan_tokens_per_s"] for r in got["rounds"]]
+    assert min(per_round) <= fac["reachable_headroom"][0] <= max(per_round)
+    assert fac["plan_vs_partition"][0] * fac["plain_vs_engine_compute"][0] * fac["odc_critical_share"][0] == \
+        pytest.approx(fac["odc_vs_partition"][0], rel=0.5)
     for r in got["rounds"]:  # whole sequences never divide more evenly than all compute does
         assert r["partition"]["tokens_per_s"] <= 1.25 * r["even"]["tokens_per_s"]
     for line in ("transport", "engine", "mechanism", "headroom", "captured"):
@@ -58,6 +73,12 @@ def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path,
         assert p["headroom"][0] > 0 and p["mechanism"][0] > 0
         assert p["predicted"]["headroom"] > 0 and p["predicted"]["mechanism"] > 0
     assert "pred head" in proc.stdout
+    for p in points:  # where odc/part goes, point by point
+        assert 0 < p["odc_critical_share"][0] <= 1 and p["plan_vs_partition"][0] > 0
+        assert p["captured_of_reachable"] is None or p["reachable_headroom"][0] > 1
+    split = proc.stdout.split("where odc+diff_micro loses to the partition bound")[1].splitlines()
+    assert "x compute" in split[1] and len([ln for ln in split[2:6] if ln.split()[:2] in (["1", "64"], ["1", "128"],
+                                                                                      ["2", "64"], ["2", "128"])]) == 4
     rc, _, err = cli("bench", "odc", "--sweep", "--sweep-max-tokens", "32", "--max-len", "64")
     assert rc == 2 and "is below --max-len=64" in err
 
@@ -210,3 +231,31 @@ def test_results_reruns_one_profile_and_keeps_the_others(tmp_path, monkeypatch):
     assert text.index("first longalign") < text.index("second swe_smith") < text.index("first long_tail")
     with pytest.raises(ValueError, match="unknown profile 'nope'"):
         results.run_results(str(path), only=["profiles:nope"], log=lambda line: None)
+
+
+def test_measure_bounds_times_odc_own_plan_beside_the_chosen_one(monkeypatch):
+    """The partition bound per step is the fastest candidate of a first run, timed again in a second;
+    diff_micro's own plan is timed in that second run too, so plan and bound compare within one run."""
+    import posttrain.lab.bench.odc as bench
+
+    cands = {"measured": [[[0], [1]]], "fitted": [[[1], [0]]], "diff_micro": [[[0, 1], []]]}
+    first = [{"measured": [3.0], "fitted": [2.0], "diff_micro": [4.0]}, {"measured": [1.0], "fitted": [1.0],
+                                                                        "diff_micro": [0.0]}]
+    second = [{"chosen": [2.5], "diff_micro": [5.0]}, {"chosen": [1.5], "diff_micro": [0.0]}]
+    runs = []
+
+    def fake(fn, n, cfg, *args, **kw):
+        if fn is bench.sequence_times_worker:
+            return [{}]
+        runs.append(args[0])
+        return first if len(runs) == 1 else second
+
+    monkeypatch.setattr(bench, "run_ranks", fake)
+    monkeypatch.setattr(bench, "partition_candidates", lambda cfg, n, times: (cands, True))
+    cfg = bench.TrainConfig(steps=2, sequences=2, max_len=64, dim=32, num_layers=1)
+    got = bench.measure_bounds(cfg, 2)
+    assert runs[1] == {"chosen": [[[1], [0]]], "diff_micro": [[[0, 1], []]]}  # fitted won step 1 (2.0 < 3.0, 4.0)
+    tokens = bench._steady_tokens(cfg, 2)
+    assert got["partition"]["tokens_per_s"] == pytest.approx(tokens / 2.5)
+    assert got["partition"]["plan_tokens_per_s"] == pytest.approx(tokens / 5.0)
+    assert got["even"]["tokens_per_s"] == pytest.approx(tokens / 2.0)

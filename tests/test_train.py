@@ -70,6 +70,9 @@ def test_time_accounting_adds_up(dp):
                 assert r["sync_s"] > 0
     s = summarize(results)
     assert s["tokens_per_s"] > 0 and 0 < s["utilization"] <= 1 and 0 <= s["wait_share"] < 1
+    steady = list(zip(*(r["metrics"] for r in results)))[1:]
+    assert s["busiest_compute_s"] == pytest.approx(sum(max(r["compute_s"] for r in st) for st in steady) / len(steady))
+    assert s["compute_s"] / len(results) <= s["busiest_compute_s"] <= s["step_time_s"]
 
 
 @pytest.mark.parametrize("dp", ["fsdp", "odc", "odc-fsdp2"])

@@ -35,6 +35,15 @@ The mechanism can only win what the collective run loses to imbalance: **headroo
 the time it could have saved, ``(1 - 1/mechanism) / (1 - 1/headroom)`` (shown where headroom
 exceeds 1.05).
 
+But the headroom also holds the engine's own costs (copies, a slower forward and backward than the
+plain model's), which ODC pays as much as the collective run: with one sequence per rank both modes
+run the same plan, and the headroom there is those costs alone. So ``odc+diff_micro / partition
+bound`` is split, each factor measured (:func:`split_odc_vs_partition`): **plan** (ODC's own
+assignment run on the plain model, over the partition bound), **compute** (that plain run over the
+ODC run's busiest-rank compute) and **critical** (the ODC run's busiest-rank compute over its step).
+**Reachable headroom** = headroom x compute x critical: what scheduling could win once the engine's
+costs are counted; the mechanism's capture of it is reported beside the plain capture.
+
 ``sweep_odc`` repeats the mechanism measurement over sequences per rank and ``--max-tokens`` and
 puts the calibrated simulator's predictions beside it (:mod:`posttrain.lab.calibrate`).
 """
@@ -85,7 +94,8 @@ def _steady_tokens(cfg: TrainConfig, world_size: int) -> int:
 def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     """Both bounds for the steps after the first: ``{"even": {...}, "partition": {...}}`` with
     ``tokens_per_s`` (and for the partition bound whether every step's assignment is proven
-    optimal)."""
+    optimal, and ``plan_tokens_per_s``: diff_micro's own assignment on the plain model, timed in
+    the same run)."""
     tokens = _steady_tokens(cfg, world_size)
     times: dict = {}
     for part in run_ranks(sequence_times_worker, world_size, cfg, timeout_s=3600):
@@ -98,9 +108,12 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     per_rank = run_ranks(partition_bound_worker, world_size, cfg, candidates, timeout_s=3600)
     by_candidate = {name: [max(r[name][k] for r in per_rank) for k in range(steps)] for name in candidates}
     best = [min(by_candidate, key=lambda name: by_candidate[name][k]) for k in range(steps)]
-    chosen = {"chosen": [candidates[name][k] for k, name in enumerate(best)]}
+    # ODC's own plan (diff_micro's assignment) is timed again beside the chosen one, step by step in
+    # the same run, so the two compare without the noise between runs.
+    chosen = {"chosen": [candidates[name][k] for k, name in enumerate(best)], "diff_micro": candidates["diff_micro"]}
     per_rank = run_ranks(partition_bound_worker, world_size, cfg, chosen, timeout_s=3600)
     partition_s = sum(max(r["chosen"][k] for r in per_rank) for k in range(steps))
+    plan_s = sum(max(r["diff_micro"][k] for r in per_rank) for k in range(steps))
     # The even bound divides the same measured compute evenly over the ranks, so the two bounds
     # differ only in how whole sequences divide (a separate run of every microbatch on every rank
     # measured up to 7% slower than the ranks' own shares under the same contention).
@@ -110,6 +123,7 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     return {"even": {"tokens_per_s": tokens / even_s, "utilization": 1.0, "compute_s": compute_s},
             "partition": {"tokens_per_s": tokens / partition_s, "utilization": 1.0, "compute_s": compute_s,
                           "exact": exact, "best": {name: best.count(name) for name in candidates},
+                          "plan_tokens_per_s": tokens / plan_s,
                           "candidates_tokens_per_s": {name: tokens / sum(v) for name, v in by_candidate.items()}}}
 
 
@@ -151,6 +165,32 @@ def factors(r: dict[str, dict]) -> dict[str, float]:
     out["headroom"] = tp["partition"] / tp[_COLL]
     out["odc_vs_partition"] = tp[_ODC] / tp["partition"]
     out["partition_vs_even"] = tp["partition"] / tp["even"]
+    out.update(split_odc_vs_partition(r))
+    return out
+
+
+def split_odc_vs_partition(r: dict[str, dict]) -> dict[str, float]:
+    """Where ``odc+diff_micro`` loses to the partition bound in one round, as three factors whose
+    product is ``odc_vs_partition`` (see [Note: where ODC's gain comes from]):
+
+    - ``plan_vs_partition``: ODC's own plan (diff_micro's assignment) run on the plain model, over
+      the partition bound: what the balancer leaves;
+    - ``plain_vs_engine_compute``: that plan's plain compute over the ODC run's compute (per step
+      its busiest rank's, communication excluded): the engine's cost inside the forward and backward;
+    - ``odc_critical_share``: the ODC run's busiest-rank compute over its step time: what copies,
+      waits, the optimizer and the exit take from the step.
+
+    Also ``odc_vs_plan`` (the last two together: the engine at ODC's own plan) and
+    ``reachable_headroom`` (headroom times ``odc_vs_plan``: what the mechanism could win with this
+    engine, whose costs it pays as the collective run does).
+    """
+    plan = r["partition"]["plan_tokens_per_s"]
+    odc = r[_ODC]
+    out = {"plan_vs_partition": plan / r["partition"]["tokens_per_s"],
+           "odc_vs_plan": odc["tokens_per_s"] / plan,
+           "odc_critical_share": odc["busiest_compute_s"] / odc["step_time_s"]}
+    out["plain_vs_engine_compute"] = out["odc_vs_plan"] / out["odc_critical_share"]
+    out["reachable_headroom"] = r["partition"]["tokens_per_s"] / r[_COLL]["tokens_per_s"] * out["odc_vs_plan"]
     return out
 
 
@@ -231,6 +271,10 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         "mechanism": "ODC's own: odc+diff_micro / odc-collective+same_micro",
         "headroom": "what scheduling could win: partition bound / odc-collective+same_micro",
         "odc_vs_partition": "odc+diff_micro / partition bound",
+        "plan_vs_partition": "  = diff_micro's plan on the plain model / partition bound (the balancer)",
+        "plain_vs_engine_compute": "  x that plan's plain compute / odc+diff_micro's (the engine inside compute)",
+        "odc_critical_share": "  x odc+diff_micro's busiest-rank compute / its step (copies, waits, optimizer)",
+        "reachable_headroom": "headroom x odc+diff_micro / its plan on the plain model (what this engine can win)",
         "partition_vs_even": "partition bound / even bound (whole sequences do not divide evenly)",
     }
     for k, desc in text.items():
@@ -239,15 +283,41 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     cap = capture(fac["mechanism"][0], fac["headroom"][0])
     log(f"  {'captured':18} " + (f"{cap:6.0%}   of the headroom's time saving" if cap is not None and
                                   fac["headroom"][0] > 1.05 else "  n/a    (headroom below 1.05: nothing to win)"))
+    reach = capture(fac["mechanism"][0], fac["reachable_headroom"][0])
+    log(f"  {'captured':18} " + (f"{reach:6.0%}   of the reachable headroom's" if reach is not None and
+                                  fac["reachable_headroom"][0] > 1.05 else "  n/a    (reachable headroom below 1.05)"))
     exact = all(r["partition"].get("exact") for r in rounds)
     wins = {name: sum(r["partition"]["best"][name] for r in rounds) for name in rounds[0]["partition"]["best"]}
     log(f"(partition bound: per step the fastest of the candidate assignments ({', '.join(f'{k} {v}' for k, v in wins.items())}"
         f" steps); optimum searches {'exact' if exact else 'partly Karmarkar-Karp + refinement'}; "
         "transport x engine x mechanism = total)")
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median,
-           "spread": spread, "factors": fac, "captured": cap}
+           "spread": spread, "factors": fac, "captured": cap, "captured_of_reachable": reach}
     _write(json_path, out, log)
     return out
+
+
+#: The per-round factors of :func:`split_odc_vs_partition`, in the order the sweep prints them.
+_SPLIT = ("plan_vs_partition", "plain_vs_engine_compute", "odc_critical_share", "odc_vs_plan", "reachable_headroom")
+
+
+def _log_split(points: list[dict], log: Callable) -> None:
+    """The sweep's second table: where odc+diff_micro loses to the partition bound, and the headroom
+    this engine leaves the mechanism (each the median of its per-round values)."""
+    log("\nwhere odc+diff_micro loses to the partition bound, and what the mechanism could win with this engine")
+    log(f"{'seq/rank':>8} {'max_tok':>7} {'odc/part':>9} {'= plan':>7} {'x compute':>10} {'x critical':>11} "
+        f"{'reachable':>10} {'mechanism':>10} {'captured':>9}")
+    for p in points:
+        reach, mech = p["reachable_headroom"][0], p["mechanism"][0]
+        cap_s = f"{p['captured_of_reachable']:8.0%}" if reach > 1.05 else "     n/a"
+        log(f"{p['sequences_per_rank']:8d} {p['max_tokens']:7d} {p['odc_vs_partition'][0]:9.2f} "
+            f"{p['plan_vs_partition'][0]:7.2f} {p['plain_vs_engine_compute'][0]:10.2f} "
+            f"{p['odc_critical_share'][0]:11.2f} {reach:9.2f}x {mech:9.2f}x {cap_s}")
+    log("(plan: diff_micro's assignment on the plain model / partition bound; compute: that plan's plain compute / "
+        "the ODC run's busiest-rank compute; critical: the ODC run's busiest-rank compute / its step; reachable: "
+        "headroom x compute x critical, what scheduling could win once this engine's own costs, which both modes "
+        "pay, are counted; captured: of the reachable headroom, where it exceeds 1.05; medians of rounds, so the "
+        "products hold only roughly)")
 
 
 def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_tokens: Sequence[int],
@@ -260,8 +330,9 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
 
     Returns:
         ``{"config", "world_size", "repeats", "points": [{"sequences_per_rank", "max_tokens",
-        "headroom", "mechanism", "odc_vs_partition", "partition_vs_even" (each [median, lowest,
-        highest]), "captured", "predicted": {...} or None, "predicted_at": {world size: {...}}}]}``.
+        "headroom", "mechanism", "odc_vs_partition", "partition_vs_even" and the factors of
+        :func:`split_odc_vs_partition` (each [median, lowest, highest]), "captured",
+        "captured_of_reachable", "predicted": {...} or None, "predicted_at": {world size: {...}}}]}``.
     """
     if repeats < 1:
         raise ValueError(f"--repeats={repeats} must be at least 1")
@@ -295,11 +366,13 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
     log(f"{'seq/rank':>8} {'max_tok':>7} {'headroom':>9} {'(range)':>11} {'mechanism':>10} {'(range)':>11} "
         f"{'captured':>9} {'odc/part':>9} {'part/even':>10} {'pred head':>10} {'pred mech':>10}")
     for cfg, rs in zip(points, rounds):
-        fac = {k: list(_med(rs, k)) for k in ("headroom", "mechanism", "odc_vs_partition", "partition_vs_even")}
+        fac = {k: list(_med(rs, k)) for k in ("headroom", "mechanism", "odc_vs_partition", "partition_vs_even",
+                                             *_SPLIT)}
         cap = capture(fac["mechanism"][0], fac["headroom"][0])
         pred = predict_mechanism(cfg, machine, world_size=world_size) if machine else None
         row = {"sequences_per_rank": cfg.sequences // world_size, "max_tokens": cfg.max_tokens, **fac,
-               "captured": cap, "predicted": pred}
+               "captured": cap, "captured_of_reachable": capture(fac["mechanism"][0], fac["reachable_headroom"][0]),
+               "predicted": pred}
         out_points.append(row)
         h, m = fac["headroom"], fac["mechanism"]
         cap_s = f"{cap:8.0%}" if cap is not None and h[0] > 1.05 else "     n/a"
@@ -310,6 +383,7 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
     log("(headroom: partition bound / odc-collective+same_micro; mechanism: odc+diff_micro / "
         "odc-collective+same_micro; captured: (1 - 1/mechanism) / (1 - 1/headroom), where headroom > 1.05; "
         "pred: the simulator calibrated on this machine)")
+    _log_split(out_points, log)
     if machine and predict_world_sizes:
         log("\nthe calibrated simulator at more ranks (same sequences per rank; headroom / mechanism):")
         log(f"{'seq/rank':>8} {'max_tok':>7} " + " ".join(f"{f'{n} ranks':>15}" for n in predict_world_sizes))

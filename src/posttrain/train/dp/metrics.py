@@ -28,7 +28,9 @@ def summarize(results: list[dict]) -> dict:
     """Aggregate ranks' metrics over the steps after the first (warm-up).
 
     Returns tokens/s, utilization (compute share of step time averaged over ranks), wait share,
-    compute seconds per step summed over ranks, first and final loss, and mean step time.
+    compute seconds per step summed over ranks, the busiest rank's compute seconds per step
+    (``busiest_compute_s``: per step the largest of the ranks', averaged over the steps), first and
+    final loss, and mean step time.
     """
     steps = list(zip(*(r["metrics"] for r in results)))
     steady = steps[1:] or steps
@@ -39,6 +41,7 @@ def summarize(results: list[dict]) -> dict:
         "utilization": sum(util) / len(util),
         "wait_share": sum(sum(r["wait_s"] for r in s) / (len(s) * s[0]["step_time_s"]) for s in steady) / len(steady),
         "compute_s": sum(sum(r["compute_s"] for r in s) for s in steady) / len(steady),
+        "busiest_compute_s": sum(max(r["compute_s"] for r in s) for s in steady) / len(steady),
         "final_loss": steps[-1][0]["loss"],
         "first_loss": steps[0][0]["loss"],
         "step_time_s": sum(step_times) / len(step_times),
