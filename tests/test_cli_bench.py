@@ -35,7 +35,7 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
             * tp["odc-collective+same_micro"] / tp["odc-fsdp2-collective+same_micro"]
             * tp["odc+diff_micro"] / tp["odc-collective+same_micro"])
     assert set(fac) >= {"total", "transport", "engine", "mechanism", "headroom", "partition_vs_even"}
-    from posttrain.lab.bench.odc import split_odc_vs_partition
+    from posttrain.lab.bench.odc import factors, split_odc_vs_partition
 
     for r in got["rounds"]:  # odc/part splits into the balancer's plan, the engine's compute, the critical share
         split = split_odc_vs_partition(r)
@@ -47,6 +47,7 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
             pytest.approx(odc["tokens_per_s"] / r["partition"]["tokens_per_s"])
     per_round = [r["partition"]["tokens_per_s"] / r["odc-collective+same_micro"]["tokens_per_s"]
                  * r["odc+diff_micro"]["tokens_per_s"] / r["partition"]["plan_tokens_per_s"] for r in got["rounds"]]
+    assert [factors(r)["reachable_headroom"] for r in got["rounds"]] == pytest.approx(per_round)
     assert min(per_round) <= fac["reachable_headroom"][0] <= max(per_round)
     assert fac["plan_vs_partition"][0] * fac["plain_vs_engine_compute"][0] * fac["odc_critical_share"][0] == \
         pytest.approx(fac["odc_vs_partition"][0], rel=0.5)
