@@ -5,6 +5,8 @@ A failure pinpoints a benchmark's wiring or its report, not a speed.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -111,6 +113,15 @@ def test_odc_overhead_benchmark_reports_every_rank(run_cli, world_size):
         assert len(lines) == 3, proc.stdout
         assert "FSDP2" in lines[0] and "flat ODC" in lines[1] and "AdamW step" in lines[2]
         assert all("Python calls" in ln and "/ plain:" in ln for ln in lines[:2])
+        for ln in lines[:2]:  # the excess over plain is the sum of its phases
+            m = re.search(r"beyond plain ([-+.\d]+) ms = entry ([-+.\d]+) \+ forward ([-+.\d]+) \+ "
+                          r"backward ([-+.\d]+) \+ exit ([-+.\d]+)", ln)
+            assert m, ln
+            total, *parts = map(float, m.groups())
+            assert abs(total - sum(parts)) < 0.03, ln
+        # flat ODC's hook counts what it does: 4 blocks gathered for forward and again for
+        # backward, the root once; one push each
+        assert "9.0 gathers of" in lines[1] and "5.0 gradient reductions of" in lines[1], lines[1]
 
 
 def test_bench_pipeline_tiny(run_cli, tmp_path, cli):

@@ -96,7 +96,7 @@ def _transport(args: argparse.Namespace) -> int:
 def _overhead(args: argparse.Namespace) -> int:
     from posttrain.lab.bench.overhead import bench_overhead
 
-    bench_overhead(dim=args.dim, world_size=args.world_size)
+    bench_overhead(dim=args.dim, world_size=args.world_size, repeats=args.repeats)
     return 0
 
 
@@ -170,6 +170,8 @@ def add_parser(sub) -> None:
     ov = bs.add_parser("overhead", help="one microbatch under FSDP2 and flat ODC against the plain model")
     add_config_arguments(ov, TrainConfig, fields=("dim",))
     ov.add_argument("--world-size", type=int, default=2, help="2: FSDP2 with ODC (default); 1: FSDP2 alone")
+    ov.add_argument("--repeats", type=int, default=30,
+                    help="interleaved iterations of each engine; times are medians (default 30)")
     ov.set_defaults(func=_overhead)
 
     pp = bs.add_parser("pipeline", help="saved-activation peaks per schedule and offload; our runner vs torch's")

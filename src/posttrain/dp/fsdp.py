@@ -42,6 +42,10 @@ def data_parallel_mesh(config: EngineConfig) -> DeviceMesh:
     return init_device_mesh("cpu", (config.replicas, world // config.replicas), mesh_dim_names=("replicate", "shard"))
 
 
+def _untimed(kind: str, start: float, end: float) -> None:
+    pass
+
+
 class _Timed:
     def __init__(self, hook: CommHook) -> None:
         self._hook = hook
@@ -104,9 +108,10 @@ class FSDP2Engine(DataParallelEngine):
         yield MinibatchInfo(total, total / dist.get_world_size())
 
     def set_comm_hook(self, hook: CommHook | None) -> None:
+        hook = hook or _untimed  # FSDP2 takes no None here: it would call it
         for m in self._modules:
-            m.set_custom_all_gather(_TimedAllGather(hook) if hook else None)
-            m.set_custom_reduce_scatter(_TimedReduceScatter(hook) if hook else None)
+            m.set_custom_all_gather(_TimedAllGather(hook))
+            m.set_custom_reduce_scatter(_TimedReduceScatter(hook))
 
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         ensure_optimizer_state(optimizer)

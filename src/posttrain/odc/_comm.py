@@ -26,9 +26,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.profiler import record_function
 
 from posttrain._compat import AllGather, ReduceScatter, ShardedParamInfo
+
+from ._protocol import traced
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class ODCAllGather(_ODCComm, AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         start = time.perf_counter()
-        with record_function("ODC::gather"):
+        with traced("ODC::gather"):
             self._odc.gather(self._layout, output_tensor, input_tensor, group)
         if self._odc.on_comm is not None:
             self._odc.on_comm("gather", start, time.perf_counter())
@@ -128,7 +129,7 @@ class ODCReduceScatter(_ODCComm, ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         start = time.perf_counter()
-        with record_function("ODC::scatter_accumulate"):
+        with traced("ODC::scatter_accumulate"):
             self._odc.scatter_accumulate(self._layout, output_tensor, input_tensor, group)
         if self._odc.on_comm is not None:
             self._odc.on_comm("reduce", start, time.perf_counter())

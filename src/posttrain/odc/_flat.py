@@ -45,12 +45,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.profiler import record_function
 
 from posttrain._compat import tree_flatten, tree_map_only, tree_unflatten
 from posttrain.models.blocks import find_blocks
 
-from ._protocol import Minibatch, MinibatchProtocol
+from ._protocol import Minibatch, MinibatchProtocol, traced
 from .config import ODCConfig
 
 __all__ = ["FlatODC", "FlatUnit", "flat_shard"]
@@ -650,7 +649,7 @@ class FlatODC:
         """Gather every owner's shards of ``u`` into ``full`` / ``frozen`` (whole padded vectors)."""
         p = self._protocol
         start = time.perf_counter()
-        with record_function("ODC::gather"):
+        with traced("ODC::gather"):
             if not p.in_minibatch:
                 p.check_usable()
                 # Outside a minibatch (evaluation) the exposures may be stale: a collective.
@@ -685,9 +684,9 @@ class FlatODC:
                 if torch.is_grad_enabled():
                     full.requires_grad_()
                     full.register_post_accumulate_grad_hook(self._make_push(u))
-                views += full[: u.numel].split(u.sizes[: u.num_trainable])
+                views += full.split([*u.sizes[: u.num_trainable], full.numel() - u.numel])[: u.num_trainable]
             if frozen is not None:
-                views += frozen[: u.frozen_numel].split(u.sizes[u.num_trainable :])
+                views += frozen.split([*u.sizes[u.num_trainable :], frozen.numel() - u.frozen_numel])[:-1]
             u.full, u.frozen_full = full, frozen
             views = [v.view(p.shape) for v, p in zip(views, u.params)]
             if full is not None and full.requires_grad and self._protocol.in_minibatch:
@@ -759,7 +758,7 @@ class FlatODC:
         def push(full: torch.Tensor) -> None:
             p = self._protocol
             start = time.perf_counter()
-            with record_function("ODC::scatter_accumulate"):
+            with traced("ODC::scatter_accumulate"):
                 p.check_in_minibatch_for_backward()
                 p.push_rows(u, full.grad.view(self.shard_size, u.shard_numel))
                 self._gathered.pop(id(full), None)

@@ -5,11 +5,13 @@
     posttrain bench overhead --dim 256
 
 Part 1 runs one microbatch (the first sequence of 300-700 tokens of the long-tail profile) forward
-and backward on a plain unsharded model and, alternating with it, on the same model under FSDP2
-(inside an ODC minibatch on 2 ranks, or with FSDP2's own collectives, local copies, on 1 rank)
-and under flat ODC (:func:`posttrain.odc.flat_shard`, inside a minibatch);
-medians of 10 runs, best of 3 alternating rounds; then, untimed, the Python function calls
-(cProfile) and minor page faults per microbatch of each. Part 2
+and backward on a plain unsharded model and, interleaved with it iteration by iteration, on the
+same model under FSDP2 (inside an ODC minibatch on 2 ranks, or with FSDP2's own collectives, local
+copies, on 1 rank) and under flat ODC (:func:`posttrain.odc.flat_shard`), each engine's microbatch
+in a minibatch of its own; medians over ``--repeats`` iterations of the minibatch entry, forward,
+backward and exit, the engine's time beyond the plain model split into those phases, and the
+median gather and push (scatter-accumulate) as the engine's communication hook times them; then,
+untimed, the Python function calls (cProfile) and minor page faults per microbatch of each. Part 2
 times AdamW's step on the sharded (DTensor) parameters with the default per-parameter loop, with
 ``foreach`` and with ``fused``. Both print ratios; the absolute times only give scale.
 """
@@ -32,7 +34,7 @@ from posttrain.models import build_model
 from posttrain.train.dp import TrainConfig, TrainData, build_training, microbatch_loss
 
 
-def _worker(rank: int, world_size: int, dim: int) -> dict:
+def _worker(rank: int, world_size: int, dim: int, repeats: int) -> dict:
     cfg = TrainConfig(dp="odc", balance="diff_micro", progress=False, dim=dim, max_len=1024, max_tokens=1024)
     data = TrainData(cfg, 2)  # the same data whatever the world size
     seqs = [s for s in data.minibatch(0) if 300 < len(s) < 700][:1]
@@ -44,29 +46,50 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
     model = fsdp.model
     tokens = len(seqs[0]) - 1
 
-    def timed(m, ctx):
-        with ctx:
-            t0 = time.perf_counter()
-            loss = microbatch_loss(m, seqs, [0], 1.0)
-            t1 = time.perf_counter()
-            loss.backward()
-            return t1 - t0, time.perf_counter() - t1
+    spans: dict[str, dict[str, list[float]]] = {}
 
+    def hook_for(name: str):
+        def hook(kind: str, start: float, end: float) -> None:
+            spans.setdefault(name, {}).setdefault(kind, []).append(end - start)
+        return hook
+
+    fsdp.engine.set_comm_hook(hook_for("fsdp"))
+    flat.engine.set_comm_hook(hook_for("flat"))
+
+    def timed(m, ctx) -> tuple[float, float, float, float]:
+        """(entry, forward, backward, exit) seconds of one microbatch in its own minibatch."""
+        t0 = time.perf_counter()
+        with ctx:
+            t1 = time.perf_counter()
+            loss = microbatch_loss(m, seqs, [0], 1.0)
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+        t4 = time.perf_counter()
+        if ctx is plain_ctx:
+            for p in m.parameters():
+                p.grad = None
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+    plain_ctx = contextlib.nullcontext()
     steps = {
-        "plain": lambda: timed(plain, contextlib.nullcontext()),
+        "plain": lambda: timed(plain, plain_ctx),
         "fsdp": lambda: timed(model, fsdp.engine.minibatch(tokens)),
         "flat": lambda: timed(flat.model, flat.engine.minibatch(tokens)),
     }
-    best = {}
-    for _ in range(3):
-        for name, fn in steps.items():
-            runs = []
-            for _ in range(10):
-                dist.barrier()
-                runs.append(fn())
-            fwd, bwd = (statistics.median(x) for x in zip(*runs))
-            if name not in best or fwd + bwd < sum(best[name]):
-                best[name] = (fwd, bwd)
+    for fn in steps.values():  # warm-up
+        fn()
+    spans.clear()
+    runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in steps}
+    for i in range(repeats):  # interleaved: every engine sees the same machine state
+        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            dist.barrier()
+            runs[name].append(steps[name]())
+    phases = {name: [statistics.median(x) for x in zip(*r)] for name, r in runs.items()}
+    comm = {name: {kind: (len(v) / repeats, statistics.median(v)) for kind, v in by_kind.items()}
+            for name, by_kind in spans.items()}
+    fsdp.engine.set_comm_hook(None)
+    flat.engine.set_comm_hook(None)
     calls, faults = {}, {}
     for name, fn in steps.items():
         prof = cProfile.Profile()
@@ -93,30 +116,44 @@ def _worker(rank: int, world_size: int, dim: int) -> dict:
             opt.step()
             times.append(time.perf_counter() - t0)
         opt_ms[name] = statistics.median(times) * 1e3
-    return {"tokens": len(seqs[0]) - 1, "microbatch_ms": {k: [x * 1e3 for x in v] for k, v in best.items()},
+    return {"tokens": len(seqs[0]) - 1, "phases_ms": {k: [x * 1e3 for x in v] for k, v in phases.items()},
+            "comm": {k: {kind: [n, t * 1e3] for kind, (n, t) in v.items()} for k, v in comm.items()},
             "optimizer_ms": opt_ms,
             "python_calls": calls, "page_faults": faults, "parameters": len(list(model.parameters()))}
 
 
-def bench_overhead(*, dim: int = 128, world_size: int = 2, log=print) -> list[dict]:
+_KIND = {"gather": "gathers", "reduce": "gradient reductions"}
+
+
+def describe(rank: int, r: dict, key: str, label: str) -> str:
+    """One engine's line of rank ``rank``'s figures ``r`` (what :func:`_worker` returns)."""
+    entry, fwd, bwd, exit_ = r["phases_ms"][key]
+    _, pf, pb, _ = r["phases_ms"]["plain"]
+    total, plain = entry + fwd + bwd + exit_, pf + pb
+    c, f = r["python_calls"], r["page_faults"]
+    comm = ", ".join(f"{n:.1f} {_KIND[kind]} of {t:.2f} ms" for kind, (n, t) in sorted(r["comm"].get(key, {}).items()))
+    return (f"rank {rank}: one {r['tokens']}-token microbatch, {label} / plain: forward {fwd / pf:.2f}x, "
+            f"backward {bwd / pb:.2f}x, with minibatch entry and exit {total / plain:.2f}x (plain {plain:.1f} ms, "
+            f"{label} {total:.1f} ms); beyond plain {total - plain:+.2f} ms = entry {entry:.2f} + forward "
+            f"{fwd - pf:+.2f} + backward {bwd - pb:+.2f} + exit {exit_:.2f}{'; ' + comm if comm else ''}; "
+            f"Python calls {c[key]:.0f} (plain {c['plain']:.0f}), minor page faults {f[key]:.0f} "
+            f"(plain {f['plain']:.0f})")
+
+
+def bench_overhead(*, dim: int = 128, world_size: int = 2, repeats: int = 30, log=print) -> list[dict]:
     """Run the measurement on ``world_size`` ranks (1: FSDP2 alone, no peer; 2: FSDP2 with ODC);
     print one line per rank and engine and one for the optimizer; return every rank's figures."""
     if world_size not in (1, 2):
         raise ValueError(f"--world-size={world_size} must be 1 or 2")
     if dim < 8:
         raise ValueError(f"--dim={dim} must be at least 8")
+    if repeats < 1:
+        raise ValueError(f"--repeats={repeats} must be at least 1")
     what = "FSDP2+ODC" if world_size > 1 else "FSDP2 (1 rank)"
-    results = run_ranks(_worker, world_size, dim, timeout_s=600)
+    results = run_ranks(_worker, world_size, dim, repeats, timeout_s=600)
     for rank, r in enumerate(results):
-        p = sum(r["microbatch_ms"]["plain"])
-        c, f = r["python_calls"], r["page_faults"]
         for key, label in (("fsdp", what), ("flat", "flat ODC (no FSDP2)")):
-            (ef, eb) = r["microbatch_ms"][key]
-            (pf, pb) = r["microbatch_ms"]["plain"]
-            log(f"rank {rank}: one {r['tokens']}-token microbatch, {label} / plain: forward {ef / pf:.2f}x, "
-                f"backward {eb / pb:.2f}x, both {(ef + eb) / p:.2f}x (plain {p:.1f} ms, {label} {ef + eb:.1f} ms); "
-                f"Python calls {c[key]:.0f} (plain {c['plain']:.0f}), minor page faults {f[key]:.0f} "
-                f"(plain {f['plain']:.0f})")
+            log(describe(rank, r, key, label))
         o = r["optimizer_ms"]
         log(f"rank {rank}: {r['parameters']} parameters; AdamW step on the FSDP2 shards, default loop / fused "
             f"{o['default'] / o['fused']:.1f}x, foreach / fused {o['foreach'] / o['fused']:.1f}x "
