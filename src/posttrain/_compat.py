@@ -6,7 +6,8 @@ needs the per-parameter padded shard data and dtypes that FSDP2 keeps on its par
 take are not re-exported by ``torch.distributed.fsdp`` either. Everything else goes through public
 ``FSDPModule`` methods. The pipeline runtime uses torch's split-backward functions
 (``stage_backward_input`` / ``stage_backward_weight``) and its action type, which pipelining does
-not re-export either; flat ODC walks module inputs and outputs with torch's pytree helpers. If
+not re-export either; flat ODC walks module inputs and outputs with torch's pytree helpers and asks
+whether a profiler records. If
 torch moves these names, the
 version check below fails with a clear message instead of ODC gathering garbage (and the
 first gather of every module is also checked against FSDP2's own input, see ``_comm.py``).
@@ -38,8 +39,15 @@ def check_torch_version() -> None:
         )
 
 
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording (``torch.autograd._profiler_enabled``): ODC's labels
+    of its gathers and pushes are entered only then, since each costs about 15 us even unrecorded."""
+    return torch.autograd._profiler_enabled()
+
+
 __all__ = [
     "AllGather", "ReduceScatter", "ShardedParamInfo", "TorchAction", "TorchComputationType", "check_torch_version",
+    "profiler_enabled",
     "sharded_params", "stage_backward_input", "stage_backward_weight", "tree_flatten", "tree_map_only", "tree_unflatten",
 ]
 

@@ -83,7 +83,10 @@ SECTIONS: tuple[Section, ...] = (
             "reduce-scatter on the same 2 processes; ratios are gloo time over shared-memory time.", 1),
     Section("overhead", "Where an engine's time goes: one microbatch against the plain model", ("bench", "overhead"),
             "One microbatch forward and backward under FSDP2 (with ODC's transport at 2 ranks) and under flat "
-            "ODC, each against the same plain model, alternating; then the optimizer step on FSDP2's shards.", 2),
+            "ODC, each in a minibatch of its own, interleaved iteration by iteration with the same plain model "
+            "(medians of 30); each engine's time beyond the plain model split into minibatch entry, forward, "
+            "backward and exit, with its median gather and gradient reduction; then the optimizer step on "
+            "FSDP2's shards.", 2),
     Section("balance", "The balancer: plan time and imbalance", ("bench", "balance"),
             "Every balancing method at 2-1,024 ranks, 8 sequences per rank, 5 minibatches each: median plan "
             "time and imbalance (max / mean of the ranks' costs); for `same_micro` also FSDP's step cost over "

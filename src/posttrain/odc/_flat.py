@@ -21,8 +21,9 @@ its gathers and pushes are plain copies and adds:
   gradient reaching them refills the same storage before the unit's backward reads its saved
   weights (or, under activation checkpointing, recomputes its forward).
 - When autograd has accumulated the leaf's gradient (one tensor: the split's backward
-  concatenates), row ``p`` is added into owner ``p``'s accumulator (in ``reduce_dtype``) and
-  both are freed.
+  concatenates; the split covers the padding too, so no slice backward zero-fills and copies the
+  whole vector again), row ``p`` is added into owner ``p``'s accumulator (in ``reduce_dtype``)
+  and both are freed.
 - Entry, exit, the accumulators, collective and deterministic modes, HSDP and failure handling
   are the minibatch protocol's (``_protocol.py``).
 

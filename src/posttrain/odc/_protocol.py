@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.profiler import record_function
 
+from posttrain._compat import profiler_enabled
+
 from ._transport import ShmTransport
 from .config import ODCConfig
 
@@ -46,7 +48,7 @@ _UNTRACED = nullcontext()
 def traced(name: str) -> AbstractContextManager:
     """``record_function(name)`` while a torch profiler records, else a no-op: the label costs
     about 15 us per use even with no profiler, and the engines use it on every gather and push."""
-    return record_function(name) if torch.autograd._profiler_enabled() else _UNTRACED
+    return record_function(name) if profiler_enabled() else _UNTRACED
 
 
 @dataclass(frozen=True)
