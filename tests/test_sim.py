@@ -347,18 +347,6 @@ def test_fit_jitter_recovers_the_jitter_that_made_a_steps_excess():
     assert fit_jitter(plans, excess=1.0, limit=0.5, **kw) == 0.5
 
 
-def test_the_collective_compute_factor_is_applied_only_when_every_round_agrees():
-    from posttrain.lab.calibrate import settled_ratio
-
-    assert settled_ratio([1.05, 1.02, 1.08]) == pytest.approx(1.05)
-    assert settled_ratio([0.95, 0.97, 0.93]) == pytest.approx(0.95)
-    # the calibrations of two sweeps on this machine: one round on the other side of 1 each
-    assert settled_ratio([1.046, 0.943, 1.157]) == 1.0
-    assert settled_ratio([0.952, 0.946, 1.109]) == 1.0
-    with pytest.raises(ValueError, match="round"):
-        settled_ratio([])
-
-
 def test_predict_plans_charges_the_collective_modes_compute_factor_and_jitter():
     from posttrain.lab.calibrate import predict_plans
 
