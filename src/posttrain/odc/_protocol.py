@@ -136,7 +136,7 @@ class MinibatchProtocol:
         self._closed = False
         self._minibatch_index = -1
         self._pushes = 0
-        self._views: dict[tuple[str, int, int], torch.Tensor] = {}  # params_view / _accumulator, until close
+        self._views: dict[tuple[str, int, int], torch.Tensor] = {}  # _view's, until close
         self.stats = {"gathers": 0, "regrouped_gathers": 0, "pushes": 0, "gather_bytes": 0, "push_bytes": 0}
         #: Called as ``on_comm(kind, start, end)`` (``kind`` "gather" or "reduce", times from
         #: ``time.perf_counter``) after every gather and scatter-accumulate inside a minibatch.
@@ -300,22 +300,18 @@ class MinibatchProtocol:
     # ------------------------------------------------------- one-sided operations
     def params_view(self, rank: int, lay: Layout) -> torch.Tensor:
         """Shard-group rank ``rank``'s exposed parameters of ``lay`` (flat, param dtype)."""
-        key = ("params", rank, id(lay))
-        view = self._views.get(key)
-        if view is None:
-            region = self.transport.region(rank, "params", torch.uint8)
-            view = self._views[key] = region[lay.params_offset : lay.params_offset + lay.gather_bytes].view(
-                lay.param_dtype)
-        return view
+        return self._view("params", rank, lay)
 
-    def _accumulator(self, owner: int, lay: Layout) -> torch.Tensor:
-        """Owner ``owner``'s (shared) accumulator of ``lay`` (flat, reduce dtype)."""
-        key = ("grads", owner, id(lay))
+    def _view(self, region: str, rank: int, lay: Layout) -> torch.Tensor:
+        """``lay``'s part of ``rank``'s ``params`` (param dtype) or ``grads`` (its accumulator,
+        reduce dtype) region: made once, kept until :meth:`close`."""
+        key = (region, rank, id(lay))
         view = self._views.get(key)
         if view is None:
-            region = self.transport.region(owner, "grads", torch.uint8)
-            view = self._views[key] = region[lay.grads_offset : lay.grads_offset + lay.reduce_bytes].view(
-                lay.reduce_dtype)
+            start, nbytes, dtype = ((lay.params_offset, lay.gather_bytes, lay.param_dtype) if region == "params"
+                                    else (lay.grads_offset, lay.reduce_bytes, lay.reduce_dtype))
+            whole = self.transport.region(rank, region, torch.uint8)
+            view = self._views[key] = whole[start : start + nbytes].view(dtype)
         return view
 
     def before_gather(self) -> None:
@@ -338,7 +334,7 @@ class MinibatchProtocol:
                 slot = grads.view(self.shard_size, self.grads_bytes)[self.rank, a:b]
                 slot.view(lay.reduce_dtype).add_(rows[owner])
             else:
-                t.accumulate(self._accumulator(owner, lay), rows[owner], owner=owner, byte_offset=a)
+                t.accumulate(self._view("grads", owner, lay), rows[owner], owner=owner, byte_offset=a)
         self._pushes += 1
         self.stats["pushes"] += 1
         self.stats["push_bytes"] += rows.numel() * rows.element_size()
