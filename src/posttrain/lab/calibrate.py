@@ -236,7 +236,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
       ``per_step`` (optimizer and exit), ``compute_factor`` (1: see below) and
       ``measured_compute_factor``: the collective mode's compute (communication excluded) over
       ODC's on the same equal work, the median of the rounds' paired ratios (printed with each
-      round's). It is recorded, not applied: three calibrations on this machine read 1.046,
+      round's). It is recorded, not applied: calibrations on this machine read 1.059, 1.046,
       0.952 and 1.098, and the sweep that applied 1.098 predicted 1.10x where 0.95-1.00x was
       measured at one sequence per rank, where the long rank computes alone (docs/simulator.md).
       ODC's compute is taken as the plain model's (``bench odc``'s compute factor compares them).
@@ -285,7 +285,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     ops = {"gather": copies / 3, "reduce": copies / 3}
     jitter = fit_jitter(plans, model=model, cluster=cluster, op_times=ops, excess=measured["collective"], draws=draws)
     log(f"  -> per layer and microbatch: {copies * 1e3:.2f} ms of copies (both modes); "
-        f"the collective mode's compute over ODC's on the same work {statistics.median(ratios):.3f}x (rounds: "
+        f"the collective mode's compute over ODC's on the same work {factor:.3f}x (rounds: "
         f"{', '.join(f'{x:.3f}' for x in ratios)}; recorded, not applied); "
         f"compute jitter {jitter:.1%} (coefficient of variation) explains the collective run's "
         f"{(measured['collective'] - measured['odc']) * 1e3:.1f} ms a step more than ODC's", flush=True)

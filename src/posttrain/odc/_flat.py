@@ -685,7 +685,7 @@ class FlatODC:
                 if torch.is_grad_enabled():
                     full.requires_grad_()
                     full.register_post_accumulate_grad_hook(self._make_push(u))
-                views += full.split([*u.sizes[: u.num_trainable], full.numel() - u.numel])[: u.num_trainable]
+                views += full.split([*u.sizes[: u.num_trainable], full.numel() - u.numel])[:-1]  # not the padding
             if frozen is not None:
                 views += frozen.split([*u.sizes[u.num_trainable :], frozen.numel() - u.frozen_numel])[:-1]
             u.full, u.frozen_full = full, frozen
