@@ -233,13 +233,12 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
 
     - ``engine[mode]``: ``per_layer_microbatch`` (ODC: the copies and adds; the simulator's
       operation cost for both modes, since both move the same bytes through the same transport),
-      ``per_step`` (optimizer and exit), ``compute_factor`` (1: see below) and
-      ``measured_compute_factor``: the collective mode's compute (communication excluded) over
-      ODC's on the same equal work, the median of the rounds' paired ratios (printed with each
-      round's). It is recorded, not applied: calibrations on this machine read 1.059, 1.046,
-      0.952 and 1.098, and the sweep that applied 1.098 predicted 1.10x where 0.95-1.00x was
-      measured at one sequence per rank, where the long rank computes alone (docs/simulator.md).
-      ODC's compute is taken as the plain model's (``bench odc``'s compute factor compares them).
+      ``per_step`` (optimizer and exit) and ``measured_compute_factor``: the collective mode's
+      compute (communication excluded) over ODC's on the same equal work, the median of the
+      rounds' paired ratios (printed with each round's). It is recorded, not applied: its
+      readings on this machine moved between calibrations by more than it, and applied it
+      mispredicted the sweep (docs/simulator.md). Both modes' compute is taken as the plain
+      model's (``bench odc``'s compute factor compares ODC's with it).
     - ``jitter``: the coefficient of variation of a layer's compute time with which the
       simulated collective run (per-layer rendezvous, ODC's operation cost) loses what the
       measured one lost beyond that cost. On equal work only the variance of each rank's layer
@@ -276,8 +275,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     # Both modes copy the same bytes: the collective run's operations cost what ODC's do.
     copies = measured["odc"] / (mbs * cfg.num_layers)
     engine = {mode: {"per_layer_microbatch": copies, "per_step": per_step[mode], "microbatches": mbs,
-                     "excess_per_step": measured[mode], "compute_factor": 1.0,
-                     "measured_compute_factor": factor if mode == "collective" else 1.0}
+                     "excess_per_step": measured[mode], "measured_compute_factor": factor if mode == "collective" else 1.0}
               for mode in runs}
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
     model = SimModel(num_layers=cfg.num_layers, layer_cost=layer_cost, layer_param_bytes=0.0,
@@ -362,7 +360,7 @@ def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_laye
     for mode, strategy, plans in (("collective", "fsdp", same_micro), ("odc", "odc", diff_micro)):
         eng = machine["engine"][mode]
         per_op = eng["per_layer_microbatch"] / 3
-        model = SimModel(num_layers=num_layers, layer_cost=cost.scaled(eng.get("compute_factor", 1.0)),
+        model = SimModel(num_layers=num_layers, layer_cost=cost,
                          layer_param_bytes=0.0, layer_grad_bytes=0.0, optimizer_s=eng["per_step"])
         ops = {"gather": per_op, "reduce": per_op, **({"add": 0.0} if strategy == "odc" else {})}
         times[mode] = statistics.mean(simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, op_times=ops,

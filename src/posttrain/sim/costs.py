@@ -62,12 +62,6 @@ class LayerCost:
     def backward(self, lengths: Sequence[int]) -> float:
         return self.backward_ratio * self.forward(lengths)
 
-    def scaled(self, factor: float) -> LayerCost:
-        """The same cost, every term times ``factor`` (a slower or faster compute)."""
-        if not (factor > 0 and math.isfinite(factor)):
-            raise ValueError(f"LayerCost.scaled({factor}): the factor must be a positive number")
-        return LayerCost(self.linear * factor, self.quadratic * factor, self.overhead * factor, self.backward_ratio)
-
     def sequence(self, length: int) -> float:
         """Forward + backward seconds of one sequence alone, without the per-microbatch overhead
         (the cost the balancer compares)."""
