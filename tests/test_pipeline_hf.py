@@ -112,7 +112,7 @@ def test_bad_pipeline_data_flags_are_named(deep_model, chat_data):
     cfg = PipelineConfig(model_path=deep_model("llama"), data=chat_data, sequences=16, num_microbatches=2, max_tokens=40)
     with pytest.raises(ValueError, match="do not fit in --microbatches=2 microbatches of at most --max-tokens=40"):
         PipelineData(replace(cfg), load_pretrained(cfg.model_path).config).step(0)
-    with pytest.raises(ValueError, match="--checkpoint-dir with --dp-size is for --dp odc"):
+    with pytest.raises(ValueError, match="--dp fsdp does not write the pipeline's checkpoints yet"):
         PipelineConfig(model_path=deep_model("llama"), data=chat_data, dp_size=2, dp="fsdp", balance="same_micro",
                        checkpoint_dir="ckpt")
     with pytest.raises(ValueError, match="--schedule zbv, which puts the first and the last stage on one rank"):

@@ -1,7 +1,7 @@
 """The interface every data-parallel engine implements, and its configuration.
 
 [Note: data-parallel engines]
-A training loop needs five things of the engine that shards its model over the data-parallel
+A training loop needs these things of the engine that shards its model over the data-parallel
 ranks, whatever the engine is:
 
 - the tensors the optimizer steps (:meth:`DataParallelEngine.parameters`);
@@ -11,9 +11,20 @@ ranks, whatever the engine is:
   (ODC sums gradients over ranks: the divisor is the global token count; FSDP2 averages them:
   the global token count over the number of ranks);
 - whether every rank must run the same number of microbatches
-  (:attr:`DataParallelEngine.equal_microbatches`: engines with a rendezvous per layer);
+  (:attr:`DataParallelEngine.equal_microbatches`: engines with a rendezvous per layer), and the
+  padding that makes them (:meth:`DataParallelEngine.pad`, :meth:`DataParallelEngine.run_dummy`):
+  a trainer pads every minibatch the same way whatever the engine;
 - a hook timing every communication call, for wait-time accounting and timelines;
-- state: sharded for ``torch.distributed.checkpoint`` and full (unsharded) for export.
+- state: sharded for ``torch.distributed.checkpoint`` and full (unsharded) for export;
+- for pipeline stages: what it does around a split backward (``I`` and ``W`` apart; the
+  :class:`~posttrain.pipeline.ShardedWeights` hooks, :attr:`DataParallelEngine.split_backward`),
+  which saved tensors are its gathered weights rather than activations
+  (:meth:`DataParallelEngine.holds`), and its shards of one unit (:meth:`DataParallelEngine.unit_parameters`).
+
+An engine shards ``model`` over a mesh (default: every rank, or ``(replicas, world / replicas)``
+for HSDP) in *units*, each gathered and reduced as one (default: every transformer block, then
+the model for what is left). A pipeline passes the column of ranks holding the same stages as
+the mesh and its stages' pieces as the units.
 
 Engines register under a name (:func:`posttrain.dp.register_engine`); the loop looks them up with
 :func:`posttrain.dp.build_engine` and never branches on the name.
@@ -22,15 +33,25 @@ Engines register under a name (:func:`posttrain.dp.register_engine`); the loop l
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["CommHook", "DataParallelEngine", "EngineConfig", "MinibatchInfo"]
+from posttrain.models import checkpoint_blocks, find_blocks
+
+__all__ = ["CommHook", "DataParallelEngine", "EngineConfig", "MinibatchInfo", "data_parallel_mesh", "mixed_precision"]
+
+T = TypeVar("T")
+
+#: One token: the input of a dummy microbatch.
+_DUMMY_INPUT = torch.zeros(1, 1, dtype=torch.long)
 
 #: ``hook(kind, start, end)``: ``kind`` is "gather" or "reduce", times from ``time.perf_counter``.
 CommHook = Callable[[str, float, float], None]
@@ -91,19 +112,52 @@ class DataParallelEngine(ABC):
     model structure (initial values are taken from the first rank or must agree).
     """
 
-    #: The registry name (``--dp``).
+    #: The registry name.
     name: ClassVar[str]
     #: What :meth:`state_dict` looks like: engines with the same format load each other's checkpoints.
     checkpoint_format: ClassVar[str]
+    #: Whether a pipeline stage sharded by this engine may run a split backward (``I`` and ``W``
+    #: apart): the weight pass assigns ``.grad`` outside autograd's accumulation, so an engine
+    #: that reduces gradients from autograd hooks (FSDP2) would miss them.
+    split_backward: ClassVar[bool] = False
+    #: Whether :meth:`whole_state_dict` is implemented (checkpoints under the model's parameter
+    #: names, loadable into another split of the model: the pipeline trainer's format).
+    whole_state: ClassVar[bool] = False
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
+                 units: Sequence[nn.Module] | None = None) -> None:
+        """Args:
+            model: what to shard (its forward is what the trainer calls).
+            config: precision, mode and the rest.
+            mesh: the data-parallel ranks (default: :func:`data_parallel_mesh` of ``config``).
+            units: the modules each sharded as one (default: every transformer block of
+                ``model``, then ``model`` itself for what is left).
+        """
         self.model = model
         self.config = config
+        self.mesh = mesh if mesh is not None else data_parallel_mesh(config)
+        if units is None:
+            blocks = find_blocks(model)
+            if config.activation_checkpointing:
+                checkpoint_blocks(blocks)
+            units = [*blocks, model]
+        elif config.activation_checkpointing:
+            raise ValueError("activation_checkpointing needs the default units (the model's transformer blocks)")
+        self.units = list(units)
+        # every rank of the mesh: the group a minibatch's token count is summed over
+        self.group = self.mesh.get_group() if self.mesh.ndim == 1 else None
+
+    @classmethod
+    @abstractmethod
+    def needs_equal_microbatches(cls, config: EngineConfig) -> bool:
+        """Whether an engine of this class built with ``config`` needs every rank to run the same
+        number of microbatches in a minibatch (a rendezvous per layer); known before any process
+        starts, so a trainer can refuse a balancing method that cannot give equal counts."""
 
     @property
-    @abstractmethod
     def equal_microbatches(self) -> bool:
         """Whether every rank must run the same number of microbatches in a minibatch."""
+        return self.needs_equal_microbatches(self.config)
 
     @abstractmethod
     def parameters(self) -> list[torch.Tensor]:
@@ -144,8 +198,83 @@ class DataParallelEngine(ABC):
         """Communication counters, where the engine keeps them."""
         return {}
 
-    def close(self) -> None:  # noqa: B027 - optional
-        """Free what the engine allocated. Idempotent."""
+    # ------------------------------------------------------------ padding
+    def pad(self, mine: Sequence[T], busiest: int) -> list[T | None]:
+        """What this rank runs in a minibatch: its own microbatches ``mine`` and, on an engine
+        whose ranks must run equal counts, ``None`` up to ``busiest`` (the most any rank runs;
+        every rank computes the same plan, so each knows it). Run :meth:`run_dummy` for a
+        ``None``: it takes part in every rendezvous a real microbatch does and changes nothing."""
+        extra = max(0, busiest - len(mine)) if self.equal_microbatches else 0
+        return [*mine, *([None] * extra)]
+
+    def run_dummy(self, *, backward: bool = True) -> None:
+        """A microbatch of one token whose loss weighs 0: the forward (and ``backward``) of
+        :attr:`model` gathers and reduces like a real one and adds nothing to any gradient."""
+        out = self.model(_DUMMY_INPUT)
+        if backward:
+            (out.sum() * 0.0).backward()
+
+    # ------------------------------------------------------------ pipeline stages
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in parameter memory this engine gathered (a weight a forward
+        saved, which an activation offload must leave alone), not in an activation."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(p.untyped_storage().data_ptr() == ptr for p in self.model.parameters())
+
+    def unit_parameters(self, unit: nn.Module) -> list[torch.Tensor]:
+        """The tensors the optimizer steps that hold ``unit``'s parameters (``unit`` is one of
+        :attr:`units`; not those of the units inside it): their gradients are final after a
+        minibatch."""
+        inner = {id(p) for u in self.units if u is not unit and any(m is u for m in unit.modules())
+                 for p in u.parameters()}
+        return [p for p in unit.parameters() if id(p) not in inner]
+
+    def weights_of(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Around a split backward: the stage's weights, given its forward graph's leaves (see
+        :class:`~posttrain.pipeline.ShardedWeights`; only engines with :attr:`split_backward`
+        are asked)."""
+        return leaves
+
+    def after_input(self, weights: list[torch.Tensor]) -> None:  # noqa: B027 - optional
+        """``I`` is done: gathered weights may be freed until :meth:`before_weight`."""
+
+    def before_weight(self, weights: list[torch.Tensor]) -> None:  # noqa: B027 - optional
+        """``W`` comes next: gather what :meth:`after_input` freed."""
+
+    def after_weight(self, weights: list[torch.Tensor]) -> None:  # noqa: B027 - optional
+        """``W`` is done: reduce the weight gradients it assigned."""
+
+    def whole_state_dict(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+        """``{"model": {name: whole parameter}, "optim": {"state": {name: {...}}, "groups": [...]}}``
+        under the model's names (``names``: ``id(parameter) -> name``, taken before sharding; a
+        collective over the mesh): a checkpoint that loads into any split of the same model."""
+        raise NotImplementedError(f"the {self.name} engine does not write whole-parameter checkpoints yet")
+
+    def load_whole_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                              names: dict[int, str]) -> None:
+        """Restore a :meth:`whole_state_dict` (as filled in place by ``dcp.load``)."""
+        raise NotImplementedError(f"the {self.name} engine does not load whole-parameter checkpoints yet")
+
+    def close(self, *, restore: bool = False) -> None:  # noqa: B027 - optional
+        """Free what the engine allocated. ``restore``: first put the full parameters back on the
+        model as plain tensors (a collective over the mesh). Idempotent."""
+
+
+def mixed_precision(config: EngineConfig) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``config.precision``."""
+    if config.precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def data_parallel_mesh(config: EngineConfig) -> DeviceMesh:
+    """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` for ``config.replicas > 1``."""
+    world = dist.get_world_size()
+    if world % config.replicas:
+        raise ValueError(f"--replicas={config.replicas} does not divide the {world} data-parallel ranks")
+    if config.replicas == 1:
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    return init_device_mesh("cpu", (config.replicas, world // config.replicas), mesh_dim_names=("replicate", "shard"))
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

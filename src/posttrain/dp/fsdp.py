@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -11,35 +11,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp_sd
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import posttrain.odc as odc
 from posttrain._compat import AllGather, ReduceScatter
-from posttrain.models import checkpoint_blocks, find_blocks
 
-from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state
+from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state, mixed_precision
 from .registry import register_engine
 
-__all__ = ["FSDP2Engine", "ODCOnFSDP2Engine", "data_parallel_mesh", "mixed_precision"]
-
-
-def mixed_precision(config: EngineConfig) -> MixedPrecisionPolicy:
-    """FSDP2's policy for ``config.precision``."""
-    if config.precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
-
-
-def data_parallel_mesh(config: EngineConfig) -> DeviceMesh:
-    """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` for ``config.replicas > 1``."""
-    world = dist.get_world_size()
-    if world % config.replicas:
-        raise ValueError(f"--replicas={config.replicas} does not divide the {world} data-parallel ranks")
-    if config.replicas == 1:
-        return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    return init_device_mesh("cpu", (config.replicas, world // config.replicas), mesh_dim_names=("replicate", "shard"))
+__all__ = ["FSDP2Engine", "ODCOnFSDP2Engine"]
 
 
 def _untimed(kind: str, start: float, end: float) -> None:
@@ -83,20 +65,16 @@ class FSDP2Engine(DataParallelEngine):
 
     checkpoint_format = "fsdp2"
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
-        super().__init__(model, config)
-        blocks = find_blocks(model)
-        if config.activation_checkpointing:
-            checkpoint_blocks(blocks)
-        mesh = data_parallel_mesh(config)
+    def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
+                 units: Sequence[nn.Module] | None = None) -> None:
+        super().__init__(model, config, mesh=mesh, units=units)
         mp = mixed_precision(config)
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        for unit in self.units:
+            fully_shard(unit, mesh=self.mesh, mp_policy=mp)
         self._modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
-    @property
-    def equal_microbatches(self) -> bool:
+    @classmethod
+    def needs_equal_microbatches(cls, config: EngineConfig) -> bool:
         return True
 
     def parameters(self) -> list[torch.Tensor]:
@@ -104,8 +82,8 @@ class FSDP2Engine(DataParallelEngine):
 
     @contextmanager
     def minibatch(self, num_tokens: int) -> Iterator[MinibatchInfo]:
-        total = odc.global_token_count(num_tokens)
-        yield MinibatchInfo(total, total / dist.get_world_size())
+        total = odc.global_token_count(num_tokens, self.group)
+        yield MinibatchInfo(total, total / dist.get_world_size(self.group))
 
     def set_comm_hook(self, hook: CommHook | None) -> None:
         hook = hook or _untimed  # FSDP2 takes no None here: it would call it
@@ -120,6 +98,20 @@ class FSDP2Engine(DataParallelEngine):
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         dcp_sd.set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Saved tensors in the storage of a parameter FSDP2 holds unsharded right now."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(not isinstance(p, DTensor) and p.untyped_storage().data_ptr() == ptr
+                   for p in self.model.parameters())
+
+    def close(self, *, restore: bool = False) -> None:
+        if not restore:
+            return
+        for m in self.model.modules():  # every sharded parameter replaced by its full tensor
+            for name, p in list(m._parameters.items()):
+                if isinstance(p, DTensor):
+                    m._parameters[name] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
 
     def iter_full_state(self) -> Iterator[dict[str, torch.Tensor]]:
         # One FSDP module (a block, then what the root shards itself) at a time.
@@ -138,13 +130,14 @@ class ODCOnFSDP2Engine(FSDP2Engine):
     """FSDP2 sharding with ODC's one-sided gather and scatter-accumulate
     (:func:`posttrain.odc.enable`), for models a user already shards with ``fully_shard``."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
-        super().__init__(model, config)
+    def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
+                 units: Sequence[nn.Module] | None = None) -> None:
+        super().__init__(model, config, mesh=mesh, units=units)
         self.handle = odc.enable(model, mode=config.mode, deterministic=config.deterministic)
 
-    @property
-    def equal_microbatches(self) -> bool:
-        return self.config.mode == "collective"
+    @classmethod
+    def needs_equal_microbatches(cls, config: EngineConfig) -> bool:
+        return config.mode == "collective"
 
     @contextmanager
     def minibatch(self, num_tokens: int) -> Iterator[MinibatchInfo]:
@@ -158,5 +151,6 @@ class ODCOnFSDP2Engine(FSDP2Engine):
     def stats(self) -> dict[str, int]:
         return dict(self.handle.stats)
 
-    def close(self) -> None:
+    def close(self, *, restore: bool = False) -> None:
         self.handle.close()
+        super().close(restore=restore)

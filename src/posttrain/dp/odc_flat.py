@@ -3,19 +3,18 @@ engine interface, with checkpoints of the flat shards and their optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import posttrain.odc as odc
-from posttrain.models import checkpoint_blocks, find_blocks
 
-from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state
-from .fsdp import data_parallel_mesh, mixed_precision
+from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state, mixed_precision
 from .registry import register_engine
 
 __all__ = ["FlatODCEngine"]
@@ -27,19 +26,18 @@ class FlatODCEngine(DataParallelEngine):
     different numbers of microbatches (``mode="collective"``: a barrier at every gather/reduce)."""
 
     checkpoint_format = "odc-flat"
+    split_backward = True
+    whole_state = True
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
-        super().__init__(model, config)
-        blocks = find_blocks(model)
-        if config.activation_checkpointing:
-            checkpoint_blocks(blocks)
-        mesh = data_parallel_mesh(config)
-        self.handle = odc.flat_shard(model, [*blocks, model], mesh=mesh, mp_policy=mixed_precision(config),
+    def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
+                 units: Sequence[nn.Module] | None = None) -> None:
+        super().__init__(model, config, mesh=mesh, units=units)
+        self.handle = odc.flat_shard(model, self.units, mesh=self.mesh, mp_policy=mixed_precision(config),
                                      mode=config.mode, deterministic=config.deterministic)
 
-    @property
-    def equal_microbatches(self) -> bool:
-        return self.config.mode == "collective"
+    @classmethod
+    def needs_equal_microbatches(cls, config: EngineConfig) -> bool:
+        return config.mode == "collective"
 
     def parameters(self) -> list[torch.Tensor]:
         return self.handle.parameters()
@@ -104,5 +102,82 @@ class FlatODCEngine(DataParallelEngine):
     def iter_full_state(self) -> Iterator[dict[str, torch.Tensor]]:
         return self.handle.iter_full_units()
 
-    def close(self) -> None:
-        self.handle.close(restore=False)
+    # ------------------------------------------------------------ pipeline stages
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in a unit's gathered buffer (trainable or frozen)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(buf is not None and buf.untyped_storage().data_ptr() == ptr
+                   for u in self.handle.layouts for buf in (u.full, u.frozen_full))
+
+    def unit_parameters(self, unit: nn.Module) -> list[torch.Tensor]:
+        return [u.shard for u in self.handle.layouts if u.module is unit and u.shard is not None]
+
+    def weights_of(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each gathered leaf's per-parameter views (see :meth:`posttrain.odc.FlatODC.weight_views`)."""
+        return self.handle.weight_views(leaves)
+
+    def after_input(self, weights: list[torch.Tensor]) -> None:
+        """Free the gathered weights from ``I`` until ``W`` (an unsharded copy per microbatch)."""
+        self.handle.release_weights(weights)
+
+    def before_weight(self, weights: list[torch.Tensor]) -> None:
+        self.handle.regather_weights(weights)
+
+    def after_weight(self, weights: list[torch.Tensor]) -> None:
+        """Push the weight gradients ``W`` assigned (see :meth:`posttrain.odc.FlatODC.push_grads`)."""
+        self.handle.push_grads(weights)
+
+    def _trained_units(self, optimizer: torch.optim.Optimizer) -> list[odc.FlatUnit]:
+        """The units in the optimizer's order."""
+        units = self._units_by_shard()
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(id(p) not in units for p in order):
+            raise ValueError("the optimizer steps tensors that are not this engine's parameters()")
+        return [units[id(p)] for p in order]
+
+    def whole_state_dict(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+        """Each unit's shard and its shard-shaped optimizer state gathered over the mesh
+        (:meth:`~posttrain.odc.FlatODC.unshard`) and cut into whole parameters: flat ODC steps a
+        unit's shard as one tensor and the optimizers here are elementwise, so a whole
+        parameter's state is the concatenation of its shards'. While saving, every rank holds
+        the whole parameters and optimizer state of its units at once, not its shard."""
+        ensure_optimizer_state(optimizer)
+        model, state = {}, {}
+        for u in self._trained_units(optimizer):
+            unit_names = [names[id(p)] for p in u.params[: u.num_trainable]]
+            model.update(zip(unit_names, self.handle.unshard(u, u.shard)))
+            values = optimizer.state.get(u.shard, {})
+            per = {k: self.handle.unshard(u, v) if isinstance(v, torch.Tensor) and v.shape == u.shard.shape
+                   else [v.clone() if isinstance(v, torch.Tensor) else v for _ in unit_names] for k, v in values.items()}
+            for i, n in enumerate(unit_names):
+                state[n] = {k: v[i] for k, v in per.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        return {"model": model, "optim": {"state": state, "groups": groups}}
+
+    def load_whole_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                              names: dict[int, str]) -> None:
+        """Cut this rank's shard out of the whole tensors (:meth:`~posttrain.odc.FlatODC.shard_of`)."""
+        units = self._trained_units(optimizer)
+        saved = state["optim"]["state"]
+        osd = {}
+        with torch.no_grad():
+            for i, u in enumerate(units):
+                unit_names = [names[id(p)] for p in u.params[: u.num_trainable]]
+                u.shard.copy_(self.handle.shard_of(u, [state["model"][n] for n in unit_names]))
+                if unit_names[0] not in saved:  # (SGD without momentum keeps no per-parameter state)
+                    continue
+                osd[i] = {key: self.handle.shard_of(u, [saved[n][key] for n in unit_names])
+                          if _per_element(saved, state["model"], unit_names, key) else value
+                          for key, value in saved[unit_names[0]].items()}
+        mine = optimizer.state_dict()["param_groups"]
+        groups = [{**g_saved, "params": g["params"]} for g_saved, g in zip(state["optim"]["groups"], mine)]
+        optimizer.load_state_dict({"state": osd, "param_groups": groups})
+
+    def close(self, *, restore: bool = False) -> None:
+        self.handle.close(restore=restore)
+
+
+def _per_element(saved: dict, params: dict, names: list[str], key: str) -> bool:
+    """Whether optimizer state ``key`` is shaped like each named parameter (not a scalar like step)."""
+    return all(isinstance(saved[n][key], torch.Tensor) and saved[n][key].dim() > 0
+               and saved[n][key].shape == params[n].shape for n in names)

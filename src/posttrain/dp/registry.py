@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .engine import DataParallelEngine, EngineConfig
 
@@ -53,12 +54,14 @@ def engine_class(name: str) -> type[DataParallelEngine]:
     return _ENGINES[resolve_dp(name)[0]]
 
 
-def build_engine(name: str, model: nn.Module, config: EngineConfig | None = None) -> DataParallelEngine:
-    """Shard ``model`` with the engine registered as ``name`` (a collective over the world)."""
+def build_engine(name: str, model: nn.Module, config: EngineConfig | None = None, *,
+                 mesh: DeviceMesh | None = None, units: Sequence[nn.Module] | None = None) -> DataParallelEngine:
+    """Shard ``model`` with the engine registered as ``name`` (a collective over the mesh; see
+    :class:`DataParallelEngine` for ``mesh`` and ``units``)."""
     engine, mode = resolve_dp(name, (config or EngineConfig()).mode)
     config = config or EngineConfig()
     if mode != config.mode:
         from dataclasses import replace
 
         config = replace(config, mode=mode)
-    return _ENGINES[engine](model, config)
+    return _ENGINES[engine](model, config, mesh=mesh, units=units)

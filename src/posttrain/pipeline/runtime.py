@@ -164,7 +164,7 @@ def _to(target, device: torch.device):
 
 class ShardedWeights(Protocol):
     """What a sharding engine that gathers fresh weight tensors every forward does around a split
-    backward (flat ODC: :class:`~posttrain.train.pipeline.dp.ColumnODC`). ``weights`` is what
+    backward (a :class:`~posttrain.dp.DataParallelEngine` with ``split_backward``: flat ODC). ``weights`` is what
     :meth:`weights_of` returned for the microbatch."""
 
     def weights_of(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -137,13 +137,12 @@ def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module,
     return out
 
 
-_DUMMY = torch.zeros(1, 1, dtype=torch.long)
-
-
-def evaluate(cfg: TrainConfig, model: nn.Module, samples: list[Sample], rank: int, world_size: int) -> float | None:
+def evaluate(cfg: TrainConfig, engine: DataParallelEngine, samples: list[Sample], rank: int,
+             world_size: int) -> float | None:
     """The loss on ``samples`` (averaged as ``cfg.loss_norm`` says; a collective). Each rank takes
-    every ``world_size``-th sequence by length and packs them under ``max_tokens``; every rank
-    runs as many forwards as the busiest (sharded forwards are collectives)."""
+    every ``world_size``-th sequence by length and packs them under ``max_tokens``, outside any
+    minibatch: every rank runs as many forwards as the busiest (outside a minibatch a sharded
+    forward is a collective on every engine)."""
     if not samples:
         return None
     lengths = [len(s) - 1 for s in samples]
@@ -154,10 +153,10 @@ def evaluate(cfg: TrainConfig, model: nn.Module, samples: list[Sample], rank: in
         for j in range(max(len(p) for p in packs)):
             if j < len(packs[rank]):
                 ids = packs[rank][j]
-                total[0] += microbatch_loss(model, samples, ids, 1.0, cfg.loss_norm).double()
+                total[0] += microbatch_loss(engine.model, samples, ids, 1.0, cfg.loss_norm).double()
                 total[1] += loss_units(samples, ids, cfg.loss_norm)
             else:
-                model(_DUMMY)
+                engine.run_dummy(backward=False)
     dist.all_reduce(total)
     return float(total[0] / total[1]) if total[1] > 0 else None
 
@@ -175,7 +174,6 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     run = build_training(cfg, data.vocab_size)
     model, engine, opt = run.model, run.engine, run.optimizer
     engine.set_comm_hook(rec.add)
-    pad = engine.equal_microbatches
     eval_samples = data.eval_samples()
     log = None
     cost = step_cost(cfg, data.vocab_size)
@@ -196,7 +194,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             seqs = data.minibatch(step)
             plan = plan_step(cfg, seqs, world_size, cost)
             mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
-            rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+            busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
             total = sum(plan.rank_tokens)
             units = loss_units(seqs, range(len(seqs)), cfg.loss_norm)
             dist.barrier()  # step start, outside any minibatch
@@ -208,15 +206,14 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 if mb.global_tokens != units:
                     raise AssertionError(f"the engine counts {mb.global_tokens} loss units in step {step}, the data {units}")
                 divisor = mb.loss_divisor if units else 1.0  # nothing trained: a zero gradient
-                for j in range(rounds if pad else len(mine)):
+                for micro in engine.pad(mine, busiest):
                     with rec.span("microbatch"):
-                        if j < len(mine):
-                            token_loss = microbatch_loss(model, seqs, mine[j].sequence_ids, 1.0, cfg.loss_norm)
-                            loss_sum += token_loss.detach()
-                            loss = token_loss / divisor
-                        else:
-                            loss = model(_DUMMY).sum() * 0.0  # keeps the rendezvous matched
-                        loss.backward()
+                        if micro is None:
+                            engine.run_dummy()
+                            continue
+                        token_loss = microbatch_loss(model, seqs, micro.sequence_ids, 1.0, cfg.loss_norm)
+                        loss_sum += token_loss.detach()
+                        (token_loss / divisor).backward()
                 t_sync = time.perf_counter()
             rec.add("sync", t_sync, time.perf_counter())
             with rec.span("optimizer"):
@@ -240,7 +237,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
             })
             if eval_samples and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-                metrics[-1]["eval_loss"] = evaluate(cfg, model, eval_samples, rank, world_size)
+                metrics[-1]["eval_loss"] = evaluate(cfg, engine, eval_samples, rank, world_size)
             if cfg.metrics or cfg.tensorboard:
                 rows = [None] * world_size if rank == 0 else None
                 dist.gather_object(metrics[-1], rows, dst=0)

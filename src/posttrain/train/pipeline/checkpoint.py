@@ -67,76 +67,29 @@ class PipelineState:
 
 
 class ColumnState:
-    """The checkpointable state of one rank of a pipeline x ODC run (``--dp-size``), written in
-    :class:`PipelineState`'s format: whole parameters and their optimizer state under the model's
-    names. A checkpoint therefore resumes on any split, any number of replicas, or none (and a
-    single pipeline's checkpoint resumes here). Saving gathers each unit's shard and its
-    shard-shaped optimizer state over the column (``FlatODC.unshard``, a collective); loading cuts
-    this rank's shard out of the whole tensors (``FlatODC.shard_of``). Flat ODC steps each unit's
-    shard as one tensor and the optimizers here are elementwise, so a whole parameter's state is
-    the concatenation of its shards'. Cost: while saving (and while loading), every rank of a
-    column holds its stages' whole parameters and optimizer state at once (about three times the
-    stages' parameters with AdamW), not its shard.
+    """The checkpointable state of one rank of a pipeline x data-parallel run (``--dp-size``),
+    written in :class:`PipelineState`'s format: whole parameters and their optimizer state under
+    the model's names (the engine's ``whole_state_dict``, a collective over the column). A
+    checkpoint therefore resumes on any split, any number of replicas, or none (and a single
+    pipeline's checkpoint resumes here).
 
     Args:
-        handle: the column's :class:`~posttrain.odc.FlatODC`.
+        engine: the column's data-parallel engine (one with ``whole_state``).
         names: ``id(parameter) -> name in the model``, taken before sharding took the parameters
             off the model.
     """
 
     checkpoint_format = "pipeline"
 
-    def __init__(self, handle, names: dict[int, str]) -> None:
-        self.handle = handle
-        self.units = [u for u in handle.layouts if u.shard is not None]
-        self.unit_names = [[names[id(p)] for p in u.params[: u.num_trainable]] for u in self.units]
-
-    def _order(self, optimizer: torch.optim.Optimizer) -> list[int]:
-        index = {id(u.shard): k for k, u in enumerate(self.units)}
-        order = [p for g in optimizer.param_groups for p in g["params"]]
-        if any(id(p) not in index for p in order):
-            raise ValueError("the optimizer steps tensors that are not this column's shards")
-        return [index[id(p)] for p in order]
+    def __init__(self, engine, names: dict[int, str]) -> None:
+        self.engine = engine
+        self.names = names
 
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """As :meth:`PipelineState.state_dict`; a collective over the column."""
-        ensure_optimizer_state(optimizer)
-        self._order(optimizer)
-        model, state = {}, {}
-        for u, names in zip(self.units, self.unit_names):
-            model.update(zip(names, self.handle.unshard(u, u.shard)))
-            values = optimizer.state.get(u.shard, {})
-            per = {k: self.handle.unshard(u, v) if isinstance(v, torch.Tensor) and v.shape == u.shard.shape
-                   else [v.clone() if isinstance(v, torch.Tensor) else v for _ in names] for k, v in values.items()}
-            for i, n in enumerate(names):
-                state[n] = {k: v[i] for k, v in per.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
-        return {"model": model, "optim": {"state": state, "groups": groups}}
+        return self.engine.whole_state_dict(optimizer, self.names)
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        """Restore a :meth:`state_dict` filled in place by ``dcp.load``."""
-        with torch.no_grad():
-            for u, names in zip(self.units, self.unit_names):
-                u.shard.copy_(self.handle.shard_of(u, [state["model"][n] for n in names]))
-        order = self._order(optimizer)
-        mine = optimizer.state_dict()
-        saved = state["optim"]["state"]
-        osd = {}
-        for i, k in enumerate(order):
-            u, names = self.units[k], self.unit_names[k]
-            if names[0] not in saved:  # (SGD without momentum keeps no per-parameter state)
-                continue
-            osd[i] = {key: self.handle.shard_of(u, [saved[n][key] for n in names])
-                      if _per_element(saved, state["model"], names, key) else value
-                      for key, value in saved[names[0]].items()}
-        groups = [{**g_saved, "params": g["params"]} for g_saved, g in zip(state["optim"]["groups"], mine["param_groups"])]
-        optimizer.load_state_dict({"state": osd, "param_groups": groups})
-
-
-def _per_element(saved: dict, params: dict, names: list[str], key: str) -> bool:
-    """Whether optimizer state ``key`` is shaped like each named parameter (not a scalar like step)."""
-    return all(isinstance(saved[n][key], torch.Tensor) and saved[n][key].dim() > 0
-               and saved[n][key].shape == params[n].shape for n in names)
+        self.engine.load_whole_state_dict(state, optimizer, self.names)
 
 
 __all__.append("ColumnState")

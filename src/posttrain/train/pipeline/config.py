@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
+from posttrain.dp import EngineConfig, engine_class
 from posttrain.models import MODELS
 from posttrain.models.gpt import GPTConfig
 from posttrain.pipeline import SCHEDULES, OffloadPolicy, build_schedule, check_schedule_options, default_chunks
@@ -155,22 +156,23 @@ class PipelineConfig:
 
             if not self.data:
                 raise ValueError("--dp-size needs --data (and --model-path): replicas balance a step's records")
-            if self.schedule in SPLIT_BACKWARD and self.dp == "fsdp":
-                raise ValueError(f"--dp fsdp with --schedule {self.schedule}: FSDP2 reduces gradients from its "
-                                 "backward hooks, which a split backward's weight pass bypasses; use --dp odc, or "
-                                 "gpipe, 1f1b, interleaved_1f1b or group_interleaved")
-            if self.checkpoint_dir and self.dp == "fsdp":
-                raise ValueError("--checkpoint-dir with --dp-size is for --dp odc (not yet --dp fsdp)")
             if self.balance not in METHODS:
                 raise ValueError(f"--balance={self.balance!r} is not one of {', '.join(METHODS)}")
             if self.dp not in ("odc", "fsdp"):
                 raise ValueError(f"--dp={self.dp!r} is not one of odc, fsdp")
             if self.odc_mode not in ("odc", "collective"):
                 raise ValueError(f"--odc-mode={self.odc_mode!r} is not one of odc, collective")
-            if (self.dp == "fsdp" or self.odc_mode == "collective") and self.balance != "same_micro":
-                what = "--dp fsdp" if self.dp == "fsdp" else "--odc-mode collective"
-                raise ValueError(f"{what} has a rendezvous per layer, so every replica must run the same number of "
-                                 f"microbatches: give --balance same_micro")
+            engine = engine_class(self.dp)
+            if self.schedule in SPLIT_BACKWARD and not engine.split_backward:
+                raise ValueError(f"--dp {self.dp} with --schedule {self.schedule}: the engine reduces gradients from "
+                                 "backward hooks, which a split backward's weight pass bypasses; use --dp odc, or "
+                                 "gpipe, 1f1b, interleaved_1f1b or group_interleaved")
+            if self.checkpoint_dir and not engine.whole_state:
+                raise ValueError(f"--checkpoint-dir with --dp-size: --dp {self.dp} does not write the pipeline's "
+                                 "checkpoints yet; use --dp odc")
+            if engine.needs_equal_microbatches(self.engine_config()) and self.balance != "same_micro":
+                raise ValueError(f"--dp {self.dp} (--odc-mode {self.odc_mode}) has a rendezvous per layer, so every "
+                                 "replica must run the same number of microbatches: give --balance same_micro")
         elif self.data and self.sequences < self.num_microbatches:
             raise ValueError(f"--sequences={self.sequences} is fewer than --microbatches={self.num_microbatches}: "
                              "every microbatch needs a sequence")
@@ -196,6 +198,10 @@ class PipelineConfig:
         return build_schedule(self.schedule, num_ranks=self.num_ranks,
                               num_microbatches=num_microbatches or self.num_microbatches,
                               num_chunks=self.num_chunks, group_size=self.group_size)
+
+    def engine_config(self) -> EngineConfig:
+        """What each column's data-parallel engine needs of this run."""
+        return EngineConfig(mode=self.odc_mode, deterministic=self.deterministic)
 
     def policy(self) -> OffloadPolicy:
         return replace(OffloadPolicy.parse(self.offload, self.num_chunks), weight=not self.no_weight_split)

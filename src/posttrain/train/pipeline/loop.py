@@ -166,7 +166,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     from posttrain.models import tied_names
     from posttrain.train.dp.loop import loss_units
 
-    from .dp import ColumnFSDP2, ColumnODC, PipelineGrid, TiedEmbedding, replica_plans, runnable
+    from .dp import PipelineGrid, TiedEmbedding, replica_plans, runnable, shard_stages
 
     grid = PipelineGrid(cfg.num_ranks, cfg.dp_size)
     model = build_pipeline_model(cfg)
@@ -177,41 +177,37 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     skip = tied_names(model)  # tied aliases, written once on export
     tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
     names = {id(p): n for n, p in model.named_parameters()}  # likewise (a tied weight: its first name)
-    column = (ColumnFSDP2(mine, grid.dp_mesh) if cfg.dp == "fsdp"
-              else ColumnODC(mine, grid.dp_mesh, mode=cfg.odc_mode, deterministic=cfg.deterministic))
+    engine = shard_stages(mine, grid.dp_mesh, cfg.dp, cfg.engine_config())
     first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
-    tie = TiedEmbedding(grid, column, first, last) if tied else None
-    opt = _optimizer(cfg, column.parameters())
+    tie = TiedEmbedding(grid, engine, first, last) if tied else None
+    opt = _optimizer(cfg, engine.parameters())
     data = PipelineData(cfg, config)
     runners: dict[int, PipelineRunner] = {}  # one per microbatch count, sharing the split check
     checked: dict[int, bool] = {}
     fits = runnable(cfg)
     losses, times, walls, micro, tokens, result, done = [], [], [], [], [], None, 0
     try:
-        state = ColumnState(column.handle, names) if cfg.checkpoint_dir else None
+        state = ColumnState(engine, names) if cfg.checkpoint_dir else None
         done = resume(cfg, state, opt) if state is not None else 0
         for step in range(done, cfg.steps):
             samples = data.data.minibatch(step)
             tokens.append(sum(len(x) - 1 for x in samples))
             plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
                                   method=cfg.balance, model_config=config, runnable=fits)
-            if column.equal_microbatches:  # a rendezvous per layer: every replica the same count (empty: a dummy)
-                plans = [p + [[]] * (max(map(len, plans)) - len(p)) for p in plans]
-            sets = plans[grid.dp_rank]
+            sets = engine.pad(plans[grid.dp_rank], max(map(len, plans)))  # None: a dummy microbatch
             m = len(sets)
             if m not in runners:
                 runners[m] = PipelineRunner(mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
                                             weight_split=not cfg.no_weight_split, split_checked=checked,
-                                            sharded=column if cfg.dp == "odc" else None,
-                                            group=grid.pp_group, static_shapes=False)
-                runners[m].store.is_weight = column.is_weight()
-            batch = data.pack(samples, sets, 1.0)
+                                            sharded=engine, group=grid.pp_group, static_shapes=False)
+                runners[m].store.is_weight = engine.holds
             dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
             t0 = time.perf_counter()
-            with column.minibatch(loss_units(samples, [i for s_ in sets for i in s_], cfg.loss_norm)) as divisor:
-                if not divisor > 0:
+            with engine.minibatch(loss_units(samples, [i for s_ in sets if s_ for i in s_], cfg.loss_norm)) as mb:
+                if mb.global_tokens == 0:
                     raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
-                result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=divisor)
+                batch = data.pack(samples, sets, mb.loss_divisor)
+                result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=mb.loss_divisor)
             if tie is not None:
                 tie.sync()
             opt.step()
@@ -219,16 +215,16 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             walls.append(time.perf_counter() - t0)
             part = torch.tensor([result.loss or 0.0], dtype=torch.float64)  # each replica's last stage: its share
             dist.all_reduce(part)
-            losses.append(float(part) / (cfg.dp_size if cfg.dp == "fsdp" else 1))  # the step's loss, on every rank
+            losses.append(float(part) * mb.loss_divisor / mb.global_tokens)  # the step's mean loss, on every rank
             times.append(result.step_time_s)
             micro.append(m)
             due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
             if state is not None and due:
                 save_checkpoint(cfg, state, opt, step, rank)
     except BaseException:
-        column.close()
+        engine.close()
         raise
-    column.full_parameters(mine)  # the full parameters back on this rank's stages (a collective over the column)
+    engine.close(restore=True)  # the full parameters back on this rank's stages (a collective over the column)
     params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
     if cfg.output_dir and grid.dp_rank == 0:
         names = {id(p): n for n, p in model.named_parameters()}
@@ -240,7 +236,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     return {"rank": rank, "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank, "losses": losses, "step_times": times,
             "microbatches": micro, "result": None if result is None else asdict(result), "params": full,
             "stages": sorted(mine), "resumed_from": done, "wall_times": walls, "step_tokens": tokens,
-            "odc": dict(column.handle.stats, units=len(column.handle.layouts)) if cfg.dp == "odc" else None}
+            "odc": dict(engine.stats, units=len(engine.units)) if engine.stats else None}
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:

@@ -52,9 +52,6 @@ __all__ = ["RL_SCALARS", "Prompt", "load_prompts", "rl_worker", "update_minibatc
 RL_SCALARS = ("reward_mean", "reward_std", "response_len_mean", "kl", "clip_fraction", "entropy",
               "rollout_tokens_per_s", "update_tokens_per_s")
 
-_DUMMY = torch.zeros(1, 1, dtype=torch.long)
-
-
 @dataclass(frozen=True)
 class Prompt:
     """A prompt as given (``raw``: a string or chat messages) and its token ids."""
@@ -121,22 +118,22 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
     plan = plan_minibatch([len(r) - 1 for r in rollouts], world_size=world_size, max_tokens=cfg.max_tokens,
                           method=cfg.balance, cost=cost)
     mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
-    rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+    busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
     units = loss_units(rollouts, cfg.loss_agg)
     own = sum(loss_units([rollouts[i] for i in m.sequence_ids], cfg.loss_agg) for m in mine)
     sums = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
     with engine.minibatch(own) as mb:
         if mb.global_tokens != units:
             raise AssertionError(f"the engine counts {mb.global_tokens} loss units, the rollouts {units}")
-        for j in range(rounds if engine.equal_microbatches else len(mine)):
-            if j < len(mine):
-                loss, st = policy_loss(model, [rollouts[i] for i in mine[j].sequence_ids], clip_eps=cfg.clip_eps,
-                                       kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
-                for k, v in st.items():
-                    sums[k] += v
-                (loss / mb.loss_divisor).backward()
-            else:
-                (model(_DUMMY).sum() * 0.0).backward()  # keeps per-layer rendezvous matched
+        for micro in engine.pad(mine, busiest):
+            if micro is None:
+                engine.run_dummy()
+                continue
+            loss, st = policy_loss(model, [rollouts[i] for i in micro.sequence_ids], clip_eps=cfg.clip_eps,
+                                   kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
+            for k, v in st.items():
+                sums[k] += v
+            (loss / mb.loss_divisor).backward()
     optimizer.step()
     optimizer.zero_grad()
     keys = list(sums)

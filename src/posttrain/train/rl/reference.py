@@ -25,9 +25,6 @@ from .config import RLConfig
 
 __all__ = ["ShardedReference"]
 
-_DUMMY = torch.zeros(1, 1, dtype=torch.long)
-
-
 class ShardedReference:
     """The policy at ``model_path``, frozen and sharded by ``cfg.dp`` (a collective to build).
 
@@ -53,11 +50,11 @@ class ShardedReference:
         plan = plan_minibatch([len(s) - 1 for s in sequences], world_size=world_size, max_tokens=self.cfg.max_tokens,
                               method=self.cfg.balance, cost=self.cost)
         mine = [m.sequence_ids for m in plan.microbatches_for(rank) if m.sequence_ids]
-        rounds = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+        busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
         out: dict[int, list[float]] = {}
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="no rank ran a backward")  # forward only, by design
-            self._forward(sequences, prompt_lens, mine, rounds, out)
+            self._forward(sequences, prompt_lens, mine, busiest, out)
         from torch.distributed.fsdp import FSDPModule
 
         for m in self.model.modules():  # FSDP2 keeps the root unsharded after forward for a backward
@@ -69,13 +66,12 @@ class ShardedReference:
         merged = {i: v for part in every for i, v in part.items()}
         return [torch.tensor(merged[i]) for i in range(len(sequences))]
 
-    def _forward(self, sequences, prompt_lens, mine, rounds, out) -> None:
+    def _forward(self, sequences, prompt_lens, mine, busiest, out) -> None:
         with self.engine.minibatch(0):
-            for j in range(rounds if self.engine.equal_microbatches else len(mine)):
-                if j >= len(mine):
-                    self.model(_DUMMY)  # keeps per-layer rendezvous matched
+            for ids in self.engine.pad(mine, busiest):
+                if ids is None:
+                    self.engine.run_dummy(backward=False)
                     continue
-                ids = mine[j]
                 inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0)
                 targets = torch.cat([sequences[i][1:] for i in ids])
                 lengths = [len(sequences[i]) - 1 for i in ids]
