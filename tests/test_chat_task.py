@@ -9,7 +9,9 @@ import json
 
 import pytest
 
+from posttrain.dp import EngineConfig
 from posttrain.lab.chat import exact_match, make_chat_task
+from posttrain.train.core import OptimConfig
 from posttrain.train.dp import TrainConfig, run_training
 from posttrain.train.rl import RLConfig, run_rl
 
@@ -24,7 +26,8 @@ def sft(tmp_path_factory):
     # Deterministic: the run is bitwise reproducible, so where it ends does not drift between
     # runs (this task's loss falls steeply at a point that depends on tiny rounding differences).
     cfg = TrainConfig(model_path=paths["model"], data=paths["train"], eval_data=paths["eval"], eval_every=100,
-                      sequences=32, max_tokens=256, steps=400, lr=3e-3, deterministic=True, output_dir=str(out))
+                      sequences=32, max_tokens=256, steps=400, optim=OptimConfig(lr=3e-3),
+                      engine=EngineConfig(deterministic=True), output_dir=str(out))
     metrics = run_training(cfg, world_size=2, quiet=True)[0]["metrics"]
     return {**paths, "trained": str(out), "metrics": metrics, "before": before}
 
@@ -41,7 +44,8 @@ def test_grpo_raises_the_reward_of_sampled_answers(sft, tmp_path):
     # 10; GRPO sharpens the policy. Measured: the mean reward of the first 10 steps 0.29-0.31,
     # of the last 10 steps 0.46-0.47 (seeds 0, 1, 2).
     cfg = RLConfig(model_path=sft["trained"], prompts=sft["train"], samples_per_prompt=8, prompts_per_step=8,
-                   max_new_tokens=8, steps=40, lr=1e-3, temperature=1.5, deterministic=True,
+                   max_new_tokens=8, steps=40, optim=OptimConfig(lr=1e-3), temperature=1.5,
+                   engine=EngineConfig(deterministic=True),
                    metrics=str(tmp_path / "rl.jsonl"))
     rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
     reward = [r["reward_mean"] for r in rows]

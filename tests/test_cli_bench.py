@@ -91,7 +91,7 @@ def test_bench_odc_rounds_rotate_their_order_bounds_included(monkeypatch):
     import posttrain.lab.bench.odc as bench
 
     order = []
-    monkeypatch.setattr(bench, "run_ranks", lambda fn, n, cfg, **kw: order.append(f"{cfg.dp_label}+{cfg.balance}") or [])
+    monkeypatch.setattr(bench, "run_ranks", lambda fn, n, cfg, **kw: order.append(f"{cfg.engine.label}+{cfg.balance}") or [])
     monkeypatch.setattr(bench, "summarize", lambda results: {"tokens_per_s": 1.0})
     monkeypatch.setattr(bench, "measure_bounds", lambda cfg, n: order.append("bounds") or {})
     base = bench.TrainConfig(steps=2, sequences=4, max_len=64, dim=32, num_layers=1)

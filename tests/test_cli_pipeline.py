@@ -9,7 +9,7 @@ def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_c
     png, metrics = tmp_path / "p.png", tmp_path / "m.json"
     proc = run_cli("pipeline", "--schedule", "group_interleaved", "--ranks", "2", "--chunks", "2", "--group-size", "1",
                 "--microbatches", "4", "--offload", "1", "--steps", "2", "--dim", "32", "--layers", "4",
-                "--seq-len", "32", "--chart", str(png), "--metrics", str(metrics))
+                "--seq-len", "32", "--chart", str(png), "--calibration-out", str(metrics))
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("0", "1")]
     assert len(rows) == 2

@@ -131,3 +131,30 @@ def test_config_file_errors_name_the_key(cli, tmp_path, text, message):
     toml.write_text(text)
     rc, _, err = cli("train", "--config", str(toml))
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command, cls", [("train", "posttrain.train.dp:TrainConfig"),
+                                          ("rl", "posttrain.train.rl:RLConfig"),
+                                          ("pipeline", "posttrain.train.pipeline:PipelineConfig")])
+def test_every_trainer_takes_the_engine_and_optimizer_sections_from_the_same_flags(command, cls):
+    """One definition per flag: the engine and optimizer sections (EngineConfig, OptimConfig) give
+    every trainer the same flags, and a section's unset flags keep the trainer's own default."""
+    import importlib
+
+    from posttrain.cli import build_parser
+    from posttrain.cli.options import config_from_args
+
+    module, name = cls.split(":")
+    config = getattr(importlib.import_module(module), name)
+    args = build_parser(command).parse_args([command, "--dp", "fsdp", "--activation-checkpointing", "--replicas", "2",
+                                             "--optimizer", "sgd"])
+    from posttrain.cli.train import train_config  # (train's --max-tokens defaults to --max-len)
+
+    cfg = {"train": lambda: train_config(args), "rl": lambda: config_from_args(config, args)}.get(command, lambda: None)()
+    parsed = {k: getattr(args, k) for k in ("engine.name", "engine.activation_checkpointing", "engine.replicas",
+                                            "optim.name", "optim.lr")}
+    assert parsed == {"engine.name": "fsdp", "engine.activation_checkpointing": True, "engine.replicas": 2,
+                      "optim.name": "sgd", "optim.lr": config().optim.lr}
+    if cfg is not None:  # (the pipeline refuses these engine options: tested in test_pipeline_hf)
+        assert cfg.engine.name == "fsdp" and cfg.engine.replicas == 2 and cfg.engine.activation_checkpointing
+        assert cfg.optim == type(cfg.optim)("sgd", lr=config().optim.lr)

@@ -32,7 +32,7 @@ def _seqs(rank: int, count: int) -> list[torch.Tensor]:
 def _engine_worker(rank: int, world_size: int, name: str, mode: str, counts: list[int]) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
-    engine = build_engine(name, model, EngineConfig(mode=mode))
+    engine = build_engine(model, EngineConfig(name, mode=mode))
     mine = _seqs(rank, counts[rank])
     local = sum(s.shape[1] - 1 for s in mine)
     run = engine.pad(mine, max(counts))

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
+from posttrain.dp import EngineConfig
 from posttrain.models import load_pretrained
 from posttrain.pipeline.stages import balanced_block_ranges, split_model
+from posttrain.train.core import OptimConfig
 from posttrain.train.pipeline import PipelineConfig, predicted_peaks, run_pipeline
 from posttrain.train.pipeline.data import PipelineData, packed_loss
 from posttrain.train.pipeline.loop import check_model_and_data
@@ -46,7 +48,7 @@ def _reference(cfg: PipelineConfig, steps: int):
     step's gradients and the weights after ``steps`` AdamW steps."""
     model = load_pretrained(cfg.model_path)
     data = PipelineData(cfg, model.config)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     first = None
     for k in range(steps):
         batch = data.step(k)
@@ -67,7 +69,7 @@ def _reference(cfg: PipelineConfig, steps: int):
 def test_pipeline_on_a_transformers_model_equals_the_unsplit_model(deep_model, chat_data, tmp_path, family,
                                                                   schedule, chunks, loss_norm):
     cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, num_microbatches=4, model_path=deep_model(family),
-                         data=chat_data, sequences=12, max_tokens=128, steps=2, lr=1e-3, loss_norm=loss_norm,
+                         data=chat_data, sequences=12, max_tokens=128, steps=2, optim=OptimConfig(lr=1e-3), loss_norm=loss_norm,
                          output_dir=str(tmp_path / "out"))
     results = run_pipeline(cfg, return_grads=True)
     want, trained = _reference(cfg, cfg.steps)
@@ -113,8 +115,8 @@ def test_bad_pipeline_data_flags_are_named(deep_model, chat_data):
     with pytest.raises(ValueError, match="do not fit in --microbatches=2 microbatches of at most --max-tokens=40"):
         PipelineData(replace(cfg), load_pretrained(cfg.model_path).config).step(0)
     with pytest.raises(ValueError, match="--dp fsdp does not write the pipeline's checkpoints yet"):
-        PipelineConfig(model_path=deep_model("llama"), data=chat_data, dp_size=2, dp="fsdp", balance="same_micro",
-                       checkpoint_dir="ckpt")
+        PipelineConfig(model_path=deep_model("llama"), data=chat_data, dp_size=2, engine=EngineConfig("fsdp"),
+                       balance="same_micro", checkpoint_dir="ckpt")
     with pytest.raises(ValueError, match="--schedule zbv, which puts the first and the last stage on one rank"):
         check_model_and_data(PipelineConfig(model_path=deep_model("qwen2"), data=chat_data, dp_size=2, schedule="zbv",
                                             chunks=2))
@@ -136,7 +138,8 @@ def test_the_pipeline_command_trains_a_model_directory_on_chat_data(cli, deep_mo
 
 def test_a_pipeline_checkpoint_resumes_on_another_split_to_the_same_run(deep_model, chat_data, tmp_path):
     base = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, num_microbatches=4, model_path=deep_model("qwen2"),
-                          data=chat_data, sequences=12, max_tokens=128, steps=3, lr=1e-3)
+                          data=chat_data, sequences=12, max_tokens=128, steps=3,
+                          optim=OptimConfig(lr=1e-3))
     whole = run_pipeline(replace(base, output_dir=str(tmp_path / "whole")))
     cut = replace(base, checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "resumed"))
     first = run_pipeline(replace(cut, steps=2, output_dir=None))
@@ -189,8 +192,8 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
     from posttrain.train.pipeline.dp import SPLIT_BACKWARD, replica_plans, runnable
 
     cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, dp_size=2, model_path=deep_model(family),
-                         data=long_tail_data, sequences=16, max_tokens=64, steps=1, lr=0.5, optimizer="sgd",
-                         balance=balance, dp=dp, odc_mode=mode, offload=offload, skip_long=True,
+                         data=long_tail_data, sequences=16, max_tokens=64, steps=1, optim=OptimConfig("sgd", lr=0.5),
+                         balance=balance, engine=EngineConfig(dp, mode=mode), offload=offload, skip_long=True,
                          output_dir=str(tmp_path / "out"))
     results = run_pipeline(cfg, return_grads=True)
     micro = {r["dp_rank"]: r["microbatches"][0] for r in results}
@@ -242,7 +245,8 @@ def test_a_pipeline_x_odc_checkpoint_resumes_as_one_pipeline_on_another_split_an
     # Whole parameters and AdamW state under the model's names: pp=2 x dp=2 (1F1B) -> one pipeline
     # (interleaved 1F1B, 2 chunks) -> pp=2 x dp=2 (zbv): the loss curve of the uninterrupted run.
     base = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, dp_size=2, model_path=deep_model("llama"),
-                          data=long_tail_data, sequences=16, max_tokens=64, steps=4, lr=1e-2, skip_long=True)
+                          data=long_tail_data, sequences=16, max_tokens=64, steps=4, optim=OptimConfig(lr=1e-2),
+                          skip_long=True)
 
     def curve(results):
         return next(r["losses"] for r in results if r["losses"] and r["losses"][0] is not None)
@@ -262,7 +266,7 @@ def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_
     rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--ranks", "2",
                           "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--chart", "")
     assert rc == 0, err
-    assert "2 data-parallel replicas (flat ODC, diff_micro)" in stdout and "microbatches per replica and step" in stdout
+    assert "2 data-parallel replicas (odc, diff_micro)" in stdout and "microbatches per replica and step" in stdout
     assert len([line for line in stdout.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
     rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--dp-size", "2",
                      "--schedule", "zbv", "--dp", "fsdp", "--balance", "same_micro")
@@ -272,7 +276,7 @@ def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_
 def test_a_pipeline_resumes_with_sgd_and_another_packing(deep_model, chat_data, tmp_path):
     # SGD keeps no per-parameter state; the resumed part packs into other microbatches.
     base = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, num_microbatches=4, model_path=deep_model("llama"),
-                          data=chat_data, sequences=12, max_tokens=128, steps=2, lr=0.1, optimizer="sgd")
+                          data=chat_data, sequences=12, max_tokens=128, steps=2, optim=OptimConfig("sgd", lr=0.1))
     whole = [x for r in run_pipeline(base) for x in r["losses"] if x is not None]
     cut = replace(base, checkpoint_dir=str(tmp_path / "ckpt"))
     run_pipeline(replace(cut, steps=1))
@@ -293,8 +297,8 @@ def long_records(tmp_path_factory):
 def test_replicas_with_a_rendezvous_per_layer_run_equal_counts(deep_model, long_records, dp, mode):
     # same_micro may leave a replica an empty bin; it runs a dummy microbatch instead of hanging.
     cfg = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, dp_size=2, model_path=deep_model("llama"),
-                         data=long_records, sequences=3, max_tokens=64, steps=1, balance="same_micro", dp=dp,
-                         odc_mode=mode)
+                         data=long_records, sequences=3, max_tokens=64, steps=1, balance="same_micro",
+                         engine=EngineConfig(dp, mode=mode))
     results = run_pipeline(cfg, timeout_s=120)
     counts = {r["dp_rank"]: r["microbatches"][0] for r in results}
     assert counts[0] == counts[1] == 2

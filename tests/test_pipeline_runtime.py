@@ -12,6 +12,7 @@ from posttrain.pipeline._ir import parse_schedule
 from posttrain.pipeline.offload import ActivationStore
 from posttrain.pipeline.runtime import PipelineRunner, execution_order, to_torch_actions
 from posttrain.pipeline.stages import split_model
+from posttrain.train.core import OptimConfig
 from posttrain.train.pipeline import (
     PipelineConfig,
     build_pipeline_model,
@@ -89,7 +90,7 @@ def test_llama_stages_match_one_process(schedule, offload):
 
 def test_training_loss_falls():
     outs = run_pipeline(PipelineConfig(schedule="1f1b", num_ranks=2, num_microbatches=4, offload="full", steps=12,
-                                       lr=1e-2, dim=32, seq_len=32), timeout_s=120)
+                                       optim=OptimConfig(lr=1e-2), dim=32, seq_len=32), timeout_s=120)
     losses = [x for o in outs for x in o["losses"] if x is not None]
     assert losses[-1] < 0.8 * losses[0]
 

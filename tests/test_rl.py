@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from posttrain.balance import FlopsCost
-from posttrain.dp import build_engine
+from posttrain.dp import EngineConfig, build_engine
 from posttrain.launch import run_ranks
-from posttrain.models import load_pretrained
+from posttrain.models import find_blocks, load_pretrained
 from posttrain.rl import (
     LOSS_AGGS,
     Rollout,
@@ -24,6 +24,7 @@ from posttrain.rl import (
     policy_loss,
     token_logprobs,
 )
+from posttrain.train.core import OptimConfig
 from posttrain.train.rl import RLConfig, load_prompts, run_rl, update_minibatch
 
 
@@ -104,26 +105,35 @@ def _update_worker(rank, world, cfg, model_dir, lengths):
     model = load_pretrained(model_dir)
     rolls = _rollouts(model, model.config.vocab_size, lengths)
     cost = FlopsCost.from_config(model.config)
-    engine = build_engine(cfg.dp, model, cfg.engine_config())
-    opt = torch.optim.SGD(engine.parameters(), lr=cfg.lr)
+    engine = build_engine(model, cfg.engine)
+    opt = torch.optim.SGD(engine.parameters(), lr=cfg.optim.lr)
     st = update_minibatch(engine, model, opt, rolls, cfg, rank, world, cost)
+    st["mesh_dims"] = engine.mesh.ndim
+    st["checkpointed"] = all(getattr(b, "_posttrain_checkpointed", False) for b in find_blocks(model))
     full = {k.removeprefix("hf."): v.clone() for k, v in engine.full_state_dict().items()}
     engine.close()
     return full, st
 
 
-@pytest.mark.parametrize("dp, agg", [("odc", "token-mean"), ("fsdp", "seq-mean-token-mean"),
-                                     ("odc-fsdp2", "seq-mean-token-sum"), ("odc-collective", "token-mean")])
-def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_model, dp, agg):
+@pytest.mark.parametrize("engine, agg, world", [
+    (EngineConfig("odc"), "token-mean", 2), (EngineConfig("fsdp"), "seq-mean-token-mean", 2),
+    (EngineConfig("odc-fsdp2"), "seq-mean-token-sum", 2), (EngineConfig("odc", mode="collective"), "token-mean", 2),
+    # the run's engine section reaches the update whole: HSDP and activation checkpointing too
+    (EngineConfig("odc", replicas=2, activation_checkpointing=True), "token-mean", 4),
+])
+def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_model, engine, agg, world):
     model_dir = tiny_model("llama")
-    cfg = RLConfig(dp=dp, balance="diff_micro", loss_agg=agg, kl_coef=0.1, optimizer="sgd", lr=0.5, max_tokens=64)
-    results = run_ranks(_update_worker, 2, cfg, model_dir, LENGTHS)
+    cfg = RLConfig(engine=engine, balance="diff_micro", loss_agg=agg, kl_coef=0.1, optim=OptimConfig("sgd", lr=0.5),
+                   max_tokens=64)
+    results = run_ranks(_update_worker, world, cfg, model_dir, LENGTHS)
     micro = [int(st["microbatches"]) for _, st in results]
-    if cfg.odc_mode == "odc":
-        assert micro[0] != micro[1]  # the ranks ran different numbers of microbatches
+    if not engine.label.endswith(("fsdp", "collective")):
+        assert len(set(micro)) > 1  # the ranks ran different numbers of microbatches
+    assert results[0][1]["mesh_dims"] == (2 if engine.replicas > 1 else 1)
+    assert results[0][1]["checkpointed"] == engine.activation_checkpointing
     ref = load_pretrained(model_dir)
     rolls = _rollouts(ref, ref.config.vocab_size, LENGTHS)
-    opt = torch.optim.SGD(ref.parameters(), lr=cfg.lr)
+    opt = torch.optim.SGD(ref.parameters(), lr=cfg.optim.lr)
     loss, _ = policy_loss(ref, rolls, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, agg=agg)
     (loss / loss_units(rolls, agg)).backward()
     opt.step()
@@ -207,12 +217,12 @@ def _reference_worker(rank, world, cfg, model_dir, lengths):
     return lps, micro, held, local
 
 
-@pytest.mark.parametrize("dp", ["odc", "fsdp", "odc-collective"])
-def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, dp):
+@pytest.mark.parametrize("dp, mode", [("odc", "odc"), ("fsdp", "odc"), ("odc", "collective")])
+def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, dp, mode):
     model_dir = tiny_model("llama")
-    cfg = RLConfig(dp=dp, balance="diff_micro", kl_coef=0.1, max_tokens=64)
+    cfg = RLConfig(engine=EngineConfig(dp, mode=mode), balance="diff_micro", kl_coef=0.1, max_tokens=64)
     results = run_ranks(_reference_worker, 2, cfg, model_dir, LENGTHS)
-    if cfg.odc_mode == "odc":
+    if not cfg.engine.label.endswith(("fsdp", "collective")):
         assert results[0][1] != results[1][1]  # the ranks ran different numbers of forward microbatches
     model = load_pretrained(model_dir)
     assert all(held == 0 for _, _, held, _ in results)  # nothing of the reference is trainable
@@ -236,8 +246,8 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one(tmp_path, tiny_m
     (tmp_path / "wordy.py").write_text("def reward(prompt, response):\n    return float(len(response))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     base = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="wordy:reward", samples_per_prompt=4,
-                    prompts_per_step=4, max_new_tokens=6, steps=3, max_tokens=128, kl_coef=0.05, lr=3e-3,
-                    temperature=1.5, deterministic=True)
+                    prompts_per_step=4, max_new_tokens=6, steps=3, max_tokens=128, kl_coef=0.05,
+                    optim=OptimConfig(lr=3e-3), temperature=1.5, engine=EngineConfig(deterministic=True))
     whole = run_rl(replace(base, checkpoint_dir=str(tmp_path / "a"), metrics=str(tmp_path / "a.jsonl")),
                    world_size=2, quiet=True)[0]["metrics"]
     cut = replace(base, checkpoint_dir=str(tmp_path / "b"), metrics=str(tmp_path / "b.jsonl"))

@@ -102,7 +102,7 @@ def test_recommend_pipeline_takes_the_least_offload_within_the_tolerance_of_the_
 
 
 def _metrics(path, *, split=True, copies=True):
-    """A posttrain pipeline --metrics file by hand: 2 ranks, one stage each, 2 microbatches."""
+    """A posttrain pipeline --calibration-out file by hand: 2 ranks, one stage each, 2 microbatches."""
     mib = 2**20
     if split:
         acts = {0: [("0F0", 0, .010), ("0F1", .010, .022), ("0I0", .05, .07), ("0W0", .07, .08), ("0I1", .08, .10),

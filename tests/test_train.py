@@ -9,11 +9,18 @@ from dataclasses import replace
 
 import pytest
 
+from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
+from posttrain.train.core import OptimConfig
 from posttrain.train.dp import TrainConfig, TrainData, run_training, summarize, train_worker
 
 # SGD: a gradient off by a constant factor changes the curve (Adam would normalize it away).
-BASE = TrainConfig(steps=3, sequences=6, max_len=48, max_tokens=64, dim=32, num_layers=2, optimizer="sgd", lr=0.5)
+BASE = TrainConfig(steps=3, sequences=6, max_len=48, max_tokens=64, dim=32, num_layers=2, optim=OptimConfig("sgd", lr=0.5))
+ADAMW = OptimConfig("adamw", lr=3e-3)
+
+
+def E(name: str = "odc", **kw) -> EngineConfig:
+    return EngineConfig(name, **kw)
 
 
 def _losses(cfg, world_size=2):
@@ -25,29 +32,29 @@ def test_every_engine_and_method_follows_the_same_loss_curve():
     """Same data and global-token normalization: FSDP2 (padded with dummy microbatches), flat ODC
     and ODC on FSDP2 in both modes, under different plans, with activation checkpointing and as
     HSDP, all take the same optimizer steps."""
-    want, _ = _losses(replace(BASE, dp="fsdp", balance="same_micro"))
-    for dp, balance, extra in [("fsdp", "round_robin", {}), ("odc-fsdp2-collective", "same_micro", {}),
-                               ("odc-fsdp2", "round_robin", {}), ("odc-fsdp2", "diff_micro", {}),
-                               ("odc-collective", "same_micro", {}), ("odc", "diff_micro", {}),
-                               ("odc", "diff_micro", {"activation_checkpointing": True}),
-                               ("fsdp", "same_micro", {"activation_checkpointing": True})]:
-        got, _ = _losses(replace(BASE, dp=dp, balance=balance, **extra))
-        assert got == pytest.approx(want, rel=1e-4), (dp, balance, extra)
+    want, _ = _losses(replace(BASE, engine=E("fsdp"), balance="same_micro"))
+    for engine, balance in [(E("fsdp"), "round_robin"), (E("odc-fsdp2", mode="collective"), "same_micro"),
+                            (E("odc-fsdp2"), "round_robin"), (E("odc-fsdp2"), "diff_micro"),
+                            (E("odc", mode="collective"), "same_micro"), (E("odc"), "diff_micro"),
+                            (E("odc", activation_checkpointing=True), "diff_micro"),
+                            (E("fsdp", activation_checkpointing=True), "same_micro")]:
+        got, _ = _losses(replace(BASE, engine=engine, balance=balance))
+        assert got == pytest.approx(want, rel=1e-4), (engine, balance)
 
 
 def test_hsdp_replicas_follow_the_same_loss_curve():
     """4 ranks as 2 replicas x 2 shards (one gradient all-reduce across replicas per minibatch
     under ODC) take the same steps as 4 plain FSDP2 ranks."""
     cfg = replace(BASE, sequences=8)
-    want, _ = _losses(replace(cfg, dp="fsdp", balance="same_micro"), world_size=4)
+    want, _ = _losses(replace(cfg, engine=E("fsdp"), balance="same_micro"), world_size=4)
     for dp in ("odc", "odc-fsdp2", "fsdp"):
-        got, _ = _losses(replace(cfg, dp=dp, replicas=2), world_size=4)
+        got, _ = _losses(replace(cfg, engine=E(dp, replicas=2)), world_size=4)
         assert got == pytest.approx(want, rel=1e-4), dp
 
 
 @pytest.mark.parametrize("dp", ["odc", "odc-fsdp2"])
 def test_deterministic_runs_are_bitwise_identical(dp):
-    cfg = replace(BASE, dp=dp, deterministic=True, sequences=8)
+    cfg = replace(BASE, engine=E(dp, deterministic=True), sequences=8)
     first, _ = _losses(cfg, world_size=3)
     second, _ = _losses(cfg, world_size=3)
     assert first == second
@@ -57,7 +64,7 @@ def test_deterministic_runs_are_bitwise_identical(dp):
 def test_time_accounting_adds_up(dp):
     """compute + optimizer + wait is the step time on every rank; FSDP2's time goes into its
     collectives, ODC's into one sync per step; every rank sees the same global figures."""
-    _, results = _losses(replace(BASE, dp=dp, balance="same_micro" if dp == "fsdp" else "diff_micro"))
+    _, results = _losses(replace(BASE, engine=E(dp), balance="same_micro" if dp == "fsdp" else "diff_micro"))
     for step in zip(*(r["metrics"] for r in results)):
         assert len({(r["loss"], r["tokens"], r["step_time_s"]) for r in step}) == 1
         assert sum(r["rank_tokens"] for r in step) == step[0]["tokens"]
@@ -79,7 +86,7 @@ def test_time_accounting_adds_up(dp):
 def test_resumed_run_follows_the_uninterrupted_loss_curve_exactly(dp, tmp_path):
     """AdamW (optimizer state matters), checkpoint after 3 of 6 steps, a fresh job resumes:
     steps 3-5 give bitwise the same losses as one uninterrupted 6-step run."""
-    cfg = replace(BASE, dp=dp, balance="diff_micro", optimizer="adamw", lr=3e-3, steps=6)
+    cfg = replace(BASE, engine=E(dp), balance="diff_micro", optim=ADAMW, steps=6)
     want, _ = _losses(cfg)
     ckpt = str(tmp_path / "ckpt")
     first, _ = _losses(replace(cfg, steps=3, checkpoint_dir=ckpt))
@@ -97,7 +104,7 @@ def test_resumed_run_follows_the_uninterrupted_loss_curve_exactly(dp, tmp_path):
 def test_flat_odc_resumes_on_another_world_size(first, then, tmp_path):
     """DCP reshards the flat shards and their AdamW state: the loss curve resumed on another
     number of ranks equals the uninterrupted one (to summation order)."""
-    cfg = replace(BASE, dp="odc", optimizer="adamw", lr=3e-3, steps=6)
+    cfg = replace(BASE, engine=E("odc"), optim=ADAMW, steps=6)
     want, _ = _losses(cfg, world_size=first)
     ckpt = str(tmp_path / "ckpt")
     _losses(replace(cfg, steps=3, checkpoint_dir=ckpt), world_size=first)
@@ -109,11 +116,11 @@ def test_flat_odc_resumes_on_another_world_size(first, then, tmp_path):
 
 @pytest.mark.parametrize("change,flag", [
     ({"num_layers": 3}, "--layers=2"), ({"dim": 64}, "--dim=32"), ({"model": "llama"}, "--model='gpt'"),
-    ({"optimizer": "sgd"}, "--optimizer='adamw'"), ({"dp": "fsdp"}, "resume with --dp odc"),
+    ({"optim": OptimConfig("sgd")}, "--optimizer='adamw'"), ({"engine": E("fsdp")}, "resume with --dp odc"),
 ])
 def test_resume_refuses_another_model_optimizer_or_engine_in_one_line(change, flag, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    cfg = replace(BASE, steps=1, optimizer="adamw", checkpoint_dir=ckpt)
+    cfg = replace(BASE, steps=1, optim=ADAMW, checkpoint_dir=ckpt)
     run_ranks(train_worker, 2, cfg)
     with pytest.raises(ValueError, match=flag.replace("(", r"\(")) as info:
         run_training(replace(cfg, steps=2, **change), world_size=2, quiet=True)
@@ -134,15 +141,15 @@ def test_checkpoints_keep_the_two_newest(tmp_path):
 
 
 def test_bf16_mixed_precision_trains_close_to_fp32():
-    want, _ = _losses(replace(BASE, dp="odc"))
-    got, _ = _losses(replace(BASE, dp="odc", precision="bf16"))
+    want, _ = _losses(replace(BASE, engine=E("odc")))
+    got, _ = _losses(replace(BASE, engine=E("odc", precision="bf16")))
     assert got == pytest.approx(want, rel=0.05)
 
 
 def test_transformers_llama_trains_the_same_under_fsdp_and_odc():
     cfg = replace(BASE, model="llama")
-    want, _ = _losses(replace(cfg, dp="fsdp", balance="same_micro"))
-    got, _ = _losses(replace(cfg, dp="odc", balance="diff_micro"))
+    want, _ = _losses(replace(cfg, engine=E("fsdp"), balance="same_micro"))
+    got, _ = _losses(replace(cfg, engine=E("odc"), balance="diff_micro"))
     assert got == pytest.approx(want, rel=1e-4)
 
 
@@ -163,24 +170,26 @@ def test_jsonl_data_epochs_and_positions(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"dp": "ddp"}, "--dp='ddp' is not one of fsdp, odc-fsdp2, odc, odc-collective, odc-flat"),
-        ({"dp": "fsdp", "deterministic": True}, "--deterministic is for the ODC engines"),
-        ({"dp": "fsdp", "odc_mode": "collective"}, "--odc-mode collective is for the ODC engines"),
-        ({"replicas": 0}, "--replicas=0 must be at least 1"),
+        ({"engine": ("ddp",)}, "--dp='ddp' is not one of fsdp, odc-fsdp2, odc"),
+        ({"engine": ("fsdp", {"deterministic": True})}, "--deterministic is for the ODC engines"),
+        ({"engine": ("fsdp", {"mode": "collective"})}, "--odc-mode collective is for the ODC engines"),
+        ({"engine": ("odc", {"replicas": 0})}, "--replicas=0 must be at least 1"),
         ({"balance": "best"}, "--balance='best' is not one of round_robin"),
         ({"profile": "zipf"}, "--profile='zipf'"),
         ({"model": "bert"}, "--model='bert' is not one of gpt, llama"),
-        ({"precision": "fp8"}, "--precision='fp8' is not one of fp32, bf16"),
+        ({"engine": ("odc", {"precision": "fp8"})}, "--precision='fp8' is not one of fp32, bf16"),
         ({"max_len": 100, "max_tokens": 64}, "--max-tokens=64 is smaller than the longest sequence"),
         ({"steps": 0}, "--steps=0 must be at least 1"),
         ({"num_layers": 0}, "--layers=0 must be at least 1"),
         ({"checkpoint_every": -1}, "--checkpoint-every=-1 must be non-negative"),
-        ({"optimizer": "lion"}, "--optimizer='lion' is not one of adamw, sgd"),
+        ({"optim": ("lion",)}, "--optimizer='lion' is not one of adamw, sgd"),
     ],
 )
 def test_bad_config_names_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        replace(BASE, **kwargs)
+        sections = {"engine": EngineConfig, "optim": OptimConfig}  # (args, kwargs): a bad section fails as it is built
+        replace(BASE, **{k: sections[k](*v[:1], **(v[1] if len(v) > 1 else {})) if k in sections else v
+                         for k, v in kwargs.items()})
 
 
 def test_more_ranks_than_sequences_is_refused_before_starting():

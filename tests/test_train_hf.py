@@ -15,7 +15,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from posttrain.data.tasks import chat_task_records  # noqa: E402
+from posttrain.dp import EngineConfig  # noqa: E402
 from posttrain.models import HFCausalLM, load_pretrained, save_pretrained, tied_names  # noqa: E402
+from posttrain.train.core import OptimConfig  # noqa: E402
 from posttrain.train.dp import (  # noqa: E402
     TrainConfig,
     TrainData,
@@ -38,7 +40,7 @@ def _reference(cfg: TrainConfig) -> HFCausalLM:
     packed microbatch, its loss divided by the minibatch's loss units."""
     data = TrainData(cfg, 1)
     model = load_pretrained(cfg.model_path)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, fused=True)
     for step in range(cfg.steps):
         seqs = data.minibatch(step)
         ids = list(range(len(seqs)))
@@ -67,8 +69,9 @@ def test_a_pretrained_model_trains_on_chat_and_exports_what_it_trained(tmp_path,
     out = tmp_path / "out"
     # transformers gives a qwen2 directory its own tokenizer class, which splits digits: twice the tokens
     max_tokens = 320 if family == "qwen2" else 160
-    cfg = TrainConfig(dp=dp, balance="diff_micro", model_path=src, data=_chat_file(tmp_path), sequences=8,
-                      max_tokens=max_tokens, steps=3, lr=1e-2, loss_norm=loss_norm, output_dir=str(out),
+    cfg = TrainConfig(engine=EngineConfig(dp), balance="diff_micro", model_path=src, data=_chat_file(tmp_path),
+                      sequences=8, max_tokens=max_tokens, steps=3, optim=OptimConfig(lr=1e-2), loss_norm=loss_norm,
+                      output_dir=str(out),
                       eval_data=_chat_file(tmp_path, n=5, seed=7, name="eval.jsonl"), eval_every=2)
     results = run_training(cfg, world_size=2, quiet=True)
     counts = [[m["microbatches"] for m in r["metrics"]] for r in results]

@@ -11,8 +11,8 @@ from .train import train_config
 
 __all__ = ["add_parser"]
 
-_RUN_FIELDS = ("profile", "data", "model", "precision", "steps", "sequences", "max_len", "max_tokens", "dim",
-               "num_layers", "lr", "seed")
+_RUN_FIELDS = ("profile", "data", "model", "engine.precision", "steps", "sequences", "max_len", "max_tokens", "dim",
+               "num_layers", "optim.lr", "seed")
 
 
 def _odc(args: argparse.Namespace) -> int:

@@ -15,18 +15,19 @@ def _run(args: argparse.Namespace) -> int:
     from posttrain.lab.demo import DEMO, run_demo
 
     cfg = replace(DEMO, steps=args.steps, sequences=args.sequences, max_len=args.max_len, max_tokens=args.max_len,
-                  lr=args.lr, seed=args.seed)
+                  optim=replace(DEMO.optim, lr=getattr(args, "optim.lr")), seed=args.seed)
     run_demo(cfg, world_size=args.world_size, timeline_path=args.timeline or None)
     return 0
 
 
 def add_parser(sub) -> None:
     from posttrain.lab.demo import DEMO
+    from posttrain.train.core import config_value
     from posttrain.train.dp import TrainConfig
 
     p = sub.add_parser("demo", help="FSDP2 and ODC on a tiny GPT, 2 CPU processes: table, factors, timeline")
-    add_config_arguments(p, TrainConfig, fields=("steps", "sequences", "max_len", "lr", "seed"),
-                         defaults={k: getattr(DEMO, k) for k in ("steps", "sequences", "max_len", "lr", "seed")})
+    add_config_arguments(p, TrainConfig, fields=("steps", "sequences", "max_len", "optim.lr", "seed"),
+                         defaults={k: config_value(DEMO, k) for k in ("steps", "sequences", "max_len", "optim.lr", "seed")})
     p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
     p.add_argument("--timeline", default="out/demo_timeline.png", help="timeline PNG ('' for none)")
     p.set_defaults(func=_run)

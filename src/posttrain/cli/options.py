@@ -25,8 +25,16 @@ _MISSING = dataclasses.MISSING
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> its description in the class docstring's ``Attributes:`` section (one line)."""
-    doc = cls.__doc__ or ""
+    """Field name -> its description in the ``Attributes:`` section of the class docstring, or of
+    the docstring of the nearest base class that has one for it (one line)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(_own_field_docs(klass))
+    return out
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    doc = cls.__dict__.get("__doc__") or ""
     m = re.search(r"^\s*Attributes:\s*$", doc, re.M)
     if not m:
         return {}
@@ -88,32 +96,66 @@ def _parse_type(annotation: Any) -> tuple[Any, tuple | None, bool]:
     return str, None, optional
 
 
+#: Flags that are not ``--`` + the parameter's name with dashes, by ``Class.field``: the one place
+#: the command line renames a parameter of the library or the trainers.
+FLAGS = {
+    "EngineConfig.name": "--dp",
+    "EngineConfig.mode": "--odc-mode",
+    "OptimConfig.name": "--optimizer",
+}
+
+
+def _flag(cls: type, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or FLAGS.get(f"{cls.__name__}.{f.name}") or "--" + f.name.replace("_", "-")
+
+
+def _is_section(cls: type, f: dataclasses.Field) -> bool:
+    return dataclasses.is_dataclass(_resolve(cls, f.name))
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not _MISSING:
+        return f.default
+    if f.default_factory is not _MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
 def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
                          fields: Iterable[str] | None = None, exclude: Iterable[str] = (),
-                         defaults: Mapping[str, Any] | None = None) -> None:
+                         defaults: Mapping[str, Any] | None = None, _prefix: str = "",
+                         _instance: Any = None) -> None:
     """One option per field of dataclass ``cls`` (those in ``fields``, if given, but not in
-    ``exclude``); ``defaults`` overrides a field's default for this command."""
+    ``exclude``); ``defaults`` overrides a field's default for this command. A field that is
+    itself a dataclass (a section: ``engine``, ``optim``) adds its fields' options, named by
+    their dotted path in ``fields``, ``exclude`` and ``defaults`` (``"optim.lr"``)."""
     docs = field_docs(cls)
     wanted = set(fields) if fields is not None else None
     skip = set(exclude)
     defaults = dict(defaults or {})
     for f in dataclasses.fields(cls):
-        if f.name in skip or (wanted is not None and f.name not in wanted) or f.metadata.get("cli") is False:
+        path = _prefix + f.name
+        if f.metadata.get("cli") is False or path in skip:
             continue
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        if f.name in defaults:
-            default = defaults[f.name]
-        elif f.default is not _MISSING:
-            default = f.default
-        elif f.default_factory is not _MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
+        if _is_section(cls, f):
+            inner = getattr(_instance, f.name) if _instance is not None else _default(f)
+            add_config_arguments(parser, _resolve(cls, f.name), fields=fields, exclude=exclude, defaults=defaults,
+                                 _prefix=path + ".", _instance=inner)
+            continue
+        if wanted is not None and path not in wanted:
+            continue
+        flag = _flag(cls, f)
+        if path in defaults:
+            default = defaults[path]
+        elif _instance is not None:
+            default = getattr(_instance, f.name)
         else:
-            default = None
+            default = _default(f)
         kind, choices, _ = _parse_type(_resolve(cls, f.name))
         if "choices" in f.metadata:
             choices = tuple(f.metadata["choices"]())
         help_text = docs.get(f.name, "")
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+        kwargs: dict[str, Any] = {"dest": path, "default": default}
         if kind is bool:
             kwargs["action"] = "store_true"
             text = help_text
@@ -126,7 +168,7 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         kwargs["help"] = text.replace("%", "%%")
         parser.add_argument(flag, **kwargs)
         for alias in f.metadata.get("aliases", ()):
-            alias_kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS,
+            alias_kwargs = {"dest": path, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS,
                             "new_flag": flag, "inner": "store_true" if kind is bool else "store"}
             if kind is not bool:
                 alias_kwargs["type"] = kind
@@ -136,13 +178,21 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
-    """An instance of dataclass ``cls`` from the parsed options of its fields, with ``overrides``."""
+    """An instance of dataclass ``cls`` from the parsed options of its fields (sections built
+    the same way, from their own options), with ``overrides`` (by field name)."""
     values = {}
     for f in dataclasses.fields(cls):
+        path = f.name
         if f.name in overrides:
             values[f.name] = overrides[f.name]
-        elif hasattr(args, f.name):
-            values[f.name] = getattr(args, f.name)
+        elif _is_section(cls, f):
+            # a section starts from the field's default, so that a command offering only some of
+            # its options keeps the rest of that default
+            given = {g.name: getattr(args, f"{path}.{g.name}") for g in dataclasses.fields(_resolve(cls, f.name))
+                     if hasattr(args, f"{path}.{g.name}")}
+            values[f.name] = dataclasses.replace(_default(f), **given)
+        elif hasattr(args, path):
+            values[f.name] = getattr(args, path)
     return cls(**values)
 
 

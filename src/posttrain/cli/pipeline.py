@@ -15,10 +15,10 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(PipelineConfig, args)
     if cfg.dp_size > 1:
-        if args.metrics:
-            raise ValueError("--metrics (a pipeline run to calibrate the planner from) is for --dp-size 1")
+        if args.calibration_out:
+            raise ValueError("--calibration-out (a pipeline run to calibrate the planner from) is for --dp-size 1")
         print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.dp_size} data-parallel replicas "
-              f"({'FSDP2' if cfg.dp == 'fsdp' else 'flat ODC' + (', collective' if cfg.odc_mode == 'collective' else '')}, "
+              f"({cfg.engine.label}, "
               f"{cfg.balance}), offload {cfg.offload}; {cfg.steps} steps on "
               f"{cfg.num_ranks * cfg.dp_size} CPU processes", flush=True)
     else:
@@ -42,11 +42,11 @@ def _run(args: argparse.Namespace) -> int:
         print(format_report(results, predicted_peaks(cfg, weight_keep=measured_weight_keep(results))))
     if cfg.output_dir:
         print(f"wrote {cfg.output_dir}")
-    if args.metrics:
+    if args.calibration_out:
         from posttrain.lab.calibrate import write_pipeline_metrics
 
-        write_pipeline_metrics(cfg, results, args.metrics)
-        print(f"wrote {args.metrics} (posttrain plan pipeline --calibrate {args.metrics} plans from it)")
+        write_pipeline_metrics(cfg, results, args.calibration_out)
+        print(f"wrote {args.calibration_out} (posttrain plan pipeline --calibrate {args.calibration_out} plans from it)")
     if args.chart and cfg.dp_size == 1:
         path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
                              f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")
@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     add_config_arguments(p, PipelineConfig, defaults={"num_microbatches": 8, "dim": 128, "num_layers": 8,
                                                       "seq_len": 256, "steps": 5})
     p.add_argument("--chart", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
-    p.add_argument("--metrics", default=None, metavar="FILE",
+    p.add_argument("--calibration-out", default=None, metavar="FILE",
                    help="write every rank's last step (action times, saved bytes, peaks) as JSON, for "
                         "posttrain plan pipeline --calibrate")
     p.set_defaults(func=_run)

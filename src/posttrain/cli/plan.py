@@ -113,5 +113,5 @@ def add_parser(sub) -> None:
     pp.add_argument("--top", type=int, default=5, help="rows shown (default 5)")
     pp.add_argument("--calibrate", default=None, metavar="FILE",
                     help="take F, I, W, saved bytes and (if it offloaded) the host link from a run written by "
-                         "posttrain pipeline --metrics FILE, in place of the workload flags")
+                         "posttrain pipeline --calibration-out FILE, in place of the workload flags")
     pp.set_defaults(func=_pipeline)

@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.curve:
         rows = results[0]["metrics"]
-        plot_reward_curve(rows, args.curve, title=f"posttrain rl: {cfg.advantage}, {cfg.dp_label}+{cfg.balance}, "
+        plot_reward_curve(rows, args.curve, title=f"posttrain rl: {cfg.advantage}, {cfg.engine.label}+{cfg.balance}, "
                           f"{cfg.prompts_per_step} prompts x {cfg.samples_per_prompt} samples a step")
         print(f"wrote {args.curve}")
     return 0

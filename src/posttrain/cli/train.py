@@ -28,7 +28,7 @@ def _run(args: argparse.Namespace) -> int:
                            outputs={"--timeline": args.timeline, "--trace": args.trace})
     if results is None or not results[0]["metrics"]:
         return 0
-    spans = {f"{cfg.dp_label}+{cfg.balance}": [s for r in results for s in r["spans"]]}
+    spans = {f"{cfg.engine.label}+{cfg.balance}": [s for r in results for s in r["spans"]]}
     if args.timeline:
         last = results[0]["metrics"][-1]["step"]
         plot_timelines(spans, args.timeline, title=f"step {last}: per-rank compute, communication and waiting")

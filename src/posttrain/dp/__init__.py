@@ -1,6 +1,6 @@
 """Data-parallel engines behind one interface, chosen by name. See [Note: data-parallel engines].
 
-    engine = posttrain.dp.build_engine("odc", model, EngineConfig(precision="bf16"))
+    engine = posttrain.dp.build_engine(model, EngineConfig("odc", precision="bf16"))
     optimizer = torch.optim.AdamW(engine.parameters())
     with engine.minibatch(local_tokens) as mb:
         for micro in my_microbatches:                 # counts may differ per rank unless
@@ -14,10 +14,9 @@ Engines: ``fsdp`` (FSDP2, the baseline), ``odc`` (flat ODC, :func:`posttrain.odc
 from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state
 from .fsdp import FSDP2Engine, ODCOnFSDP2Engine  # registers fsdp and odc-fsdp2
 from .odc_flat import FlatODCEngine  # registers odc
-from .registry import DP_ALIASES, build_engine, engine_class, engine_names, register_engine, resolve_dp
+from .registry import build_engine, engine_class, engine_names, register_engine
 
 __all__ = [
-    "DP_ALIASES", "CommHook", "DataParallelEngine", "EngineConfig", "FSDP2Engine", "FlatODCEngine", "MinibatchInfo",
+    "CommHook", "DataParallelEngine", "EngineConfig", "FSDP2Engine", "FlatODCEngine", "MinibatchInfo",
     "ODCOnFSDP2Engine", "build_engine", "engine_class", "engine_names", "ensure_optimizer_state", "register_engine",
-    "resolve_dp",
 ]

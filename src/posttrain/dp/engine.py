@@ -35,7 +35,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
@@ -70,17 +70,25 @@ class MinibatchInfo:
     loss_divisor: float
 
 
+def _engine_choices() -> tuple[str, ...]:
+    from .registry import engine_names
+
+    return engine_names()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """How an engine shards and runs the model. Fields an engine does not use are ignored.
+    """Which engine shards the model and how. Fields an engine does not use are ignored.
 
     Attributes:
-        precision: ``fp32``, or ``bf16``: parameters gathered and computed in bf16, gradients
-            reduced in fp32, fp32 master weights stepped by the optimizer (FSDP2's
-            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+        name: the data-parallel engine: ``odc`` (flat ODC), ``fsdp`` (FSDP2), ``odc-fsdp2``
+            (ODC on FSDP2).
         mode: ODC engines: ``odc`` (one-sided, one synchronization per minibatch) or
             ``collective`` (the same transport with a barrier at every gather and reduce: FSDP's
             rendezvous semantics, so benchmarks can separate mechanism from transport).
+        precision: ``fp32``, or ``bf16``: parameters gathered and computed in bf16, gradients
+            reduced in fp32, fp32 master weights stepped by the optimizer (FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
         deterministic: ODC engines: bitwise identical runs (per-writer accumulator slots summed
             in rank order; one unsharded gradient of memory per rank).
         activation_checkpointing: recompute each transformer block's forward in backward
@@ -90,19 +98,34 @@ class EngineConfig:
             with one gradient all-reduce across replicas per minibatch under ODC.
     """
 
-    precision: Literal["fp32", "bf16"] = "fp32"
+    name: str = field(default="odc", metadata={"choices": _engine_choices})
     mode: Literal["odc", "collective"] = "odc"
+    precision: Literal["fp32", "bf16"] = "fp32"
     deterministic: bool = False
     activation_checkpointing: bool = False
     replicas: int = 1
 
     def __post_init__(self) -> None:
+        from .registry import engine_class
+
+        cls = engine_class(self.name)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"--precision={self.precision!r} is not one of fp32, bf16")
         if self.mode not in ("odc", "collective"):
-            raise ValueError(f"odc mode {self.mode!r} is not one of odc, collective")
+            raise ValueError(f"--odc-mode={self.mode!r} is not one of odc, collective")
         if self.replicas < 1:
             raise ValueError(f"--replicas={self.replicas} must be at least 1")
+        if not cls.one_sided and self.mode == "collective":
+            raise ValueError(f"--odc-mode collective is for the ODC engines (--dp odc or odc-fsdp2); {self.name} "
+                             "always synchronizes per layer")
+        if not cls.one_sided and self.deterministic:
+            raise ValueError("--deterministic is for the ODC engines (--dp odc or odc-fsdp2)")
+
+    @property
+    def label(self) -> str:
+        """The engine and its mode in one word (``odc``, ``odc-collective``, ``fsdp``, ...), as
+        benchmarks and progress lines name a run."""
+        return f"{self.name}-collective" if self.mode == "collective" else self.name
 
 
 class DataParallelEngine(ABC):
@@ -120,6 +143,8 @@ class DataParallelEngine(ABC):
     #: apart): the weight pass assigns ``.grad`` outside autograd's accumulation, so an engine
     #: that reduces gradients from autograd hooks (FSDP2) would miss them.
     split_backward: ClassVar[bool] = False
+    #: Whether the engine's communication is ODC's (one-sided): ``mode`` and ``deterministic`` apply.
+    one_sided: ClassVar[bool] = False
     #: Whether :meth:`whole_state_dict` is implemented (checkpoints under the model's parameter
     #: names, loadable into another split of the model: the pipeline trainer's format).
     whole_state: ClassVar[bool] = False

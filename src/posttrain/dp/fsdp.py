@@ -130,6 +130,8 @@ class ODCOnFSDP2Engine(FSDP2Engine):
     """FSDP2 sharding with ODC's one-sided gather and scatter-accumulate
     (:func:`posttrain.odc.enable`), for models a user already shards with ``fully_shard``."""
 
+    one_sided = True
+
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:
         super().__init__(model, config, mesh=mesh, units=units)

@@ -27,6 +27,7 @@ class FlatODCEngine(DataParallelEngine):
 
     checkpoint_format = "odc-flat"
     split_backward = True
+    one_sided = True
     whole_state = True
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,

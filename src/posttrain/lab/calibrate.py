@@ -36,9 +36,11 @@ import torch.distributed as dist
 
 from posttrain.balance import FlopsCost
 from posttrain.data import synthetic_sequences
+from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
 from posttrain.models import build_model
 from posttrain.sim import Cluster, LayerCost, SimModel, plan_lengths, simulate_dp, simulate_minibatch
+from posttrain.train.core import config_value
 from posttrain.train.dp import (
     TrainConfig,
     TrainData,
@@ -112,7 +114,7 @@ def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "equal.jsonl")
         _write_equal(path, max(cfg.sequences, 4 * world_size), length)
-        c = replace(cfg, data=path, dp=dp, odc_mode=mode, balance="same_micro",
+        c = replace(cfg, data=path, engine=EngineConfig(dp, mode=mode), balance="same_micro",
                     sequences=max(cfg.sequences, 4 * world_size), max_len=length + 1,
                     max_tokens=max(cfg.max_tokens, length))
         results = run_ranks(train_worker, world_size, c, timeout_s=3600)
@@ -127,7 +129,7 @@ def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str 
         mbs = max(plans[0].num_microbatches)
     per_step = statistics.median(_per_step(s) for s in _steady(results))
     extra = max(0.0, run["step_time_s"] - ideal - per_step) / (mbs * cfg.num_layers)
-    log(f"  {c.dp_label} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
+    log(f"  {c.engine.label} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
         f"optimizer and sync {per_step * 1e3:.1f} ms, {mbs} microbatches x {cfg.num_layers} layers -> "
         f"{extra * 1e3:.3f} ms per layer and microbatch", flush=True)
     return {"per_layer_microbatch": extra, "per_step": per_step, "microbatches": mbs}
@@ -252,11 +254,12 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "equal.jsonl")
         _write_equal(path, sequences, length)
-        c = replace(cfg, data=path, dp="odc", balance="same_micro", sequences=sequences, max_len=length + 1,
+        c = replace(cfg, data=path, engine=EngineConfig("odc"), balance="same_micro", sequences=sequences, max_len=length + 1,
                     max_tokens=2 * length, progress=False, checkpoint_dir=None)
         for _ in range(rounds):
             for mode in runs:
-                runs[mode].append(run_ranks(train_worker, world_size, replace(c, odc_mode=mode), timeout_s=3600))
+                runs[mode].append(run_ranks(train_worker, world_size, replace(c, engine=EngineConfig("odc", mode=mode)),
+                                            timeout_s=3600))
         data = TrainData(c, world_size)
         cost = FlopsCost.from_config(c.model_config(data.vocab_size))
         plans = [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
@@ -386,8 +389,8 @@ def _measure_real(cfg: TrainConfig, world_size: int, repeats: int, log) -> dict:
     for k in range(repeats):
         got = {}
         for dp, method in (("fsdp", "same_micro"), ("odc", "diff_micro")):
-            got[f"{dp}+{method}"] = summarize(run_ranks(train_worker, world_size, replace(cfg, dp=dp, balance=method),
-                                                        timeout_s=3600))
+            run = replace(cfg, engine=EngineConfig(dp), balance=method)
+            got[f"{dp}+{method}"] = summarize(run_ranks(train_worker, world_size, run, timeout_s=3600))
             log(f"  round {k + 1}/{repeats}  {dp}+{method}: {got[f'{dp}+{method}']['tokens_per_s']:.0f} tokens/s",
                 flush=True)
         rounds.append(got["odc+diff_micro"]["tokens_per_s"] / got["fsdp+same_micro"]["tokens_per_s"])
@@ -415,8 +418,10 @@ def calibrate_odc(cfg: TrainConfig, *, world_size: int = 2, repeats: int = 3, me
     if measured_json:
         with open(measured_json) as f:
             bench = json.load(f)
-        keys = ("profile", "sequences", "max_len", "max_tokens", "dim", "num_layers", "steps", "seed", "model", "precision")
-        diff = {k: (bench["config"].get(k), getattr(cfg, k)) for k in keys if bench["config"].get(k) != getattr(cfg, k)}
+        keys = ("profile", "sequences", "max_len", "max_tokens", "dim", "num_layers", "steps", "seed", "model",
+                "engine.precision")
+        diff = {k: (config_value(bench["config"], k), config_value(cfg, k)) for k in keys
+                if config_value(bench["config"], k) != config_value(cfg, k)}
         if diff:
             raise ValueError(f"{measured_json} was run with a different config: {diff}")
         measured = {"speedup": bench["median"]["odc+diff_micro"]["vs_fsdp_same_micro"], "rounds": None,
@@ -462,7 +467,7 @@ def write_pipeline_metrics(cfg, results: list[dict], path: str) -> None:
 
 def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth: float):
     """The planner's workload (per chunk-microbatch at one chunk per rank of ``num_ranks``) measured
-    by a ``posttrain pipeline --metrics`` run, and one line per assumption it rests on.
+    by a ``posttrain pipeline --calibration-out`` run, and one line per assumption it rests on.
 
     Per stage, the median time of each action kind over the run's last step; summed over the
     stages, that is the whole model's forward, input-gradient and weight-gradient time of one
@@ -489,7 +494,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
         raise ValueError(f"--calibrate {path}: {e.strerror}") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError):
         raise ValueError(f"--calibrate {path}: not a metrics file of posttrain pipeline (write one with "
-                         "posttrain pipeline --metrics FILE)") from None
+                         "posttrain pipeline --calibration-out FILE)") from None
     times: dict[tuple[str, int], list[float]] = {}
     copies, stage_bytes = [], {}
     for a, t0, t1, chunk_bytes in actions:

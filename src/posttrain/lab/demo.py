@@ -23,14 +23,16 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from posttrain.dp import EngineConfig
 from posttrain.lab.plots import plot_timelines
+from posttrain.train.core import OptimConfig
 from posttrain.train.dp import TrainConfig, run_training, summarize
 
 __all__ = ["DEMO", "VARIANTS", "run_demo"]
 
 #: The embedded default: a few seconds per run on 2 CPU cores.
-DEMO = TrainConfig(dp="odc", balance="diff_micro", profile="long_tail", steps=30, sequences=12,
-                   max_len=192, max_tokens=192, dim=64, num_layers=4, lr=3e-3, progress=True)
+DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=30, sequences=12, max_len=192, max_tokens=192,
+                   dim=64, num_layers=4, optim=OptimConfig(lr=3e-3), progress=True)
 
 #: (label, engine, odc mode, balancing method, drawn in the timeline)
 VARIANTS = (
@@ -56,7 +58,7 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2,
     """
     results, summaries = {}, {}
     for label, dp, mode, balance, _ in VARIANTS:
-        results[label] = run_training(replace(cfg, dp=dp, odc_mode=mode, balance=balance), world_size=world_size)
+        results[label] = run_training(replace(cfg, engine=EngineConfig(dp, mode=mode), balance=balance), world_size=world_size)
         summaries[label] = summarize(results[label])
         print()
     labels = [v[0] for v in VARIANTS]

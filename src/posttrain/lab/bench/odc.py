@@ -129,7 +129,7 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
 
 
 def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainConfig:
-    return replace(base, dp=dp, odc_mode=mode, balance=balance)
+    return replace(base, engine=replace(base.engine, name=dp, mode=mode), balance=balance)
 
 
 def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: str, k: int = 0) -> dict[str, dict]:
@@ -146,7 +146,7 @@ def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: 
             continue
         dp, mode, balance = job
         cfg = _variant_cfg(base, dp, mode, balance)
-        name = f"{cfg.dp_label}+{balance}"
+        name = f"{cfg.engine.label}+{balance}"
         got[name] = summarize(run_ranks(train_worker, world_size, cfg, timeout_s=3600))
         log(f"  {prefix}{name:32} {got[name]['tokens_per_s']:9.0f} tokens/s", flush=True)
     return got
@@ -250,7 +250,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     per_round = [factors(r) for r in rounds]
     fac = {k: list(_med(per_round, k)) for k in per_round[0]}
     source = base.data or f"profile {base.profile}"
-    log(f"\nFSDP2 vs ODC, {world_size} ranks, {source}, {base.model} {base.num_layers}x{base.dim} {base.precision}, "
+    log(f"\nFSDP2 vs ODC, {world_size} ranks, {source}, {base.model} {base.num_layers}x{base.dim} {base.engine.precision}, "
         f"{base.sequences} sequences/step up to {base.max_len} tokens, max_tokens {base.max_tokens}, "
         f"{base.steps} steps (first excluded), median of {repeats} rounds")
     log(f"{'variant':34} {'tokens/s':>9} {'util':>5} {'vs fsdp+same_micro':>19} {'(rounds)':>11} "

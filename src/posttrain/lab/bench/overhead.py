@@ -29,20 +29,21 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
 from posttrain.models import build_model
 from posttrain.train.dp import TrainConfig, TrainData, build_training, microbatch_loss
 
 
 def _worker(rank: int, world_size: int, dim: int, repeats: int) -> dict:
-    cfg = TrainConfig(dp="odc", balance="diff_micro", progress=False, dim=dim, max_len=1024, max_tokens=1024)
+    cfg = TrainConfig(balance="diff_micro", progress=False, dim=dim, max_len=1024, max_tokens=1024)
     data = TrainData(cfg, 2)  # the same data whatever the world size
     seqs = [s for s in data.minibatch(0) if 300 < len(s) < 700][:1]
     torch.manual_seed(cfg.seed)
     plain = build_model(cfg.model, cfg.model_config(data.vocab_size))
     # sharded exactly as the training loop shards it
-    fsdp = build_training(replace(cfg, dp="odc-fsdp2" if world_size > 1 else "fsdp"), data.vocab_size)
-    flat = build_training(replace(cfg, dp="odc"), data.vocab_size)
+    fsdp = build_training(replace(cfg, engine=EngineConfig("odc-fsdp2" if world_size > 1 else "fsdp")), data.vocab_size)
+    flat = build_training(replace(cfg, engine=EngineConfig("odc")), data.vocab_size)
     model = fsdp.model
     tokens = len(seqs[0]) - 1
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -141,7 +141,7 @@ def bench_pipeline(base: PipelineConfig, *, rank_counts=(2, 4), repeats: int = 7
                    "ratio": med["torch"] / med["ours"], "max_grad_diff": diff}
             timing.append(row)
             out(f"{p:>6} {name:>18} {med['torch']:>8.3f} {med['ours']:>8.3f} {row['ratio']:>10.3f} {diff:>15.2e}")
-    result = {"config": base.__dict__, "memory": memory, "timing": timing}
+    result = {"config": asdict(base), "memory": memory, "timing": timing}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2))

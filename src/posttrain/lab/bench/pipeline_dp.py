@@ -52,6 +52,7 @@ def bench_pipeline_dp(*, ranks: int = 2, dp_size: int = 2, schedule: str = "1f1b
                       sequences: int = 32, max_tokens: int = 128, steps: int = 5, repeats: int = 3,
                       offload: str = "none", json_path: str | None = None, log=print) -> dict:
     """Run every variant ``repeats`` interleaved rounds; print and return tokens/s and ratios."""
+    from posttrain.dp import EngineConfig
     from posttrain.lab.chat import make_chat_task
     from posttrain.train.pipeline import PipelineConfig, run_pipeline
 
@@ -68,7 +69,7 @@ def bench_pipeline_dp(*, ranks: int = 2, dp_size: int = 2, schedule: str = "1f1b
 
         def measure(variant):
             dp, mode, balance = variant
-            res = run_pipeline(replace(base, dp=dp, odc_mode=mode, balance=balance), timeout_s=3600)
+            res = run_pipeline(replace(base, engine=EngineConfig(dp, mode=mode), balance=balance), timeout_s=3600)
             walls = [max(r["wall_times"][s] for r in res) for s in range(1, steps)]
             got = {"tokens_per_s": sum(res[0]["step_tokens"][1:]) / sum(walls),
                    "microbatches": [[r["microbatches"][s] for r in res if r["pp_rank"] == 0] for s in range(steps)]}

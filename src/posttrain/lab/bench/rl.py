@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.balance import FlopsCost, plan_minibatch
-from posttrain.dp import build_engine
+from posttrain.dp import EngineConfig, build_engine
 from posttrain.launch import run_ranks
 from posttrain.models import GPT, GPTConfig
 from posttrain.rl import Rollout, policy_loss
@@ -67,7 +67,7 @@ def draw_rollouts(steps: int, samples: int, *, prompt_len: tuple[int, int] = (32
 def _worker(rank: int, world_size: int, cfg: RLConfig, model_cfg: GPTConfig, steps: list[list[dict]]) -> list[float]:
     torch.manual_seed(0)
     model = GPT(model_cfg)
-    engine = build_engine(cfg.dp, model, cfg.engine_config())
+    engine = build_engine(model, cfg.engine)
     opt = torch.optim.AdamW(engine.parameters(), lr=1e-5, fused=True)
     cost = FlopsCost.from_config(model_cfg)
     times = []
@@ -154,9 +154,9 @@ def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, 
 
     def measure(variant):
         dp, mode, balance = variant
-        cfg = replace(base, dp=dp, odc_mode=mode, balance=balance)
+        cfg = replace(base, engine=EngineConfig(dp, mode=mode), balance=balance)
         speed = tokens / sum(run_ranks(_worker, world_size, cfg, model_cfg, steps, timeout_s=3600)[0])
-        return f"{cfg.dp_label}+{balance}", speed, speed
+        return f"{cfg.engine.label}+{balance}", speed, speed
 
     rounds = interleaved_rounds(repeats, VARIANTS, measure, unit="update tokens/s", log=log)
     predicted = (predict_rl(steps, model_cfg=model_cfg, max_tokens=max_tokens, world_size=world_size, log=log)

@@ -18,7 +18,7 @@ from .bounds import (
                     sequence_times_worker,
 )
 from .checkpoint import check_resumable, latest_checkpoint, resume, save_checkpoint
-from .config import DP_CHOICES, OPTIMIZERS, PRECISIONS, SYNTHETIC_VOCAB, TrainConfig
+from .config import SYNTHETIC_VOCAB, TrainConfig
 from .launch import check_output_path, export_checkpoint, run_training, under_torchrun
 from .loop import (
     Training,
@@ -26,7 +26,6 @@ from .loop import (
     evaluate,
     export_model,
     loss_units,
-    make_optimizer,
     microbatch_loss,
     plan_step,
     step_cost,
@@ -36,10 +35,7 @@ from .metrics import STAT_FIELDS, MetricsLog, gather_step_stats, summarize
 from .minibatches import Sample, TrainData, load_tokenizer, model_vocab_size
 
 __all__ = [
-                    "DP_CHOICES",
-                    "OPTIMIZERS",
                     "PARTITION_CANDIDATES",
-                    "PRECISIONS",
                     "STAT_FIELDS",
                     "SYNTHETIC_VOCAB",
                     "MetricsLog",
@@ -57,7 +53,6 @@ __all__ = [
                     "latest_checkpoint",
                     "load_tokenizer",
                     "loss_units",
-                    "make_optimizer",
                     "microbatch_loss",
                     "model_vocab_size",
                     "partition_bound_worker",

@@ -41,7 +41,7 @@ __all__ = ["PARTITION_CANDIDATES", "partition_bound_worker",
 def _model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, cfg.model_config(vocab_size))
-    return model.to(torch.bfloat16) if cfg.precision == "bf16" else model
+    return model.to(torch.bfloat16) if cfg.engine.precision == "bf16" else model
 
 
 def sequence_times_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict[tuple[int, int], float]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from posttrain.dp import DataParallelEngine, engine_class
+from posttrain.train.core.config import config_value
 
 from .config import DATA_FIELDS, STATE_FIELDS, TrainConfig
 
@@ -65,7 +66,7 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
     saved = meta.get("full_config", {})
     fmt = meta.get("checkpoint_format")
     own_kind = getattr(cfg, "CHECKPOINT_FORMAT", None)  # a run of its own kind (pipeline), else an engine's
-    mine = own_kind or engine_class(cfg.dp).checkpoint_format
+    mine = own_kind or engine_class(cfg.engine.name).checkpoint_format
     if own_kind is not None and fmt != own_kind:
         raise ValueError(f"checkpoint {path} holds {fmt} state, not a {own_kind} run's; give another --checkpoint-dir")
     if own_kind is None and fmt == "pipeline":
@@ -80,10 +81,11 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
     checks = list(state_fields) + ([("max_tokens", "--max-tokens")]
                                    if own_kind is None and getattr(cfg, "model", None) == "gpt" else [])
     for field, flag in checks:
-        if field in saved and saved[field] != getattr(cfg, field):
+        was, now = config_value(saved, field), config_value(cfg, field)
+        if was is not None and was != now:
             raise ValueError(
-                f"checkpoint {path} holds a run with {flag}={saved[field]!r}, this run has {flag}={getattr(cfg, field)!r}; "
-                f"give {flag} {saved[field]} to resume it, or another --checkpoint-dir to start afresh"
+                f"checkpoint {path} holds a run with {flag}={was!r}, this run has {flag}={now!r}; "
+                f"give {flag} {was} to resume it, or another --checkpoint-dir to start afresh"
             )
     steps_done = int(meta["steps_done"])
     if meta.get("data_position") != steps_done * _per_step(cfg):
@@ -91,8 +93,8 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
                          f"steps of {_per_step(cfg)} records (a different --sequences, --batch or --microbatches?)")
     if own_kind is None and fmt is not None and fmt != mine:
         raise ValueError(
-            f"checkpoint {path} was written by --dp {saved.get('dp')} ({fmt} state), which --dp {cfg.dp} cannot "
-            f"load ({mine} state); resume with --dp {saved.get('dp')}"
+            f"checkpoint {path} was written by --dp {config_value(saved, 'engine.name')} ({fmt} state), which --dp "
+            f"{cfg.engine.name} cannot load ({mine} state); resume with --dp {config_value(saved, 'engine.name')}"
         )
     return meta
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.launch import run_job
+from posttrain.train.core.config import config_from_dict
 
 from .checkpoint import check_resumable, latest_checkpoint
 from .config import TrainConfig
@@ -79,8 +80,8 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
         lead = int(os.environ["RANK"]) == 0
     else:
         lead = True
-    if world_size % cfg.replicas:
-        raise ValueError(f"--replicas={cfg.replicas} does not divide --world-size={world_size}")
+    if world_size % cfg.engine.replicas:
+        raise ValueError(f"--replicas={cfg.engine.replicas} does not divide --world-size={world_size}")
     say = print if (lead and not quiet) else (lambda *a, **k: None)
     check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
     check_output_path("--output-dir", cfg.output_dir, directory=True)
@@ -96,8 +97,8 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
         say(f"--truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
     source = cfg.data or f"{cfg.profile} synthetic"
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
-    say(f"posttrain: {cfg.dp_label}+{cfg.balance} on {world_size} CPU processes, {model} "
-        f"{cfg.precision}, {cfg.sequences} {source} sequences per step, {cfg.steps} steps", flush=True)
+    say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {world_size} CPU processes, {model} "
+        f"{cfg.engine.precision}, {cfg.sequences} {source} sequences per step, {cfg.steps} steps", flush=True)
     if under_torchrun():
         results = _torchrun_results(cfg)
         if results is None:
@@ -146,7 +147,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
 
     The run must have trained a ``transformers`` model (``--model-path``, whose directory still
     gives the config and tokenizer, or ``--model llama``)."""
-    from dataclasses import fields, replace
+    from dataclasses import replace
 
     path, meta = _find_checkpoint(checkpoint)
     saved = meta.get("full_config")
@@ -154,12 +155,12 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
         raise ValueError(f"{path}: the checkpoint does not record its run's configuration; it cannot be exported")
     if meta.get("checkpoint_format") == "pipeline":
         return _export_pipeline_checkpoint(path, meta, out_dir, log=log)
-    known = {f.name for f in fields(TrainConfig)}
-    kw = {k: v for k, v in saved.items() if k in known}
+    kw = dict(saved)
     if "prompts" in saved:
         kw.pop("max_tokens", None)  # an RL run's: it has no --max-len to agree with
-    cfg = TrainConfig(**kw)
-    cfg = replace(cfg, output_dir=out_dir, save_every=0, checkpoint_dir=None, replicas=1, progress=False)
+    cfg = config_from_dict(TrainConfig, kw)
+    cfg = replace(cfg, engine=replace(cfg.engine, replicas=1), output_dir=out_dir, save_every=0, checkpoint_dir=None,
+                  progress=False)
     if cfg.model_path and not os.path.isdir(cfg.model_path):
         raise ValueError(f"{path} was trained from --model-path {cfg.model_path}, which is gone; export needs its "
                          "config and tokenizer")

@@ -39,7 +39,7 @@ from .config import TrainConfig
 from .metrics import MetricsLog, gather_step_stats
 from .minibatches import Sample, TrainData, load_tokenizer
 
-__all__ = ["Training", "build_training", "evaluate", "export_model", "loss_units", "make_optimizer", "microbatch_loss",
+__all__ = ["Training", "build_training", "evaluate", "export_model", "loss_units", "microbatch_loss",
            "plan_step",
            "step_cost", "train_worker"]
 
@@ -55,24 +55,14 @@ class Training:
     tied: dict[str, str]
 
 
-def make_optimizer(cfg: TrainConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-    """``cfg.optimizer`` over ``params``."""
-    # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
-    # step on the benchmark's model takes 4-8x as long that way as fused
-    # (posttrain bench overhead). DTensor has no sharding rule for fused SGD: SGD takes foreach.
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, fused=True)
-    return torch.optim.SGD(params, lr=cfg.lr, foreach=True)
-
-
 def build_training(cfg: TrainConfig, vocab_size: int) -> Training:
-    """The model of ``cfg`` (``--model-path``'s weights, or seeded), sharded by ``cfg.dp``, and its
+    """The model of ``cfg`` (``--model-path``'s weights, or seeded), sharded by ``cfg.engine``, and its
     optimizer (a collective)."""
     torch.manual_seed(cfg.seed)
     model = load_pretrained(cfg.model_path) if cfg.model_path else build_model(cfg.model, cfg.model_config(vocab_size))
     tied = tied_names(model)
-    engine = build_engine(cfg.dp, model, cfg.engine_config())
-    return Training(model, engine, make_optimizer(cfg, engine.parameters()), tied)
+    engine = build_engine(model, cfg.engine)
+    return Training(model, engine, cfg.optim.build(engine.parameters()), tied)
 
 
 def step_cost(cfg: TrainConfig, vocab_size: int) -> FlopsCost:
@@ -186,7 +176,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         if cfg.progress and rank == 0:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.dp_label}+{cfg.balance}", unit="step",
+            bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.engine.label}+{cfg.balance}", unit="step",
                        leave=False, disable=None)  # no bar when stderr is not a terminal; step lines still print
             if start:
                 bar.write(f"resumed from {cfg.checkpoint_dir} after step {start}")

@@ -5,17 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
-from posttrain.dp import EngineConfig, engine_class
+from posttrain.dp import engine_class
 from posttrain.models import MODELS
 from posttrain.models.gpt import GPTConfig
 from posttrain.pipeline import SCHEDULES, OffloadPolicy, build_schedule, check_schedule_options, default_chunks
+from posttrain.train.core.config import OptimConfig, RunConfig
 
 __all__ = ["PipelineConfig"]
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
-    """One pipeline run.
+class PipelineConfig(RunConfig):
+    """One pipeline run (the engine, optimizer, checkpoint and output fields:
+    :class:`~posttrain.train.core.RunConfig`; the engine shards each stage over its replicas with
+    ``dp_size`` > 1, and is not used otherwise).
 
     Attributes:
         schedule: the schedule (one of posttrain.pipeline.SCHEDULES).
@@ -36,9 +39,6 @@ class PipelineConfig:
         vocab_size: token ids.
         seq_len: tokens per sequence.
         batch: sequences per microbatch.
-        steps: optimizer steps.
-        lr: AdamW learning rate.
-        seed: data and initialization seed.
         model_path: train this local ``transformers`` causal LM (with its weights) instead of a
             built-in model; its blocks are spread over the stages by cost.
         data: train on this data (the formats, masks and loss normalization of ``posttrain
@@ -53,23 +53,18 @@ class PipelineConfig:
         loss_norm: ``token``: every trained token weighs the same; ``sequence``: every sequence does.
         truncate: cut records longer than ``max_tokens`` + 1 tokens instead of refusing them.
         skip_long: leave out records longer than ``max_tokens`` + 1 tokens instead of refusing them.
-        output_dir: write the trained model as a ``transformers`` directory here (needs ``model_path``).
         checkpoint_dir: save checkpoints here and resume from the newest one found there (on any
             number of ranks, chunks or schedule: parameters are saved under the model's names).
-        checkpoint_every: save every this many steps (0: only after the last step).
+        steps: optimizer steps.
         dp_size: data-parallel replicas of the pipeline (``ranks x dp_size`` processes): each
-            stage's parameters sharded over its replicas with flat ODC (needs ``data``; see
-            :mod:`posttrain.train.pipeline.dp`).
+            stage's parameters sharded over its replicas by the engine (``odc``, or ``fsdp``;
+            needs ``data``; see :mod:`posttrain.train.pipeline.dp`).
         balance: with ``dp_size`` > 1, how a step's records are balanced over the replicas
             (``diff_micro``: each replica its own microbatch count; ``same_micro``: equal counts).
-        deterministic: with ``dp_size`` > 1, bitwise reproducible gradient sums.
-        dp: with ``dp_size`` > 1, the data-parallel engine of each column: ``odc`` (flat ODC) or
-            ``fsdp`` (FSDP2; needs ``balance="same_micro"``).
-        odc_mode: ``odc``, or ``collective`` (ODC's transport with a barrier at every gather and
-            reduce: FSDP's rendezvous, to separate ODC's mechanism; needs ``same_micro``).
-        optimizer: ``adamw`` or ``sgd``.
     """
 
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
+    steps: int = 3
     schedule: str = field(default="1f1b", metadata={"choices": lambda: SCHEDULES})
     num_ranks: int = field(default=2, metadata={"flag": "--ranks", "aliases": ("--stages",)})
     chunks: int | None = None
@@ -84,9 +79,6 @@ class PipelineConfig:
     vocab_size: int = field(default=64, metadata={"flag": "--vocab"})
     seq_len: int = 64
     batch: int = 2
-    steps: int = 3
-    lr: float = 3e-3
-    seed: int = 0
     model_path: str | None = None
     data: str | None = None
     tokenizer: str | None = None
@@ -96,15 +88,8 @@ class PipelineConfig:
     loss_norm: Literal["token", "sequence"] = "token"
     truncate: bool = False
     skip_long: bool = False
-    output_dir: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
     dp_size: int = 1
     balance: Literal["same_micro", "diff_micro", "local_sort", "round_robin"] = "diff_micro"
-    deterministic: bool = False
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    dp: Literal["odc", "fsdp"] = "odc"
-    odc_mode: Literal["odc", "collective"] = "odc"
 
     #: Fields that decide which data each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("data", "sequences", "seed", "seq_len", "batch", "train_on_prompt",
@@ -112,10 +97,11 @@ class PipelineConfig:
     #: Fields that decide the shapes a checkpoint holds, with their flags.
     STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
-        ("vocab_size", "--vocab"), ("seq_len", "--seq-len"), ("optimizer", "--optimizer"))
+        ("vocab_size", "--vocab"), ("seq_len", "--seq-len"), ("optim.name", "--optimizer"))
     CHECKPOINT_FORMAT: ClassVar[str] = "pipeline"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_schedule_options(self.schedule, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
                                num_chunks=self.chunks, group_size=self.group_size)
         if self.model not in MODELS:
@@ -142,10 +128,12 @@ class PipelineConfig:
             raise ValueError(f"--loss-norm={self.loss_norm!r} is not one of token, sequence")
         if self.truncate and self.skip_long:
             raise ValueError("--truncate and --skip-long exclude each other")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"--optimizer={self.optimizer!r} is not one of adamw, sgd")
+        for value, flag in ((self.metrics, "--metrics"), (self.tensorboard, "--tensorboard"),
+                            (self.save_every, "--save-every"), (self.engine.precision != "fp32", "--precision bf16"),
+                            (self.engine.activation_checkpointing, "--activation-checkpointing"),
+                            (self.engine.replicas > 1, "--replicas")):
+            if value:
+                raise ValueError(f"posttrain pipeline does not take {flag} yet")
         for name in ("sequences", "max_tokens", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
@@ -158,21 +146,20 @@ class PipelineConfig:
                 raise ValueError("--dp-size needs --data (and --model-path): replicas balance a step's records")
             if self.balance not in METHODS:
                 raise ValueError(f"--balance={self.balance!r} is not one of {', '.join(METHODS)}")
-            if self.dp not in ("odc", "fsdp"):
-                raise ValueError(f"--dp={self.dp!r} is not one of odc, fsdp")
-            if self.odc_mode not in ("odc", "collective"):
-                raise ValueError(f"--odc-mode={self.odc_mode!r} is not one of odc, collective")
-            engine = engine_class(self.dp)
+            if self.engine.name not in ("odc", "fsdp"):
+                raise ValueError(f"--dp={self.engine.name!r} is not one of odc, fsdp (the engines pipeline x data "
+                                 "parallelism is tested on)")
+            engine = engine_class(self.engine.name)
             if self.schedule in SPLIT_BACKWARD and not engine.split_backward:
-                raise ValueError(f"--dp {self.dp} with --schedule {self.schedule}: the engine reduces gradients from "
-                                 "backward hooks, which a split backward's weight pass bypasses; use --dp odc, or "
-                                 "gpipe, 1f1b, interleaved_1f1b or group_interleaved")
+                raise ValueError(f"--dp {self.engine.name} with --schedule {self.schedule}: the engine reduces "
+                                 "gradients from backward hooks, which a split backward's weight pass bypasses; use "
+                                 "--dp odc, or gpipe, 1f1b, interleaved_1f1b or group_interleaved")
             if self.checkpoint_dir and not engine.whole_state:
-                raise ValueError(f"--checkpoint-dir with --dp-size: --dp {self.dp} does not write the pipeline's "
-                                 "checkpoints yet; use --dp odc")
-            if engine.needs_equal_microbatches(self.engine_config()) and self.balance != "same_micro":
-                raise ValueError(f"--dp {self.dp} (--odc-mode {self.odc_mode}) has a rendezvous per layer, so every "
-                                 "replica must run the same number of microbatches: give --balance same_micro")
+                raise ValueError(f"--checkpoint-dir with --dp-size: --dp {self.engine.name} does not write the "
+                                 "pipeline's checkpoints yet; use --dp odc")
+            if engine.needs_equal_microbatches(self.engine) and self.balance != "same_micro":
+                raise ValueError(f"--dp {self.engine.label} has a rendezvous per layer, so every replica must run "
+                                 "the same number of microbatches: give --balance same_micro")
         elif self.data and self.sequences < self.num_microbatches:
             raise ValueError(f"--sequences={self.sequences} is fewer than --microbatches={self.num_microbatches}: "
                              "every microbatch needs a sequence")
@@ -198,10 +185,6 @@ class PipelineConfig:
         return build_schedule(self.schedule, num_ranks=self.num_ranks,
                               num_microbatches=num_microbatches or self.num_microbatches,
                               num_chunks=self.num_chunks, group_size=self.group_size)
-
-    def engine_config(self) -> EngineConfig:
-        """What each column's data-parallel engine needs of this run."""
-        return EngineConfig(mode=self.odc_mode, deterministic=self.deterministic)
 
     def policy(self) -> OffloadPolicy:
         return replace(OffloadPolicy.parse(self.offload, self.num_chunks), weight=not self.no_weight_split)

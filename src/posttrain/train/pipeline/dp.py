@@ -2,7 +2,7 @@
 
 ``world = pp x dp`` processes form a ``(dp, pp)`` grid: the ``pp`` ranks of one row are one
 pipeline (a *replica*), the ``dp`` ranks of one column hold the same stages and shard their
-parameters with the engine ``engine.name`` names over that column's 1-D mesh
+parameters with the engine ``engine`` names over that column's 1-D mesh
 (:func:`shard_stages`: one unit per transformer block plus one per stage for its embedding or
 norm and head).
 
@@ -88,12 +88,12 @@ def stage_units(container: RankStages) -> list[nn.Module]:
     return units
 
 
-def shard_stages(stages: dict[int, nn.Module], mesh, name: str, config: EngineConfig) -> DataParallelEngine:
+def shard_stages(stages: dict[int, nn.Module], mesh, config: EngineConfig) -> DataParallelEngine:
     """Shard ``stages`` (this rank's) over ``mesh`` (the column: the ranks holding the same
-    stages) with the engine registered as ``name``, in :func:`stage_units`; build the optimizer
-    on its ``parameters()``."""
+    stages) with the engine ``config`` names, in :func:`stage_units`; build the optimizer on its
+    ``parameters()``."""
     container = RankStages(stages)
-    return build_engine(name, container, config, mesh=mesh, units=stage_units(container))
+    return build_engine(container, config, mesh=mesh, units=stage_units(container))
 
 
 class TiedEmbedding:

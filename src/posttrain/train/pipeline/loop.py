@@ -56,12 +56,6 @@ def build_pipeline_model(cfg: PipelineConfig):
     return build_model(cfg.model, cfg.model_config())
 
 
-def _optimizer(cfg: PipelineConfig, params) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr)
-    return torch.optim.AdamW(params, lr=cfg.lr)
-
-
 def _model_config(model):
     return getattr(model, "config", None) or getattr(model, "cfg", None)
 
@@ -96,7 +90,7 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
                             weight_split=not cfg.no_weight_split,
                             static_shapes=data is None)
     params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
-    opt = _optimizer(cfg, params)
+    opt = cfg.optim.build(params)
     # Tied input and output embeddings on two ranks: two copies whose gradients are summed after
     # every step (Megatron's embedding group), so they stay equal.
     tied, tie_group = _tied_weight(model, stages), None
@@ -177,10 +171,10 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     skip = tied_names(model)  # tied aliases, written once on export
     tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
     names = {id(p): n for n, p in model.named_parameters()}  # likewise (a tied weight: its first name)
-    engine = shard_stages(mine, grid.dp_mesh, cfg.dp, cfg.engine_config())
+    engine = shard_stages(mine, grid.dp_mesh, cfg.engine)
     first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
     tie = TiedEmbedding(grid, engine, first, last) if tied else None
-    opt = _optimizer(cfg, engine.parameters())
+    opt = cfg.optim.build(engine.parameters())
     data = PipelineData(cfg, config)
     runners: dict[int, PipelineRunner] = {}  # one per microbatch count, sharing the split check
     checked: dict[int, bool] = {}

@@ -6,19 +6,16 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from posttrain.balance import METHODS
-from posttrain.dp import DP_ALIASES, EngineConfig, engine_names, resolve_dp
 from posttrain.rl import ESTIMATORS, LOSS_AGGS
+from posttrain.train.core.config import OptimConfig, RunConfig
 
 __all__ = ["RLConfig"]
 
 
-def _dp_choices() -> tuple[str, ...]:
-    return (*engine_names(), *DP_ALIASES)
-
-
 @dataclass(frozen=True)
-class RLConfig:
-    """One GRPO/RLOO run.
+class RLConfig(RunConfig):
+    """One GRPO/RLOO run (the engine, optimizer, checkpoint and output fields:
+    :class:`~posttrain.train.core.RunConfig`).
 
     Attributes:
         model_path: the policy: a local ``transformers`` causal LM directory with its tokenizer.
@@ -26,11 +23,7 @@ class RLConfig:
             prompts are rendered with the template's generation prompt).
         reward: ``reverse_digits`` (the embedded task) or ``module:function`` called with
             ``(prompt, response)``.
-        dp: data-parallel engine of the update (``odc``, ``fsdp``, ``odc-fsdp2``, ...).
-        odc_mode: ODC engines: ``odc`` or ``collective``.
         balance: balancing method of each update minibatch.
-        precision: ``fp32`` or ``bf16``.
-        deterministic: ODC engines: bitwise identical updates (with the same sampling seed, identical runs).
         samples_per_prompt: responses sampled per prompt (a group).
         prompts_per_step: prompts per step, over all ranks.
         temperature: sampling temperature.
@@ -45,28 +38,19 @@ class RLConfig:
         loss_agg: ``token-mean``, ``seq-mean-token-sum`` or ``seq-mean-token-mean``.
         steps: rollout-and-update steps.
         max_tokens: most tokens in one update microbatch.
-        optimizer: ``adamw`` or ``sgd``.
-        lr: learning rate.
-        seed: prompt order and sampling seed.
-        metrics: append every step's metrics here (``.csv``, else JSON lines).
-        tensorboard: also write them as TensorBoard events into this directory.
-        output_dir: write the trained policy as a ``transformers`` model directory here at the end.
         checkpoint_dir: save checkpoints (policy and optimizer, sharded) here and resume from the
             newest one found there; the step's prompts and sampling seeds follow from ``seed``
             and the step, so a resumed run samples what the uninterrupted one would have.
-        checkpoint_every: save every this many steps (0: only after the last step).
         record: append every step's rollouts (token ids, prompt length, advantage) here as JSON
             lines, for ``posttrain bench rl --rollouts``.
     """
 
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    steps: int = 20
     model_path: str | None = None
     prompts: str | None = None
     reward: str = "reverse_digits"
-    dp: str = field(default="odc", metadata={"choices": _dp_choices})
-    odc_mode: Literal["odc", "collective"] = "odc"
     balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
-    precision: Literal["fp32", "bf16"] = "fp32"
-    deterministic: bool = False
     samples_per_prompt: int = 4
     prompts_per_step: int = 8
     temperature: float = 1.0
@@ -79,34 +63,21 @@ class RLConfig:
     minibatches: int = 1
     kl_coef: float = 0.0
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    steps: int = 20
     max_tokens: int = 1024
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 1e-4
-    seed: int = 0
-    metrics: str | None = None
-    tensorboard: str | None = None
-    output_dir: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
     record: str | None = None
-    progress: bool = field(default=False, metadata={"cli": False})
 
     #: Fields that decide which prompts each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("prompts", "prompts_per_step", "seed")
     #: Fields that decide the shapes a checkpoint holds, with their flags.
-    STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (("model_path", "--model-path"), ("optimizer", "--optimizer"))
+    STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (("model_path", "--model-path"), ("optim.name", "--optimizer"))
 
     def __post_init__(self) -> None:
-        engine, mode = resolve_dp(self.dp, self.odc_mode)
-        object.__setattr__(self, "dp", engine)
-        object.__setattr__(self, "odc_mode", mode)
+        super().__post_init__()
         for name, choices in (("balance", METHODS), ("advantage", ESTIMATORS), ("loss_agg", LOSS_AGGS),
-                              ("scale_rewards", ("std", "none")), ("precision", ("fp32", "bf16")),
-                              ("optimizer", ("adamw", "sgd"))):
+                              ("scale_rewards", ("std", "none"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is not one of {', '.join(choices)}")
-        for name in ("prompts_per_step", "ppo_epochs", "minibatches", "steps", "max_new_tokens", "max_tokens"):
+        for name in ("prompts_per_step", "ppo_epochs", "minibatches", "max_new_tokens", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
         if self.samples_per_prompt < 2:
@@ -114,14 +85,8 @@ class RLConfig:
                              "samples of a prompt with each other and needs at least 2")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
-        if self.dp == "fsdp" and self.deterministic:
-            raise ValueError("--deterministic is for the ODC engines (--dp odc or odc-fsdp2)")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef={self.kl_coef} must be non-negative")
-        if not self.lr > 0:
-            raise ValueError(f"--lr={self.lr} must be positive")
         if self.minibatches > self.prompts_per_step * self.samples_per_prompt:
             raise ValueError(f"--minibatches={self.minibatches} exceeds the {self.prompts_per_step * self.samples_per_prompt} "
                              "samples of a step")
@@ -130,10 +95,3 @@ class RLConfig:
     def sequences_per_step(self) -> int:
         """Prompts a step consumes (a checkpoint's data position counts them)."""
         return self.prompts_per_step
-
-    @property
-    def dp_label(self) -> str:
-        return f"{self.dp}-collective" if self.odc_mode == "collective" else self.dp
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(precision=self.precision, mode=self.odc_mode, deterministic=self.deterministic)

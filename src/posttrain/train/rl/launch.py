@@ -41,7 +41,7 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     load_reward(cfg.reward)
     if cfg.prompts_per_step < world_size:
         raise ValueError(f"--prompts-per-step={cfg.prompts_per_step} is fewer than the {world_size} ranks")
-    say(f"posttrain rl: {cfg.advantage} with {cfg.dp_label}+{cfg.balance} updates on {world_size} CPU processes, "
+    say(f"posttrain rl: {cfg.advantage} with {cfg.engine.label}+{cfg.balance} updates on {world_size} CPU processes, "
         f"{cfg.prompts_per_step} of {len(prompts)} prompts x {cfg.samples_per_prompt} samples per step, {cfg.steps} steps",
         flush=True)
     if meta is not None:

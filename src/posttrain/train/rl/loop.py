@@ -140,12 +140,6 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
     return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine))}
 
 
-def _make_optimizer(cfg: RLConfig, params) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, fused=True)
-    return torch.optim.SGD(params, lr=cfg.lr, foreach=True)
-
-
 def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
     """Run ``cfg`` on this rank (inside an initialized process group), resuming from
     ``cfg.checkpoint_dir`` when it holds a checkpoint. Returns ``{"metrics": [...], "resumed_from": N}``,
@@ -161,8 +155,8 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
     policy = load_pretrained(cfg.model_path)
     tied = tied_names(policy)
     cost = FlopsCost.from_config(policy.config)
-    engine = build_engine(cfg.dp, policy, cfg.engine_config())
-    optimizer = _make_optimizer(cfg, engine.parameters())
+    engine = build_engine(policy, cfg.engine)
+    optimizer = cfg.optim.build(engine.parameters())
     rollout = HFRollout(load_pretrained(cfg.model_path).hf, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                         temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
     reference = ShardedReference(cfg.model_path, cfg, cost) if cfg.kl_coef else None
@@ -174,7 +168,7 @@ def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
     if cfg.progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=done, desc=f"rl {cfg.dp_label}+{cfg.balance}", unit="step", leave=False,
+        bar = tqdm(total=cfg.steps, initial=done, desc=f"rl {cfg.engine.label}+{cfg.balance}", unit="step", leave=False,
                    disable=None)
         if done:
             bar.write(f"resumed from {cfg.checkpoint_dir} after step {done}")

@@ -26,7 +26,7 @@ from .config import RLConfig
 __all__ = ["ShardedReference"]
 
 class ShardedReference:
-    """The policy at ``model_path``, frozen and sharded by ``cfg.dp`` (a collective to build).
+    """The policy at ``model_path``, frozen and sharded by ``cfg.engine`` (a collective to build).
 
     Attributes:
         model: the frozen module (its parameters are the engine's between calls).
@@ -40,7 +40,7 @@ class ShardedReference:
         self.model = model
         self.cfg = cfg
         self.cost = cost
-        self.engine = build_engine(cfg.dp, model, cfg.engine_config())
+        self.engine = build_engine(model, cfg.engine)
         self.microbatches = 0
 
     def logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int], *, rank: int,
