@@ -262,12 +262,24 @@ def test_a_pipeline_x_odc_checkpoint_resumes_as_one_pipeline_on_another_split_an
     assert {r["resumed_from"] for r in back} == {2} and curve(back) == pytest.approx(whole[2:], rel=1e-5)
 
 
-def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_tail_data):
+def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_tail_data, tmp_path):
+    """Besides the report: the trainer core's metrics file (every rank's row of every step, the
+    step's loss on each) and an export after step 1 (--save-every) as well as after the last."""
+    from transformers import AutoModelForCausalLM
+
+    metrics, out = tmp_path / "m.csv", tmp_path / "out"
     rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--ranks", "2",
-                          "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--chart", "")
+                          "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--chart", "",
+                          "--metrics", str(metrics), "--output-dir", str(out), "--save-every", "1")
     assert rc == 0, err
     assert "2 data-parallel replicas (odc, diff_micro)" in stdout and "microbatches per replica and step" in stdout
     assert len([line for line in stdout.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
+    import csv
+
+    rows = list(csv.DictReader(open(metrics)))
+    assert [(r["step"], r["rank"]) for r in rows] == [(str(s), str(r)) for s in range(2) for r in range(4)]
+    assert len({r["loss"] for r in rows if r["step"] == "1"}) == 1  # the step's loss, the same on every rank
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
     rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--dp-size", "2",
                      "--schedule", "zbv", "--dp", "fsdp", "--balance", "same_micro")
     assert rc == 2 and "--dp fsdp with --schedule zbv" in err

@@ -12,7 +12,7 @@ __all__ = ["add_parser"]
 
 def _run(args: argparse.Namespace) -> int:
     from posttrain.lab.plots import plot_reward_curve
-    from posttrain.train.dp import check_output_path
+    from posttrain.train.core import check_output_path
     from posttrain.train.rl import RLConfig, run_rl
 
     cfg = config_from_args(RLConfig, args, progress=True)

@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -75,6 +75,21 @@ class RunConfig:
     output_dir: str | None = None
     save_every: int = 0
     progress: bool = field(default=False, metadata={"cli": False})
+
+    #: Fields that decide which data each step sees; a resumed run must agree on them.
+    DATA_FIELDS: ClassVar[tuple[str, ...]] = ("seed",)
+    #: The format of the trainer's own checkpoints, where they are not its engine's (``None``).
+    CHECKPOINT_FORMAT: ClassVar[str | None] = None
+
+    def state_fields(self) -> tuple[tuple[str, str], ...]:
+        """Fields that decide the shapes a checkpoint holds (a resumed run must agree on them),
+        with their flags."""
+        return (("optim.name", "--optimizer"),)
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Records a step consumes (a checkpoint's data position counts them)."""
+        raise NotImplementedError
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -4,11 +4,11 @@ sharded by any :mod:`posttrain.dp` engine, balanced by :mod:`posttrain.balance`.
 
 - :mod:`.config`: :class:`TrainConfig`;
 - :mod:`.minibatches`: :class:`TrainData`, the sequences of every step;
-- :mod:`.loop`: building the model, engine and optimizer; one rank's loop;
-- :mod:`.checkpoint`: save, resume (any world size), refusal of mismatched checkpoints;
-- :mod:`.metrics`: per-step metrics, their summary and files;
+- :mod:`.loop`: building the model, engine and optimizer; one rank's step (:class:`SFTTrainer`
+  on :class:`posttrain.train.core.Trainer`, which runs the steps, checkpoints and metrics);
+- :mod:`.metrics`: per-step timing and its summary;
 - :mod:`.bounds`: the even and partition bounds (no communication);
-- :mod:`.launch`: forked CPU processes or torchrun.
+- :mod:`.launch`: starting a run; exporting a checkpoint.
 """
 
 from .bounds import (
@@ -17,10 +17,10 @@ from .bounds import (
                     partition_candidates,
                     sequence_times_worker,
 )
-from .checkpoint import check_resumable, latest_checkpoint, resume, save_checkpoint
 from .config import SYNTHETIC_VOCAB, TrainConfig
-from .launch import check_output_path, export_checkpoint, run_training, under_torchrun
+from .launch import export_checkpoint, run_training
 from .loop import (
+    SFTTrainer,
     Training,
     build_training,
     evaluate,
@@ -31,26 +31,23 @@ from .loop import (
     step_cost,
     train_worker,
 )
-from .metrics import STAT_FIELDS, MetricsLog, gather_step_stats, summarize
+from .metrics import STAT_FIELDS, gather_step_stats, summarize
 from .minibatches import Sample, TrainData, load_tokenizer, model_vocab_size
 
 __all__ = [
                     "PARTITION_CANDIDATES",
                     "STAT_FIELDS",
                     "SYNTHETIC_VOCAB",
-                    "MetricsLog",
+                    "SFTTrainer",
                     "Sample",
                     "TrainConfig",
                     "TrainData",
                     "Training",
                     "build_training",
-                    "check_output_path",
-                    "check_resumable",
                     "evaluate",
                     "export_checkpoint",
                     "export_model",
                     "gather_step_stats",
-                    "latest_checkpoint",
                     "load_tokenizer",
                     "loss_units",
                     "microbatch_loss",
@@ -58,12 +55,9 @@ __all__ = [
                     "partition_bound_worker",
                     "partition_candidates",
                     "plan_step",
-                    "resume",
                     "run_training",
-                    "save_checkpoint",
                     "sequence_times_worker",
                     "step_cost",
                     "summarize",
                     "train_worker",
-                    "under_torchrun",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from posttrain.balance import METHODS
 from posttrain.data import PROFILES
@@ -67,6 +67,18 @@ class TrainConfig(RunConfig):
     eval_data: str | None = None
     eval_every: int = 0
 
+    DATA_FIELDS: ClassVar[tuple[str, ...]] = ("profile", "data", "sequences", "max_len", "seed", "train_on_prompt",
+                                              "truncate", "skip_long")
+
+    def state_fields(self) -> tuple[tuple[str, str], ...]:
+        gpt = (("max_tokens", "--max-tokens"),) if self.model == "gpt" else ()  # sizes its position table
+        return (("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
+                *super().state_fields(), *gpt)
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.sequences
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, choices in (("balance", METHODS), ("profile", PROFILES), ("model", MODELS)):
@@ -107,12 +119,3 @@ class TrainConfig(RunConfig):
             heads -= 1
         return GPTConfig(vocab_size=vocab_size, dim=self.dim, num_layers=self.num_layers,
                          num_heads=heads, max_seq_len=self.max_tokens)
-
-
-#: Fields that decide which data each step sees; a resumed run must agree on them.
-DATA_FIELDS = ("profile", "data", "sequences", "max_len", "seed", "train_on_prompt", "truncate", "skip_long")
-#: Fields that decide the shapes a checkpoint holds, with their flags (``max_tokens`` sizes the
-#: built-in GPT's position table).
-STATE_FIELDS = (("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
-                ("optim.name", "--optimizer"))
-__all__ += ["DATA_FIELDS", "STATE_FIELDS"]

@@ -1,61 +1,19 @@
-"""Starting a training run: forked CPU processes on this machine, or one rank under torchrun."""
+"""Starting a supervised fine-tuning run (forked CPU processes, or one rank under torchrun), and
+exporting a data-parallel checkpoint."""
 
 from __future__ import annotations
 
 import os
 
-import torch
-import torch.distributed as dist
-
 from posttrain.launch import run_job
-from posttrain.train.core.config import config_from_dict
+from posttrain.train.core import check_output_path, check_run, config_from_dict, latest_checkpoint, launch, launch_world
 
-from .checkpoint import check_resumable, latest_checkpoint
 from .config import TrainConfig
 from .loop import build_training, export_model, train_worker
 from .metrics import summarize
 from .minibatches import TrainData, model_vocab_size
 
-__all__ = ["check_output_path", "export_checkpoint", "run_training", "under_torchrun"]
-
-
-def check_output_path(flag: str, path: str | None, *, directory: bool) -> None:
-    """Refuse, before any work, an output path that cannot be written: under a regular file, in
-    an unwritable folder, or a directory where a file goes (and the reverse)."""
-    if not path:
-        return
-    p = os.path.abspath(path)
-    if os.path.exists(p):
-        if directory and not os.path.isdir(p):
-            raise ValueError(f"{flag} {path} is a file, not a directory")
-        if not directory and os.path.isdir(p):
-            raise ValueError(f"{flag} {path} is a directory; give a file name")
-    parent = p if directory and os.path.isdir(p) else os.path.dirname(p)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: {parent} is a file, so nothing can be created under it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {parent} is not writable")
-
-
-def under_torchrun() -> bool:
-    """Whether this process is a rank started by ``torchrun``."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                                    and "MASTER_ADDR" in os.environ)
-
-
-def _torchrun_results(cfg: TrainConfig) -> list[dict] | None:
-    """Run this process's rank under torchrun; rank 0 gets every rank's results, others None."""
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dist.init_process_group("gloo")
-    try:
-        mine = train_worker(dist.get_rank(), dist.get_world_size(), cfg)
-        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, every, dst=0)
-        return every
-    finally:
-        dist.destroy_process_group()
+__all__ = ["export_checkpoint", "run_training"]
 
 
 def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
@@ -73,22 +31,11 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
     Returns:
         Every rank's :func:`~posttrain.train.train_worker` result (None on torchrun ranks other than 0).
     """
-    if world_size < 1:
-        raise ValueError(f"--world-size={world_size} must be at least 1")
-    if under_torchrun():
-        world_size = int(os.environ["WORLD_SIZE"])
-        lead = int(os.environ["RANK"]) == 0
-    else:
-        lead = True
+    world_size, lead = launch_world(world_size)
     if world_size % cfg.engine.replicas:
         raise ValueError(f"--replicas={cfg.engine.replicas} does not divide --world-size={world_size}")
     say = print if (lead and not quiet) else (lambda *a, **k: None)
-    check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
-    check_output_path("--output-dir", cfg.output_dir, directory=True)
-    check_output_path("--tensorboard", cfg.tensorboard, directory=True)
-    for flag, path in {"--metrics": cfg.metrics, **(outputs or {})}.items():
-        check_output_path(flag, path, directory=False)
-    check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
+    check_run(cfg, outputs)  # unwritable outputs, a mismatched checkpoint: one line, before any work
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
     data = TrainData(cfg, world_size, log=say)
     if data.dropped:
@@ -99,12 +46,9 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
     say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {world_size} CPU processes, {model} "
         f"{cfg.engine.precision}, {cfg.sequences} {source} sequences per step, {cfg.steps} steps", flush=True)
-    if under_torchrun():
-        results = _torchrun_results(cfg)
-        if results is None:
-            return None
-    else:
-        results = run_job(train_worker, world_size, cfg, timeout_s=24 * 3600)
+    results = launch(train_worker, world_size, cfg)
+    if results is None:
+        return None
     if not results[0]["metrics"]:
         say(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {results[0]['resumed_from']} steps")
         return results

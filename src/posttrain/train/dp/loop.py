@@ -33,15 +33,14 @@ from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
 from posttrain.spans import COMM_KINDS, Recorder
+from posttrain.train.core import Trainer
 
-from .checkpoint import resume, save_checkpoint
 from .config import TrainConfig
-from .metrics import MetricsLog, gather_step_stats
+from .metrics import gather_step_stats
 from .minibatches import Sample, TrainData, load_tokenizer
 
-__all__ = ["Training", "build_training", "evaluate", "export_model", "loss_units", "microbatch_loss",
-           "plan_step",
-           "step_cost", "train_worker"]
+__all__ = ["SFTTrainer", "Training", "build_training", "evaluate", "export_model", "loss_units", "microbatch_loss",
+           "plan_step", "step_cost", "train_worker"]
 
 
 @dataclass
@@ -151,6 +150,88 @@ def evaluate(cfg: TrainConfig, engine: DataParallelEngine, samples: list[Sample]
     return float(total[0] / total[1]) if total[1] > 0 else None
 
 
+class SFTTrainer(Trainer):
+    """One rank of a supervised fine-tuning run on a data-parallel engine (see the module docstring)."""
+
+    scalars = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization")
+
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int) -> None:
+        self.data = TrainData(cfg, world_size)
+        self.rec = Recorder(rank)
+        self.training = build_training(cfg, self.data.vocab_size)
+        self.engine = self.training.engine
+        self.engine.set_comm_hook(self.rec.add)
+        self.eval_samples = self.data.eval_samples()
+        self.cost = step_cost(cfg, self.data.vocab_size)
+        self._stats: dict[str, torch.Tensor] = {}
+        super().__init__(cfg, rank, world_size, state=self.engine, optimizer=self.training.optimizer,
+                         label=f"{cfg.engine.label}+{cfg.balance}")
+
+    def train_step(self, step: int) -> dict:
+        cfg, rank, world_size, engine, rec = self.cfg, self.rank, self.world_size, self.engine, self.rec
+        seqs = self.data.minibatch(step)
+        plan = plan_step(cfg, seqs, world_size, self.cost)
+        mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
+        busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+        total = sum(plan.rank_tokens)
+        units = loss_units(seqs, range(len(seqs)), cfg.loss_norm)
+        dist.barrier()  # step start, outside any minibatch
+        t0 = time.perf_counter()
+        rec.clear()  # keep one step's spans: the timeline shows the last step
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        own_units = sum(loss_units(seqs, m.sequence_ids, cfg.loss_norm) for m in mine)
+        with engine.minibatch(own_units) as mb:
+            if mb.global_tokens != units:
+                raise AssertionError(f"the engine counts {mb.global_tokens} loss units in step {step}, the data {units}")
+            divisor = mb.loss_divisor if units else 1.0  # nothing trained: a zero gradient
+            for micro in engine.pad(mine, busiest):
+                with rec.span("microbatch"):
+                    if micro is None:
+                        engine.run_dummy()
+                        continue
+                    token_loss = microbatch_loss(engine.model, seqs, micro.sequence_ids, 1.0, cfg.loss_norm)
+                    loss_sum += token_loss.detach()
+                    (token_loss / divisor).backward()
+            t_sync = time.perf_counter()
+        rec.add("sync", t_sync, time.perf_counter())
+        with rec.span("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        busy = time.perf_counter() - t0
+        comm = sum(rec.total(k) for k in COMM_KINDS)
+        own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
+               "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
+               "microbatches": len(mine), "rank_tokens": sum(m.num_tokens for m in mine)}
+        col = self._stats = gather_step_stats(own, world_size)
+        step_time = float(col["busy_s"].max())
+        row = {
+            "step": step, "rank": rank, "loss": float(col["loss"].sum()) / max(1, units), "tokens": total,
+            "tokens_per_s": total / step_time, "step_time_s": step_time,
+            "compute_s": own["compute_s"], "comm_s": own["comm_s"], "sync_s": own["sync_s"],
+            "optimizer_s": own["optimizer_s"], "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
+            "utilization": own["compute_s"] / step_time,
+            "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
+        }
+        if self.eval_samples and cfg.due(step, cfg.eval_every):
+            row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
+        return row
+
+    def progress_line(self, step: int, row: dict) -> str | None:
+        if not (step % max(1, self.cfg.steps // 10) == 0 or step + 1 == self.cfg.steps or row["eval_loss"] is not None):
+            return None
+        col, ev = self._stats, row["eval_loss"]
+        util = float((col["compute_s"] / row["step_time_s"]).mean())
+        return (f"step {step:4d}  loss {row['loss']:.4f}  {row['tokens']:6d} tokens  {row['tokens_per_s']:8.0f} tokens/s  "
+                f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}"
+                + (f"  eval loss {ev:.4f}" if ev is not None else ""))
+
+    def export(self) -> None:
+        export_model(self.cfg, self.engine, self.training.model, self.rank, self.training.tied)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Run ``cfg`` on this rank (inside an initialized process group).
 
@@ -159,101 +240,6 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         "resumed_from": step}``. Every rank's metrics rows hold its own times and the step's
         global figures.
     """
-    data = TrainData(cfg, world_size)
-    rec = Recorder(rank)
-    run = build_training(cfg, data.vocab_size)
-    model, engine, opt = run.model, run.engine, run.optimizer
-    engine.set_comm_hook(rec.add)
-    eval_samples = data.eval_samples()
-    log = None
-    cost = step_cost(cfg, data.vocab_size)
-    bar = None
-    metrics = []
-    try:
-        start = resume(cfg, engine, opt) if cfg.checkpoint_dir else 0
-        if rank == 0 and (cfg.metrics or cfg.tensorboard):
-            log = MetricsLog(cfg.metrics, cfg.tensorboard, resume=start > 0)
-        if cfg.progress and rank == 0:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.engine.label}+{cfg.balance}", unit="step",
-                       leave=False, disable=None)  # no bar when stderr is not a terminal; step lines still print
-            if start:
-                bar.write(f"resumed from {cfg.checkpoint_dir} after step {start}")
-        for step in range(start, cfg.steps):
-            seqs = data.minibatch(step)
-            plan = plan_step(cfg, seqs, world_size, cost)
-            mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
-            busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
-            total = sum(plan.rank_tokens)
-            units = loss_units(seqs, range(len(seqs)), cfg.loss_norm)
-            dist.barrier()  # step start, outside any minibatch
-            t0 = time.perf_counter()
-            rec.clear()  # keep one step's spans: the timeline shows the last step
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            own_units = sum(loss_units(seqs, m.sequence_ids, cfg.loss_norm) for m in mine)
-            with engine.minibatch(own_units) as mb:
-                if mb.global_tokens != units:
-                    raise AssertionError(f"the engine counts {mb.global_tokens} loss units in step {step}, the data {units}")
-                divisor = mb.loss_divisor if units else 1.0  # nothing trained: a zero gradient
-                for micro in engine.pad(mine, busiest):
-                    with rec.span("microbatch"):
-                        if micro is None:
-                            engine.run_dummy()
-                            continue
-                        token_loss = microbatch_loss(model, seqs, micro.sequence_ids, 1.0, cfg.loss_norm)
-                        loss_sum += token_loss.detach()
-                        (token_loss / divisor).backward()
-                t_sync = time.perf_counter()
-            rec.add("sync", t_sync, time.perf_counter())
-            with rec.span("optimizer"):
-                opt.step()
-                opt.zero_grad()
-            busy = time.perf_counter() - t0
-            comm = sum(rec.total(k) for k in COMM_KINDS)
-            own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
-                   "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
-                   "microbatches": len(mine), "rank_tokens": sum(m.num_tokens for m in mine)}
-            col = gather_step_stats(own, world_size)
-            step_time = float(col["busy_s"].max())
-            loss = float(col["loss"].sum()) / max(1, units)
-            metrics.append({
-                "step": step, "rank": rank, "loss": loss, "tokens": total,
-                "tokens_per_s": total / step_time, "step_time_s": step_time,
-                "compute_s": own["compute_s"], "comm_s": own["comm_s"], "sync_s": own["sync_s"],
-                "optimizer_s": own["optimizer_s"],
-                "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
-                "utilization": own["compute_s"] / step_time,
-                "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
-            })
-            if eval_samples and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-                metrics[-1]["eval_loss"] = evaluate(cfg, engine, eval_samples, rank, world_size)
-            if cfg.metrics or cfg.tensorboard:
-                rows = [None] * world_size if rank == 0 else None
-                dist.gather_object(metrics[-1], rows, dst=0)
-                if log is not None:
-                    log.append(rows)
-            due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
-            if cfg.checkpoint_dir and due:
-                save_checkpoint(cfg, engine, opt, step, rank)
-            if cfg.output_dir and (step + 1 == cfg.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-                export_model(cfg, engine, model, rank, run.tied)
-                if bar is not None:
-                    bar.write(f"wrote {cfg.output_dir} after step {step + 1}")
-            if bar is not None and (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps
-                                    or metrics[-1]["eval_loss"] is not None):
-                util = float((col["compute_s"] / step_time).mean())
-                ev = metrics[-1]["eval_loss"]
-                bar.write(f"step {step:4d}  loss {loss:.4f}  {total:6d} tokens  {total / step_time:8.0f} tokens/s  "
-                          f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}"
-                          + (f"  eval loss {ev:.4f}" if ev is not None else ""))
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{total / step_time:.0f}")
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-        engine.close()
-    return {"metrics": metrics, "spans": list(rec.spans), "resumed_from": start}
+    trainer = SFTTrainer(cfg, rank, world_size)
+    rows = trainer.run()
+    return {"metrics": rows, "spans": list(trainer.rec.spans), "resumed_from": trainer.resumed_from}

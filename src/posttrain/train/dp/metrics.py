@@ -1,15 +1,11 @@
-"""Per-step metrics of a training run: what each rank measured, and their summary."""
+"""Per-step timing of a data-parallel run: what each rank measured, and their summary."""
 
 from __future__ import annotations
-
-import csv
-import json
-import os
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["STAT_FIELDS", "MetricsLog", "gather_step_stats", "summarize"]
+__all__ = ["STAT_FIELDS", "gather_step_stats", "summarize"]
 
 #: What every rank measures per step and shares after it (one small all-gather, outside the timed step).
 STAT_FIELDS = ("loss", "compute_s", "comm_s", "sync_s", "optimizer_s", "busy_s", "microbatches", "rank_tokens")
@@ -46,66 +42,3 @@ def summarize(results: list[dict]) -> dict:
         "first_loss": steps[0][0]["loss"],
         "step_time_s": sum(step_times) / len(step_times),
     }
-
-
-class MetricsLog:
-    """Rank 0's record of a run as it goes: every rank's row of each step appended to ``path``
-    (CSV if it ends in ``.csv``, else JSON lines) and flushed, so an interrupted run keeps what
-    it did; a resumed run (``resume=True``) continues the same file, a fresh one replaces it.
-    With ``tensorboard``, the step's global scalars (loss, eval loss, tokens/s, step time,
-    utilization) also go there as TensorBoard events."""
-
-    SCALARS = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization")
-
-    def __init__(self, path: str | None, tensorboard: str | None = None, *, resume: bool = False,
-                 scalars: tuple[str, ...] | None = None) -> None:
-        self.path = path
-        self.scalars = scalars or self.SCALARS
-        self._file = None
-        self._csv = None
-        self._fields: list[str] | None = None
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            if resume and os.path.exists(path) and os.path.getsize(path) > 0:
-                if path.endswith(".csv"):
-                    with open(path, newline="") as f:
-                        self._fields = next(csv.reader(f), None)
-                self._file = open(path, "a", newline="")
-            else:
-                self._file = open(path, "w", newline="")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(tensorboard)
-
-    def append(self, rows: list[dict]) -> None:
-        """One step's rows (every rank's, rank 0's first)."""
-        if self._file is not None:
-            if self.path.endswith(".csv"):
-                if self._csv is None:
-                    if self._fields is None:
-                        self._fields = list(rows[0])
-                        self._csv = csv.DictWriter(self._file, fieldnames=self._fields, extrasaction="ignore")
-                        self._csv.writeheader()
-                    else:
-                        self._csv = csv.DictWriter(self._file, fieldnames=self._fields, extrasaction="ignore")
-                self._csv.writerows(rows)
-            else:
-                for row in rows:
-                    self._file.write(json.dumps(row) + "\n")
-            self._file.flush()
-        if self._tb is not None:
-            head = rows[0]
-            for name in self.scalars:
-                if head.get(name) is not None:
-                    self._tb.add_scalar(f"train/{name}", head[name], head["step"] + 1)
-            self._tb.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None

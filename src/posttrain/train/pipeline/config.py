@@ -91,14 +91,13 @@ class PipelineConfig(RunConfig):
     dp_size: int = 1
     balance: Literal["same_micro", "diff_micro", "local_sort", "round_robin"] = "diff_micro"
 
-    #: Fields that decide which data each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("data", "sequences", "seed", "seq_len", "batch", "train_on_prompt",
                                               "truncate", "skip_long")
-    #: Fields that decide the shapes a checkpoint holds, with their flags.
-    STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (
-        ("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
-        ("vocab_size", "--vocab"), ("seq_len", "--seq-len"), ("optim.name", "--optimizer"))
-    CHECKPOINT_FORMAT: ClassVar[str] = "pipeline"
+    CHECKPOINT_FORMAT: ClassVar[str | None] = "pipeline"
+
+    def state_fields(self) -> tuple[tuple[str, str], ...]:
+        return (("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
+                ("vocab_size", "--vocab"), ("seq_len", "--seq-len"), *super().state_fields())
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -128,8 +127,7 @@ class PipelineConfig(RunConfig):
             raise ValueError(f"--loss-norm={self.loss_norm!r} is not one of token, sequence")
         if self.truncate and self.skip_long:
             raise ValueError("--truncate and --skip-long exclude each other")
-        for value, flag in ((self.metrics, "--metrics"), (self.tensorboard, "--tensorboard"),
-                            (self.save_every, "--save-every"), (self.engine.precision != "fp32", "--precision bf16"),
+        for value, flag in ((self.engine.precision != "fp32", "--precision bf16"),
                             (self.engine.activation_checkpointing, "--activation-checkpointing"),
                             (self.engine.replicas > 1, "--replicas")):
             if value:

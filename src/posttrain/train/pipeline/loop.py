@@ -21,11 +21,12 @@ from posttrain.launch import run_job
 from posttrain.models import build_model
 from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
-from posttrain.train.dp.checkpoint import resume, save_checkpoint
+from posttrain.train.core import Trainer, check_run
 
 from .checkpoint import ColumnState, PipelineState
 from .config import PipelineConfig
 from .data import PipelineData, packed_loss
+from .dp import RankStages
 
 __all__ = [
     "build_pipeline_model", "check_model_and_data", "microbatch_loss", "predicted_peaks",
@@ -79,65 +80,90 @@ def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None, *,
     return simulate(add_send_recv(lowered, sched.layout), sched.layout, m, weight_keep=weight_keep).peaks()
 
 
-def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
-    """One rank of :func:`run_pipeline`."""
-    sched = cfg.build()
-    model = build_pipeline_model(cfg)
-    stages = split_model(model, cfg.num_stages)
-    mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
-    data = PipelineData(cfg, _model_config(model)) if cfg.data else None
-    runner = PipelineRunner(mine, sched, loss_fn=packed_loss if data else microbatch_loss, offload=cfg.policy(),
-                            weight_split=not cfg.no_weight_split,
-                            static_shapes=data is None)
-    params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
-    opt = cfg.optim.build(params)
-    # Tied input and output embeddings on two ranks: two copies whose gradients are summed after
-    # every step (Megatron's embedding group), so they stay equal.
-    tied, tie_group = _tied_weight(model, stages), None
-    ends = sorted({sched.layout.rank_of(0), sched.layout.rank_of(cfg.num_stages - 1)})
-    if tied is not None and len(ends) == 2:
-        tie_group = dist.new_group(ends)  # every rank takes part in creating it
-    state = PipelineState(model, params)
-    done = resume(cfg, state, opt) if cfg.checkpoint_dir else 0
-    losses, times, grads, result = [], [], {}, None
-    for step in range(done, cfg.steps):
+class PipelineTrainer(Trainer):
+    """One rank of a pipeline run without data parallelism (``dp_size`` 1): its stages, their
+    optimizer and one :class:`~posttrain.pipeline.PipelineRunner`."""
+
+    scalars = ("loss", "step_time_s")
+
+    def __init__(self, cfg: PipelineConfig, rank: int, world_size: int, *, return_grads: bool = False) -> None:
+        self.sched = sched = cfg.build()
+        self.model = model = build_pipeline_model(cfg)
+        stages = split_model(model, cfg.num_stages)
+        self.mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
+        self.data = PipelineData(cfg, _model_config(model)) if cfg.data else None
+        self.runner = PipelineRunner(self.mine, sched, loss_fn=packed_loss if self.data else microbatch_loss,
+                                     offload=cfg.policy(), weight_split=not cfg.no_weight_split,
+                                     static_shapes=self.data is None)
+        self.params = list({id(p): p for mod in self.mine.values() for p in mod.parameters()}.values())
+        # Tied input and output embeddings on two ranks: two copies whose gradients are summed after
+        # every step (Megatron's embedding group), so they stay equal.
+        self.tied, self.tie_group = _tied_weight(model, stages), None
+        self.ends = sorted({sched.layout.rank_of(0), sched.layout.rank_of(cfg.num_stages - 1)})
+        if self.tied is not None and len(self.ends) == 2:
+            self.tie_group = dist.new_group(self.ends)  # every rank takes part in creating it
+        self.return_grads = return_grads
+        self.grads: dict[str, torch.Tensor] = {}
+        self.result = None
+        super().__init__(cfg, rank, world_size, state=PipelineState(model, self.params),
+                         optimizer=cfg.optim.build(self.params), label=f"pipeline {cfg.schedule}")
+
+    def train_step(self, step: int) -> dict:
+        cfg, opt = self.cfg, self.optimizer
         opt.zero_grad(set_to_none=True)
-        if data is not None:
-            batch = data.step(step)
-            result = runner.step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=batch.loss_divisor)
+        if self.data is not None:
+            batch = self.data.step(step)
+            result = self.runner.step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=batch.loss_divisor)
         else:
             inputs, targets = step_batch(cfg, step)
-            result = runner.step(inputs, targets)
-        if tie_group is not None and rank in ends:
-            dist.all_reduce(tied.grad, group=tie_group)
-        if step == 0 and return_grads:
-            ids = {id(p) for p in params}
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if id(p) in ids and p.grad is not None}
+            result = self.runner.step(inputs, targets)
+        if self.tie_group is not None and self.rank in self.ends:
+            dist.all_reduce(self.tied.grad, group=self.tie_group)
+        if step == 0 and self.return_grads:
+            ids = {id(p) for p in self.params}
+            self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()
+                          if id(p) in ids and p.grad is not None}
         opt.step()
-        losses.append(result.loss)
-        times.append(result.step_time_s)
-        due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
-        if cfg.checkpoint_dir and due:
-            save_checkpoint(cfg, state, opt, step, rank)
-    if cfg.output_dir:
+        self.result = result
+        return {"step": step, "rank": self.rank, "loss": _step_loss(result.loss), "stage_loss": result.loss,
+                "step_time_s": result.step_time_s}
+
+    def export(self) -> None:
         # the tied weight's copy on the last stage's rank is not written twice
-        skip = tied if tied is not None and rank != sched.layout.rank_of(0) else None
-        _export(cfg, model, [p for p in params if p is not skip], rank, world_size)
-    return {"rank": rank, "losses": losses, "step_times": times, "result": None if result is None else asdict(result),
-            "grads": grads, "stages": sorted(mine), "resumed_from": done}
+        skip = self.tied if self.tied is not None and self.rank != self.sched.layout.rank_of(0) else None
+        mine = {id(p) for p in self.params if p is not skip}
+        own = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
+        _export(self.cfg, self.model, own, self.rank, self.world_size)
 
 
-def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int, group=None,
+def _step_loss(part: float | None, scale: float = 1.0) -> float:
+    """The step's loss on every rank: the sum of what each pipeline's last stage computed (a
+    collective), times ``scale``."""
+    t = torch.tensor([part or 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) * scale
+
+
+def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
+    """One rank of :func:`run_pipeline` (``dp_size`` 1)."""
+    trainer = PipelineTrainer(cfg, rank, world_size, return_grads=return_grads)
+    rows = trainer.run()
+    result = trainer.result
+    return {"rank": rank, "losses": [r["stage_loss"] for r in rows], "step_times": [r["step_time_s"] for r in rows],
+            "result": None if result is None else asdict(result), "grads": trainer.grads,
+            "stages": sorted(trainer.mine), "resumed_from": trainer.resumed_from}
+
+
+def _export(cfg: PipelineConfig, model, own: dict[str, torch.Tensor], rank: int, world_size: int, group=None,
             skip: dict | None = None) -> None:
-    """Write the trained model as a ``transformers`` directory: each pipeline rank's parameters
-    are sent to the first in turn (one rank's part held at a time there), which writes one file
-    per part. ``group``: the pipeline's ranks (default: the world)."""
+    """Write the trained model as a ``transformers`` directory from every pipeline rank's ``own``
+    full parameters (by name in ``model``): each is sent to the first rank in turn (one rank's part
+    held at a time there), which writes one file per part. ``group``: the pipeline's ranks
+    (default: the world)."""
     from transformers import AutoTokenizer
 
     from posttrain.models import save_pretrained, tied_names
 
-    ids = {id(p) for p in params}
-    own = {n: p.detach() for n, p in model.named_parameters() if id(p) in ids}
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
 
     def parts():
@@ -155,81 +181,109 @@ def _export(cfg: PipelineConfig, model, params: list, rank: int, world_size: int
     dist.barrier(group=group)
 
 
+class PipelineDPTrainer(Trainer):
+    """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.pipeline.dp`): its
+    column's engine shards its stages; a runner per microbatch count."""
+
+    scalars = ("loss", "step_time_s")
+
+    def __init__(self, cfg: PipelineConfig, rank: int, world_size: int, *, return_params: bool = False) -> None:
+        from posttrain.models import tied_names
+
+        from .dp import PipelineGrid, TiedEmbedding, runnable, shard_stages
+
+        self.grid = grid = PipelineGrid(cfg.num_ranks, cfg.dp_size)
+        self.model = model = build_pipeline_model(cfg)
+        self.model_config = _model_config(model)
+        stages = split_model(model, cfg.num_stages)
+        layout = cfg.build().layout
+        self.mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
+        self.skip = tied_names(model)  # tied aliases, written once on export
+        tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
+        self.names = {id(p): n for n, p in model.named_parameters()}  # likewise (a tied weight: its first name)
+        # the engine's full parameters are named in its container of the stages: their names in the model
+        self.model_names = {n: self.names[id(p)] for n, p in RankStages(self.mine).named_parameters()}
+        self.engine = engine = shard_stages(self.mine, grid.dp_mesh, cfg.engine)
+        try:
+            first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
+            self.tie = TiedEmbedding(grid, engine, first, last) if tied else None
+            self.data = PipelineData(cfg, self.model_config)
+        except BaseException:
+            engine.close()
+            raise
+        self.runners: dict[int, PipelineRunner] = {}  # one per microbatch count, sharing the split check
+        self.checked: dict[int, bool] = {}
+        self.fits = runnable(cfg)
+        self.return_params = return_params
+        self.result = None
+        self.params: dict[str, torch.Tensor] = {}
+        super().__init__(cfg, rank, world_size, state=ColumnState(engine, self.names),
+                         optimizer=cfg.optim.build(engine.parameters()), label=f"pipeline {cfg.schedule} x dp")
+
+    def train_step(self, step: int) -> dict:
+        from posttrain.train.dp.loop import loss_units
+
+        from .dp import replica_plans
+
+        cfg, engine, grid = self.cfg, self.engine, self.grid
+        samples = self.data.data.minibatch(step)
+        plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
+                              method=cfg.balance, model_config=self.model_config, runnable=self.fits)
+        sets = engine.pad(plans[grid.dp_rank], max(map(len, plans)))  # None: a dummy microbatch
+        m = len(sets)
+        if m not in self.runners:
+            self.runners[m] = PipelineRunner(self.mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
+                                             weight_split=not cfg.no_weight_split, split_checked=self.checked,
+                                             sharded=engine, group=grid.pp_group, static_shapes=False)
+            self.runners[m].store.is_weight = engine.holds
+        dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
+        t0 = time.perf_counter()
+        with engine.minibatch(loss_units(samples, [i for s_ in sets if s_ for i in s_], cfg.loss_norm)) as mb:
+            if mb.global_tokens == 0:
+                raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
+            batch = self.data.pack(samples, sets, mb.loss_divisor)
+            result = self.runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=mb.loss_divisor)
+        if self.tie is not None:
+            self.tie.sync()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        wall = time.perf_counter() - t0
+        self.result = result
+        # each replica's last stage holds its share of the summed loss over the divisor
+        loss = _step_loss(result.loss, mb.loss_divisor / mb.global_tokens)
+        return {"step": step, "rank": self.rank, "loss": loss, "step_time_s": result.step_time_s, "wall_time_s": wall,
+                "microbatches": m, "tokens": sum(len(x) - 1 for x in samples)}
+
+    def export(self) -> None:
+        own = {}
+        for part in self.engine.iter_full_state():  # a collective over the column
+            own.update({self.model_names[n]: v for n, v in part.items() if n in self.model_names})
+        if self.grid.dp_rank == 0:  # one replica writes: the full parameters over its pipeline
+            own = {n: v for n, v in own.items() if n.removeprefix("hf.") not in self.skip}
+            _export(self.cfg, self.model, own, self.grid.pp_rank, self.cfg.num_ranks, group=self.grid.pp_group,
+                    skip=self.skip)
+        dist.barrier()
+
+    def finish(self) -> None:
+        if self.return_params:
+            self.engine.close(restore=True)  # the full parameters back on this rank's stages (a collective)
+            params = {id(p) for mod in self.mine.values() for p in mod.parameters()}
+            self.params = {n: p.detach().clone() for n, p in self.model.named_parameters() if id(p) in params}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_params: bool = False) -> dict:
     """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.pipeline.dp`)."""
-    from posttrain.models import tied_names
-    from posttrain.train.dp.loop import loss_units
-
-    from .dp import PipelineGrid, TiedEmbedding, replica_plans, runnable, shard_stages
-
-    grid = PipelineGrid(cfg.num_ranks, cfg.dp_size)
-    model = build_pipeline_model(cfg)
-    config = _model_config(model)
-    stages = split_model(model, cfg.num_stages)
-    layout = cfg.build().layout
-    mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
-    skip = tied_names(model)  # tied aliases, written once on export
-    tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
-    names = {id(p): n for n, p in model.named_parameters()}  # likewise (a tied weight: its first name)
-    engine = shard_stages(mine, grid.dp_mesh, cfg.engine)
-    first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
-    tie = TiedEmbedding(grid, engine, first, last) if tied else None
-    opt = cfg.optim.build(engine.parameters())
-    data = PipelineData(cfg, config)
-    runners: dict[int, PipelineRunner] = {}  # one per microbatch count, sharing the split check
-    checked: dict[int, bool] = {}
-    fits = runnable(cfg)
-    losses, times, walls, micro, tokens, result, done = [], [], [], [], [], None, 0
-    try:
-        state = ColumnState(engine, names) if cfg.checkpoint_dir else None
-        done = resume(cfg, state, opt) if state is not None else 0
-        for step in range(done, cfg.steps):
-            samples = data.data.minibatch(step)
-            tokens.append(sum(len(x) - 1 for x in samples))
-            plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
-                                  method=cfg.balance, model_config=config, runnable=fits)
-            sets = engine.pad(plans[grid.dp_rank], max(map(len, plans)))  # None: a dummy microbatch
-            m = len(sets)
-            if m not in runners:
-                runners[m] = PipelineRunner(mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
-                                            weight_split=not cfg.no_weight_split, split_checked=checked,
-                                            sharded=engine, group=grid.pp_group, static_shapes=False)
-                runners[m].store.is_weight = engine.holds
-            dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
-            t0 = time.perf_counter()
-            with engine.minibatch(loss_units(samples, [i for s_ in sets if s_ for i in s_], cfg.loss_norm)) as mb:
-                if mb.global_tokens == 0:
-                    raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
-                batch = data.pack(samples, sets, mb.loss_divisor)
-                result = runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=mb.loss_divisor)
-            if tie is not None:
-                tie.sync()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            walls.append(time.perf_counter() - t0)
-            part = torch.tensor([result.loss or 0.0], dtype=torch.float64)  # each replica's last stage: its share
-            dist.all_reduce(part)
-            losses.append(float(part) * mb.loss_divisor / mb.global_tokens)  # the step's mean loss, on every rank
-            times.append(result.step_time_s)
-            micro.append(m)
-            due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
-            if state is not None and due:
-                save_checkpoint(cfg, state, opt, step, rank)
-    except BaseException:
-        engine.close()
-        raise
-    engine.close(restore=True)  # the full parameters back on this rank's stages (a collective over the column)
-    params = list({id(p): p for mod in mine.values() for p in mod.parameters()}.values())
-    if cfg.output_dir and grid.dp_rank == 0:
-        names = {id(p): n for n, p in model.named_parameters()}
-        mine_params = [p for p in params if names.get(id(p), "").removeprefix("hf.") not in skip]
-        _export(cfg, model, mine_params, grid.pp_rank, cfg.num_ranks, group=grid.pp_group, skip=skip)
-    dist.barrier()
-    ids = {id(p) for p in params}
-    full = {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in ids} if return_params else {}
-    return {"rank": rank, "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank, "losses": losses, "step_times": times,
-            "microbatches": micro, "result": None if result is None else asdict(result), "params": full,
-            "stages": sorted(mine), "resumed_from": done, "wall_times": walls, "step_tokens": tokens,
+    trainer = PipelineDPTrainer(cfg, rank, world_size, return_params=return_params)
+    rows = trainer.run()
+    engine, result = trainer.engine, trainer.result
+    return {"rank": rank, "pp_rank": trainer.grid.pp_rank, "dp_rank": trainer.grid.dp_rank,
+            "losses": [r["loss"] for r in rows], "step_times": [r["step_time_s"] for r in rows],
+            "microbatches": [r["microbatches"] for r in rows], "result": None if result is None else asdict(result),
+            "params": trainer.params, "stages": sorted(trainer.mine), "resumed_from": trainer.resumed_from,
+            "wall_times": [r["wall_time_s"] for r in rows], "step_tokens": [r["tokens"] for r in rows],
             "odc": dict(engine.stats, units=len(engine.units)) if engine.stats else None}
 
 
@@ -245,14 +299,9 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
     cfg.build()  # schedule errors surface here, before any process starts
     if cfg.model_path:
         check_model_and_data(cfg)
-    if cfg.checkpoint_dir:
-        from posttrain.train.dp.checkpoint import check_resumable
-        from posttrain.train.dp.launch import check_output_path
-
-        check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
-        meta = check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
-        if meta is not None and meta["steps_done"] >= cfg.steps:
-            return []  # nothing left to do
+    meta = check_run(cfg)  # unwritable outputs, a mismatched checkpoint: one line, before any rank starts
+    if meta is not None and meta["steps_done"] >= cfg.steps:
+        return []  # nothing left to do
     if cfg.dp_size > 1:
         world = cfg.num_ranks * cfg.dp_size
         out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s)
@@ -268,9 +317,6 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     the microbatches. Tokenizes the data into its cache once, so the ranks only read it."""
     from transformers import AutoConfig
 
-    from posttrain.train.dp.launch import check_output_path
-
-    check_output_path("--output-dir", cfg.output_dir, directory=True)
     try:
         config = AutoConfig.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:

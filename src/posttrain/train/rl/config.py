@@ -66,10 +66,10 @@ class RLConfig(RunConfig):
     max_tokens: int = 1024
     record: str | None = None
 
-    #: Fields that decide which prompts each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("prompts", "prompts_per_step", "seed")
-    #: Fields that decide the shapes a checkpoint holds, with their flags.
-    STATE_FIELDS: ClassVar[tuple[tuple[str, str], ...]] = (("model_path", "--model-path"), ("optim.name", "--optimizer"))
+
+    def state_fields(self) -> tuple[tuple[str, str], ...]:
+        return (("model_path", "--model-path"), *super().state_fields())
 
     def __post_init__(self) -> None:
         super().__post_init__()

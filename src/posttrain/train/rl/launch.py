@@ -6,10 +6,8 @@ import os
 
 from transformers import AutoTokenizer
 
-from posttrain.launch import run_job
 from posttrain.rl import load_reward
-from posttrain.train.dp.checkpoint import check_resumable
-from posttrain.train.dp.launch import check_output_path
+from posttrain.train.core import check_run, launch, launch_world
 
 from .config import RLConfig
 from .loop import load_prompts, rl_worker
@@ -19,20 +17,15 @@ __all__ = ["run_rl"]
 
 def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[dict]:
     """Check ``cfg`` (model, prompts, reward, output paths) in this process, then run it on
-    ``world_size`` forked CPU processes; every rank's result (``{"metrics": [...]}``)."""
-    if world_size < 1:
-        raise ValueError(f"--world-size={world_size} must be at least 1")
+    ``world_size`` forked CPU processes (or this process's rank under ``torchrun``); every rank's
+    result (``{"metrics": [...]}``; ``[]`` on torchrun ranks other than 0)."""
+    world_size, lead = launch_world(world_size)
     if cfg.model_path is None or cfg.prompts is None:
         raise ValueError("posttrain rl needs --model-path (a transformers model directory) and --prompts (a JSONL file)")
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
         raise ValueError(f"--model-path {cfg.model_path}: no config.json (expected a transformers model directory)")
-    say = (lambda *a, **k: None) if quiet else print
-    for flag, path in (("--metrics", cfg.metrics), ("--record", cfg.record)):
-        check_output_path(flag, path, directory=False)
-    check_output_path("--tensorboard", cfg.tensorboard, directory=True)
-    check_output_path("--output-dir", cfg.output_dir, directory=True)
-    check_output_path("--checkpoint-dir", cfg.checkpoint_dir, directory=True)
-    meta = check_resumable(cfg)  # an unreadable or mismatched checkpoint fails here, in one line
+    say = print if (lead and not quiet) else (lambda *a, **k: None)
+    meta = check_run(cfg, {"--record": cfg.record})  # unwritable outputs, a mismatched checkpoint: one line
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
@@ -51,7 +44,9 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
         say(f"resuming from {cfg.checkpoint_dir} after step {meta['steps_done']}")
     elif cfg.record and os.path.exists(cfg.record):
         os.remove(cfg.record)  # a fresh record per run (a resumed run appends)
-    results = run_job(rl_worker, world_size, cfg, timeout_s=24 * 3600)
+    results = launch(rl_worker, world_size, cfg)
+    if results is None:  # a torchrun rank other than 0
+        return []
     m = results[0]["metrics"]
     say(f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}; rollout "
         f"{sum(r['rollout_tokens_per_s'] for r in m) / len(m):.0f} tokens/s, update "

@@ -41,12 +41,12 @@ from posttrain.rl import (
     loss_units,
     policy_loss,
 )
-from posttrain.train.dp.checkpoint import resume, save_checkpoint
+from posttrain.train.core import Trainer
 
 from .config import RLConfig
 from .reference import ShardedReference
 
-__all__ = ["RL_SCALARS", "Prompt", "load_prompts", "rl_worker", "update_minibatch"]
+__all__ = ["RL_SCALARS", "Prompt", "RLTrainer", "load_prompts", "rl_worker", "update_minibatch"]
 
 #: The per-step figures written to TensorBoard.
 RL_SCALARS = ("reward_mean", "reward_std", "response_len_mean", "kl", "clip_fraction", "entropy",
@@ -140,135 +140,135 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
     return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine))}
 
 
+class RLTrainer(Trainer):
+    """One rank of a GRPO/RLOO run (see the module docstring); its rows hold the step's global figures."""
+
+    scalars = RL_SCALARS
+    rows_per_rank = False
+
+    def __init__(self, cfg: RLConfig, rank: int, world_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        from posttrain.models import tied_names
+
+        self.tok = AutoTokenizer.from_pretrained(cfg.model_path)
+        self.prompts = load_prompts(cfg.prompts, self.tok, max_new_tokens=cfg.max_new_tokens,
+                                    max_tokens=cfg.max_tokens)
+        self.reward_fn = load_reward(cfg.reward)
+        self.policy = load_pretrained(cfg.model_path)
+        self.tied = tied_names(self.policy)
+        self.cost = FlopsCost.from_config(self.policy.config)
+        self.engine = build_engine(self.policy, cfg.engine)
+        self.reference = None
+        try:
+            self.rollout = HFRollout(load_pretrained(cfg.model_path).hf, eos_token_id=self.tok.eos_token_id,
+                                     pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
+                                     max_new_tokens=cfg.max_new_tokens)
+            self.reference = ShardedReference(cfg.model_path, cfg, self.cost) if cfg.kl_coef else None
+        except BaseException:
+            self.close()
+            raise
+        super().__init__(cfg, rank, world_size, state=self.engine, optimizer=cfg.optim.build(self.engine.parameters()),
+                         label=f"rl {cfg.engine.label}+{cfg.balance}")
+
+    def train_step(self, step: int) -> dict:
+        cfg, rank, world_size, engine = self.cfg, self.rank, self.world_size, self.engine
+        n = cfg.samples_per_prompt
+        rng = random.Random(cfg.seed * 1_000_003 + step)
+        batch = [self.prompts[(step * cfg.prompts_per_step + k) % len(self.prompts)] for k in range(cfg.prompts_per_step)]
+        rng.shuffle(batch)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.rollout.load_weights(engine.iter_full_state())
+        mine = list(range(rank, len(batch), world_size))
+        responses = self.rollout.generate([batch[i].ids for i in mine], n, seed=cfg.seed * 7919 + step * 131 + rank)
+        local = []
+        for k, resp in enumerate(responses):
+            p = batch[mine[k // n]]
+            seq = torch.tensor(p.ids + resp, dtype=torch.long)
+            text = self.tok.decode(resp, skip_special_tokens=True)
+            local.append({"prompt": mine[k // n], "sample": k % n, "ids": seq.tolist(), "prompt_len": len(p.ids),
+                          "reward": call_reward(self.reward_fn, p.raw, text, name=cfg.reward), "len": len(resp)})
+        seqs = [torch.tensor(s["ids"]) for s in local]
+        for s, lp in zip(local, self.rollout.logprobs(seqs, [s["prompt_len"] for s in local])):
+            s["old"] = lp.tolist()
+        t_gen = time.perf_counter() - t0
+        every: list = [None] * world_size
+        dist.all_gather_object(every, local)
+        samples = sorted((s for part in every for s in part), key=lambda s: (s["prompt"], s["sample"]))
+        adv = compute_advantages([s["reward"] for s in samples], n, estimator=cfg.advantage,
+                                 normalize_std=cfg.scale_rewards == "std")
+        skip = set(adv.zero_groups)
+        t_ref = time.perf_counter()
+        kept = [s for s in samples if s["prompt"] not in skip]
+        if self.reference is not None and kept:  # (a skipped group is not trained: no reference needed)
+            lps = self.reference.logprobs([torch.tensor(s["ids"]) for s in kept], [s["prompt_len"] for s in kept],
+                                          rank=rank, world_size=world_size)
+            for s, lp in zip(kept, lps):
+                s["ref"] = lp
+        t_ref = time.perf_counter() - t_ref
+        rollouts = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], a, torch.tensor(s["old"]), s.get("ref"), s["reward"])
+                    for s, a in zip(samples, adv.values) if s["prompt"] not in skip]
+        if cfg.record and rank == 0:
+            with open(cfg.record, "a") as f:
+                f.write(json.dumps({"step": step, "samples": [
+                    {"ids": s["ids"], "prompt_len": s["prompt_len"], "advantage": a}
+                    for s, a in zip(samples, adv.values)]}) + "\n")
+        t1 = time.perf_counter()
+        totals = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
+        updates = 0
+        if rollouts:
+            for epoch in range(cfg.ppo_epochs):
+                order = list(range(len(rollouts)))
+                random.Random(cfg.seed * 31 + step * 17 + epoch).shuffle(order)
+                size = -(-len(order) // cfg.minibatches)
+                for start in range(0, len(order), size):
+                    part = [rollouts[i] for i in order[start:start + size]]
+                    st = update_minibatch(engine, self.policy, self.optimizer, part, cfg, rank, world_size, self.cost)
+                    for k in totals:
+                        totals[k] += st[k]
+                    updates += 1
+        t_upd = time.perf_counter() - t1
+        gen_max = torch.tensor([t_gen, t_upd, t_ref], dtype=torch.float64)
+        dist.all_reduce(gen_max, op=dist.ReduceOp.MAX)
+        rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
+        lens = torch.tensor([s["len"] for s in samples], dtype=torch.float64)
+        tok_n = max(1.0, totals["tokens"])
+        return {
+            "step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
+            "zero_advantage_groups": len(skip), "updates": updates,
+            "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
+            "entropy": totals["entropy"] / tok_n,
+            "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]),
+            "reference_s": float(gen_max[2]) if self.reference is not None else None,
+            "rollout_tokens_per_s": float(lens.sum()) / max(1e-9, float(gen_max[0])),
+            "update_tokens_per_s": sum(len(r) - 1 for r in rollouts) * cfg.ppo_epochs / max(1e-9, float(gen_max[1])),
+        }
+
+    def progress_line(self, step: int, row: dict) -> str:
+        return (f"step {step:4d}  reward {row['reward_mean']:.3f}  len {row['response_len_mean']:.1f}  "
+                f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "
+                f"({row['update_tokens_per_s']:.0f} tokens/s)  skipped groups {row['zero_advantage_groups']}")
+
+    def export(self) -> None:
+        from posttrain.models import save_pretrained
+
+        save_pretrained(self.engine.iter_full_state(), self.cfg.output_dir, config=self.policy.config,
+                        tokenizer=self.tok, generation_config=getattr(self.rollout.model, "generation_config", None),
+                        skip=self.tied, write=self.rank == 0)
+        dist.barrier()
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.reference is not None:
+            self.reference.close()
+
+
 def rl_worker(rank: int, world_size: int, cfg: RLConfig) -> dict:
     """Run ``cfg`` on this rank (inside an initialized process group), resuming from
     ``cfg.checkpoint_dir`` when it holds a checkpoint. Returns ``{"metrics": [...], "resumed_from": N}``,
     one dict per step run with the step's global figures."""
-    from transformers import AutoTokenizer
-
-    from posttrain.models import save_pretrained, tied_names
-    from posttrain.train.dp.metrics import MetricsLog
-
-    tok = AutoTokenizer.from_pretrained(cfg.model_path)
-    prompts = load_prompts(cfg.prompts, tok, max_new_tokens=cfg.max_new_tokens, max_tokens=cfg.max_tokens)
-    reward_fn = load_reward(cfg.reward)
-    policy = load_pretrained(cfg.model_path)
-    tied = tied_names(policy)
-    cost = FlopsCost.from_config(policy.config)
-    engine = build_engine(policy, cfg.engine)
-    optimizer = cfg.optim.build(engine.parameters())
-    rollout = HFRollout(load_pretrained(cfg.model_path).hf, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                        temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)
-    reference = ShardedReference(cfg.model_path, cfg, cost) if cfg.kl_coef else None
-    n = cfg.samples_per_prompt
-    done = resume(cfg, engine, optimizer) if cfg.checkpoint_dir else 0
-    log = (MetricsLog(cfg.metrics, cfg.tensorboard, scalars=RL_SCALARS, resume=done > 0)
-           if rank == 0 and (cfg.metrics or cfg.tensorboard) else None)
-    bar = None
-    if cfg.progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=done, desc=f"rl {cfg.engine.label}+{cfg.balance}", unit="step", leave=False,
-                   disable=None)
-        if done:
-            bar.write(f"resumed from {cfg.checkpoint_dir} after step {done}")
-    metrics = []
-    try:
-        for step in range(done, cfg.steps):
-            rng = random.Random(cfg.seed * 1_000_003 + step)
-            batch = [prompts[(step * cfg.prompts_per_step + k) % len(prompts)] for k in range(cfg.prompts_per_step)]
-            rng.shuffle(batch)
-            dist.barrier()
-            t0 = time.perf_counter()
-            rollout.load_weights(engine.iter_full_state())
-            mine = list(range(rank, len(batch), world_size))
-            responses = rollout.generate([batch[i].ids for i in mine], n, seed=cfg.seed * 7919 + step * 131 + rank)
-            local = []
-            for k, resp in enumerate(responses):
-                p = batch[mine[k // n]]
-                seq = torch.tensor(p.ids + resp, dtype=torch.long)
-                text = tok.decode(resp, skip_special_tokens=True)
-                local.append({"prompt": mine[k // n], "sample": k % n, "ids": seq.tolist(), "prompt_len": len(p.ids),
-                              "reward": call_reward(reward_fn, p.raw, text, name=cfg.reward), "len": len(resp)})
-            seqs = [torch.tensor(s["ids"]) for s in local]
-            for s, lp in zip(local, rollout.logprobs(seqs, [s["prompt_len"] for s in local])):
-                s["old"] = lp.tolist()
-            t_gen = time.perf_counter() - t0
-            every: list = [None] * world_size
-            dist.all_gather_object(every, local)
-            samples = sorted((s for part in every for s in part), key=lambda s: (s["prompt"], s["sample"]))
-            adv = compute_advantages([s["reward"] for s in samples], n, estimator=cfg.advantage,
-                                     normalize_std=cfg.scale_rewards == "std")
-            skip = set(adv.zero_groups)
-            t_ref = time.perf_counter()
-            kept = [s for s in samples if s["prompt"] not in skip]
-            if reference is not None and kept:  # (a skipped group is not trained: no reference needed)
-                lps = reference.logprobs([torch.tensor(s["ids"]) for s in kept], [s["prompt_len"] for s in kept],
-                                         rank=rank, world_size=world_size)
-                for s, lp in zip(kept, lps):
-                    s["ref"] = lp
-            t_ref = time.perf_counter() - t_ref
-            rollouts = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], a, torch.tensor(s["old"]),
-                                s.get("ref"), s["reward"])
-                        for s, a in zip(samples, adv.values) if s["prompt"] not in skip]
-            if cfg.record and rank == 0:
-                with open(cfg.record, "a") as f:
-                    f.write(json.dumps({"step": step, "samples": [
-                        {"ids": s["ids"], "prompt_len": s["prompt_len"], "advantage": a}
-                        for s, a in zip(samples, adv.values)]}) + "\n")
-            t1 = time.perf_counter()
-            totals = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
-            updates = 0
-            if rollouts:
-                for epoch in range(cfg.ppo_epochs):
-                    order = list(range(len(rollouts)))
-                    random.Random(cfg.seed * 31 + step * 17 + epoch).shuffle(order)
-                    size = -(-len(order) // cfg.minibatches)
-                    for start in range(0, len(order), size):
-                        part = [rollouts[i] for i in order[start:start + size]]
-                        st = update_minibatch(engine, policy, optimizer, part, cfg, rank, world_size, cost)
-                        for k in totals:
-                            totals[k] += st[k]
-                        updates += 1
-            t_upd = time.perf_counter() - t1
-            gen_max = torch.tensor([t_gen, t_upd, t_ref], dtype=torch.float64)
-            dist.all_reduce(gen_max, op=dist.ReduceOp.MAX)
-            rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
-            lens = torch.tensor([s["len"] for s in samples], dtype=torch.float64)
-            tok_n = max(1.0, totals["tokens"])
-            row = {
-                "step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
-                "zero_advantage_groups": len(skip), "updates": updates,
-                "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
-                "entropy": totals["entropy"] / tok_n,
-                "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]),
-                "reference_s": float(gen_max[2]) if reference is not None else None,
-                "rollout_tokens_per_s": float(lens.sum()) / max(1e-9, float(gen_max[0])),
-                "update_tokens_per_s": sum(len(r) - 1 for r in rollouts) * cfg.ppo_epochs / max(1e-9, float(gen_max[1])),
-            }
-            metrics.append(row)
-            if log is not None:
-                log.append([row])
-            if bar is not None:
-                bar.write(f"step {step:4d}  reward {row['reward_mean']:.3f}  len {row['response_len_mean']:.1f}  "
-                          f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "
-                          f"({row['update_tokens_per_s']:.0f} tokens/s)  skipped groups {len(skip)}")
-                bar.update(1)
-            due = step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)
-            if cfg.checkpoint_dir and due:
-                save_checkpoint(cfg, engine, optimizer, step, rank)
-        if cfg.output_dir:
-            save_pretrained(engine.iter_full_state(), cfg.output_dir, config=policy.config, tokenizer=tok,
-                            generation_config=getattr(rollout.model, "generation_config", None), skip=tied,
-                            write=rank == 0)
-            dist.barrier()
-    finally:
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-        engine.close()
-        if reference is not None:
-            reference.close()
-    return {"metrics": metrics, "resumed_from": done}
+    trainer = RLTrainer(cfg, rank, world_size)
+    rows = trainer.run()
+    return {"metrics": rows, "resumed_from": trainer.resumed_from}

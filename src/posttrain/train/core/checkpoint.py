@@ -1,14 +1,15 @@
-"""Checkpoints of a training run: sharded state through ``torch.distributed.checkpoint``.
+"""Checkpoints of every trainer's runs, through ``torch.distributed.checkpoint``.
 
-A checkpoint is a directory ``step-NNNNNN`` holding the engine's sharded state dict (model and
-optimizer, any world size can load it) and ``posttrain.json`` (steps done, data position, the
-run's configuration). A ``latest`` file names the newest; it is replaced atomically only after
-every rank has written, so an interrupted save never hides the previous checkpoint. The two
-newest checkpoints are kept.
+A checkpoint is a directory ``step-NNNNNN`` holding a state dict (the engine's sharded model and
+optimizer, which any world size can load, or a pipeline's whole parameters under the model's
+names) and ``posttrain.json`` (steps done, data position, the run's configuration). A ``latest``
+file names the newest; it is replaced atomically only after every rank has written, so an
+interrupted save never hides the previous checkpoint. The two newest checkpoints are kept.
 
-The same functions serve RL runs (:mod:`posttrain.train.rl`): a run's config names the fields that
-decide its data (``DATA_FIELDS``), the fields that decide the checkpoint's shapes
-(``STATE_FIELDS``) and how many records a step consumes (``sequences_per_step``).
+A run's configuration (:class:`~posttrain.train.core.RunConfig`) names the fields that decide its
+data (``DATA_FIELDS``), those that decide the checkpoint's shapes (:meth:`state_fields`), how
+many records a step consumes (``sequences_per_step``) and, for a trainer whose checkpoints are
+its own rather than its engine's, their format (``CHECKPOINT_FORMAT``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from posttrain.dp import DataParallelEngine, engine_class
-from posttrain.train.core.config import config_value
+from posttrain.dp import engine_class
 
-from .config import DATA_FIELDS, STATE_FIELDS, TrainConfig
+from .config import RunConfig, config_value
 
 __all__ = ["check_resumable", "latest_checkpoint", "resume", "save_checkpoint"]
 
@@ -44,19 +44,10 @@ def latest_checkpoint(root: str) -> tuple[str, dict] | None:
         raise ValueError(f"checkpoint {path} named by {pointer} is unreadable: {e}") from None
 
 
-def _fields(cfg) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    return getattr(cfg, "DATA_FIELDS", DATA_FIELDS), getattr(cfg, "STATE_FIELDS", STATE_FIELDS)
-
-
-def _per_step(cfg) -> int:
-    return int(getattr(cfg, "sequences_per_step", None) or cfg.sequences)
-
-
-def check_resumable(cfg: TrainConfig) -> dict | None:
+def check_resumable(cfg: RunConfig) -> dict | None:
     """Refuse, in one line naming the flag, to resume a checkpoint written with other data, another
     model shape or optimizer, or an engine whose checkpoints differ. Returns the checkpoint's
     metadata (``None``: nothing to resume). Runs before any rank starts."""
-    data_fields, state_fields = _fields(cfg)
     if not cfg.checkpoint_dir:
         return None
     found = latest_checkpoint(cfg.checkpoint_dir)
@@ -65,22 +56,19 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
     path, meta = found
     saved = meta.get("full_config", {})
     fmt = meta.get("checkpoint_format")
-    own_kind = getattr(cfg, "CHECKPOINT_FORMAT", None)  # a run of its own kind (pipeline), else an engine's
+    own_kind = cfg.CHECKPOINT_FORMAT  # a run of its own kind (pipeline), else an engine's
     mine = own_kind or engine_class(cfg.engine.name).checkpoint_format
     if own_kind is not None and fmt != own_kind:
         raise ValueError(f"checkpoint {path} holds {fmt} state, not a {own_kind} run's; give another --checkpoint-dir")
     if own_kind is None and fmt == "pipeline":
         raise ValueError(f"checkpoint {path} is a posttrain pipeline run's; resume it with posttrain pipeline")
-    for k in data_fields:
+    for k in cfg.DATA_FIELDS:
         if meta["config"].get(k) != getattr(cfg, k):
             raise ValueError(
                 f"checkpoint {path} was written with --{k.replace('_', '-')}={meta['config'].get(k)!r}, "
                 f"this run has {getattr(cfg, k)!r}; resuming would replay different data"
             )
-    # max_tokens sizes the built-in GPT's position table in posttrain train (not in other runs)
-    checks = list(state_fields) + ([("max_tokens", "--max-tokens")]
-                                   if own_kind is None and getattr(cfg, "model", None) == "gpt" else [])
-    for field, flag in checks:
+    for field, flag in cfg.state_fields():
         was, now = config_value(saved, field), config_value(cfg, field)
         if was is not None and was != now:
             raise ValueError(
@@ -88,9 +76,9 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
                 f"give {flag} {was} to resume it, or another --checkpoint-dir to start afresh"
             )
     steps_done = int(meta["steps_done"])
-    if meta.get("data_position") != steps_done * _per_step(cfg):
+    if meta.get("data_position") != steps_done * cfg.sequences_per_step:
         raise ValueError(f"checkpoint {path}: data position {meta.get('data_position')} does not match {steps_done} "
-                         f"steps of {_per_step(cfg)} records (a different --sequences, --batch or --microbatches?)")
+                         f"steps of {cfg.sequences_per_step} records (a different --sequences, --batch or --microbatches?)")
     if own_kind is None and fmt is not None and fmt != mine:
         raise ValueError(
             f"checkpoint {path} was written by --dp {config_value(saved, 'engine.name')} ({fmt} state), which --dp "
@@ -99,17 +87,17 @@ def check_resumable(cfg: TrainConfig) -> dict | None:
     return meta
 
 
-def save_checkpoint(cfg: TrainConfig, engine: DataParallelEngine, optimizer: torch.optim.Optimizer, step: int,
-                    rank: int) -> str:
-    """Write the state after ``step`` (0-based) under ``cfg.checkpoint_dir``; a collective."""
+def save_checkpoint(cfg: RunConfig, state, optimizer: torch.optim.Optimizer, step: int, rank: int) -> str:
+    """Write ``state`` (an engine, or what stands in for one: see :class:`~posttrain.train.core.Trainer`)
+    after ``step`` (0-based) under ``cfg.checkpoint_dir``; a collective."""
     root = cfg.checkpoint_dir
     name = f"step-{step + 1:06d}"
     path = os.path.join(root, name)
-    dcp.save(engine.state_dict(optimizer), checkpoint_id=path)
+    dcp.save(state.state_dict(optimizer), checkpoint_id=path)
     if rank == 0:
-        meta = {"steps_done": step + 1, "data_position": (step + 1) * _per_step(cfg),
-                "config": {k: getattr(cfg, k) for k in _fields(cfg)[0]}, "full_config": asdict(cfg),
-                "checkpoint_format": engine.checkpoint_format, "world_size": dist.get_world_size()}
+        meta = {"steps_done": step + 1, "data_position": (step + 1) * cfg.sequences_per_step,
+                "config": {k: getattr(cfg, k) for k in cfg.DATA_FIELDS}, "full_config": asdict(cfg),
+                "checkpoint_format": state.checkpoint_format, "world_size": dist.get_world_size()}
         with open(os.path.join(path, "posttrain.json"), "w") as f:
             json.dump(meta, f, indent=1)
         tmp = os.path.join(root, ".latest.tmp")
@@ -123,14 +111,14 @@ def save_checkpoint(cfg: TrainConfig, engine: DataParallelEngine, optimizer: tor
     return path
 
 
-def resume(cfg: TrainConfig, engine: DataParallelEngine, optimizer: torch.optim.Optimizer) -> int:
-    """Load the newest checkpoint under ``cfg.checkpoint_dir`` (resharding to this world size);
-    the number of steps it holds (0 if there is none)."""
+def resume(cfg: RunConfig, state, optimizer: torch.optim.Optimizer) -> int:
+    """Load the newest checkpoint under ``cfg.checkpoint_dir`` into ``state`` and ``optimizer``
+    (resharding to this world size); the number of steps it holds (0 if there is none)."""
     meta = check_resumable(cfg)
     if meta is None:
         return 0
     path, _ = latest_checkpoint(cfg.checkpoint_dir)
-    state = engine.state_dict(optimizer)
-    dcp.load(state, checkpoint_id=path)
-    engine.load_state_dict(state, optimizer)
+    saved = state.state_dict(optimizer)
+    dcp.load(saved, checkpoint_id=path)
+    state.load_state_dict(saved, optimizer)
     return int(meta["steps_done"])

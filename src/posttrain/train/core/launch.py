@@ -1,0 +1,84 @@
+"""Starting a run: its output paths and checkpoint checked before any work, then its ranks as
+forked CPU processes on this machine, or this process's rank under ``torchrun``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.launch import run_job
+
+from .checkpoint import check_resumable
+from .config import RunConfig
+
+__all__ = ["check_output_path", "check_run", "launch", "launch_world", "under_torchrun"]
+
+
+def check_output_path(flag: str, path: str | None, *, directory: bool) -> None:
+    """Refuse, before any work, an output path that cannot be written: under a regular file, in
+    an unwritable folder, or a directory where a file goes (and the reverse)."""
+    if not path:
+        return
+    p = os.path.abspath(path)
+    if os.path.exists(p):
+        if directory and not os.path.isdir(p):
+            raise ValueError(f"{flag} {path} is a file, not a directory")
+        if not directory and os.path.isdir(p):
+            raise ValueError(f"{flag} {path} is a directory; give a file name")
+    parent = p if directory and os.path.isdir(p) else os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, so nothing can be created under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {parent} is not writable")
+
+
+def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None) -> dict | None:
+    """Refuse, before any rank starts, what would fail late: an output path that cannot be
+    written (the run's own and ``outputs``, ``{flag: file path}``), or a checkpoint under
+    ``checkpoint_dir`` that is unreadable or was written by another kind of run. Returns that
+    checkpoint's metadata (``None``: nothing to resume)."""
+    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--output-dir", cfg.output_dir),
+                       ("--tensorboard", cfg.tensorboard)):
+        check_output_path(flag, path, directory=True)
+    for flag, path in {"--metrics": cfg.metrics, **(outputs or {})}.items():
+        check_output_path(flag, path, directory=False)
+    return check_resumable(cfg)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank started by ``torchrun``."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                    and "MASTER_ADDR" in os.environ)
+
+
+def launch_world(world_size: int) -> tuple[int, bool]:
+    """``(world size, whether this process leads)`` of a run asked for ``world_size`` processes:
+    under ``torchrun``, torchrun's world and whether this is its rank 0."""
+    if world_size < 1:
+        raise ValueError(f"--world-size={world_size} must be at least 1")
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]) == 0
+    return world_size, True
+
+
+def launch(worker: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 24 * 3600) -> list[Any] | None:
+    """``worker(rank, world_size, *args)`` on every rank: ``world_size`` forked CPU processes, or,
+    under ``torchrun``, this process's rank of torchrun's world. Every rank's result, in rank
+    order (``None`` on torchrun ranks other than 0)."""
+    if not under_torchrun():
+        return run_job(worker, world_size, *args, timeout_s=timeout_s)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    dist.init_process_group("gloo")
+    try:
+        mine = worker(dist.get_rank(), dist.get_world_size(), *args)
+        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, every, dst=0)
+        return every
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""The step skeleton every trainer runs (``posttrain.train.core.Trainer``), on a toy trainer: the
+cadence of checkpoints, exports and metrics rows, resuming, and closing on failure. A failure
+names the promise the core broke for every trainer at once."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from posttrain.launch import run_ranks
+from posttrain.train.core import RunConfig, Trainer, check_run
+
+
+@dataclass(frozen=True)
+class ToyConfig(RunConfig):
+    """A toy run.
+
+    Attributes:
+        fail_at: raise in this step (-1: never).
+    """
+
+    fail_at: int = -1
+    DATA_FIELDS: ClassVar[tuple[str, ...]] = ("seed",)
+    CHECKPOINT_FORMAT: ClassVar[str | None] = "toy"  # its own state, not an engine's
+
+    @property
+    def sequences_per_step(self) -> int:
+        return 1
+
+
+class _State:
+    """One parameter, checkpointed whole on every rank."""
+
+    checkpoint_format = "toy"
+
+    def __init__(self, p: torch.nn.Parameter) -> None:
+        self.p = p
+
+    def state_dict(self, optimizer):
+        return {"model": {"p": self.p.detach()}}
+
+    def load_state_dict(self, state, optimizer):
+        with torch.no_grad():
+            self.p.copy_(state["model"]["p"])
+
+
+class Toy(Trainer):
+    scalars = ("loss",)
+
+    def __init__(self, cfg: ToyConfig, rank: int, world_size: int, events: list) -> None:
+        self.p = torch.nn.Parameter(torch.zeros(3))
+        self.events = events
+        super().__init__(cfg, rank, world_size, state=_State(self.p), optimizer=torch.optim.SGD([self.p], lr=1.0),
+                         label="toy")
+
+    def train_step(self, step):
+        if step == self.cfg.fail_at:
+            raise ValueError(f"step {step} failed")
+        with torch.no_grad():
+            self.p += 1.0  # after n steps every entry is n
+        dist.barrier()
+        self.events.append(("step", step))
+        return {"step": step, "rank": self.rank, "loss": float(self.p[0])}
+
+    def export(self):
+        self.events.append(("export", int(self.p[0])))
+        dist.barrier()
+
+    def progress_line(self, step, row):
+        return f"toy step {step}"
+
+    def close(self):
+        self.events.append(("close",))
+
+
+def _worker(rank, world_size, cfg):
+    events: list = []
+    trainer = Toy(cfg, rank, world_size, events)
+    try:
+        rows = trainer.run()
+    except ValueError:
+        return {"events": events, "failed": True}
+    return {"events": events, "rows": rows, "resumed_from": trainer.resumed_from, "p": trainer.p.detach().clone()}
+
+
+def test_checkpoints_exports_and_metrics_follow_their_cadence_and_a_run_resumes(tmp_path):
+    cfg = ToyConfig(steps=5, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, output_dir=str(tmp_path / "out"),
+                    save_every=3, metrics=str(tmp_path / "m.jsonl"))
+    check_run(cfg)
+    first = run_ranks(_worker, 2, replace(cfg, steps=3))
+    events = first[0]["events"]
+    assert [e for e in events if e[0] == "export"] == [("export", 3)]  # save_every 3, and the last step (3)
+    assert events[-1] == ("close",)
+    assert sorted(os.listdir(cfg.checkpoint_dir)) == ["latest", "step-000002", "step-000003"]
+    rows = [json.loads(line) for line in open(cfg.metrics)]
+    assert [(r["step"], r["rank"]) for r in rows] == [(s, r) for s in range(3) for r in range(2)]  # every rank's row
+    rest = run_ranks(_worker, 2, cfg)
+    assert rest[0]["resumed_from"] == 3 and [r["step"] for r in rest[0]["rows"]] == [3, 4]
+    assert torch.equal(rest[0]["p"], torch.full((3,), 5.0))  # resumed from the checkpoint's values
+    assert [e for e in rest[0]["events"] if e[0] == "export"] == [("export", 5)]
+    assert len(open(cfg.metrics).read().splitlines()) == 10  # the resumed run appended its rows
+    assert sorted(os.listdir(cfg.checkpoint_dir)) == ["latest", "step-000004", "step-000005"]
+
+
+def test_a_failing_step_still_closes_and_writes_nothing_after_it(tmp_path):
+    cfg = ToyConfig(steps=4, fail_at=2, checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
+    out = run_ranks(_worker, 2, cfg)
+    for r in out:
+        assert r["failed"] and r["events"][-1] == ("close",)
+        assert not any(e[0] == "export" for e in r["events"])
+    assert not os.path.exists(cfg.checkpoint_dir)
+
+
+def test_a_run_that_cannot_write_its_outputs_is_refused_before_any_rank(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"--output-dir .* is a file, not a directory"):
+        check_run(ToyConfig(output_dir=str(tmp_path / "file")))
+    with pytest.raises(ValueError, match=r"--metrics .* is a directory"):
+        check_run(ToyConfig(metrics=str(tmp_path)))
+    with pytest.raises(ValueError, match="--save-every needs --output-dir"):
+        ToyConfig(save_every=2)
