@@ -12,8 +12,8 @@ import pytest
 from posttrain.dp import EngineConfig
 from posttrain.lab.chat import exact_match, make_chat_task
 from posttrain.train.core import OptimConfig
-from posttrain.train.dp import TrainConfig, run_training
 from posttrain.train.rl import RLConfig, run_rl
+from posttrain.train.sft import TrainConfig, run_training
 
 
 @pytest.fixture(scope="module")

@@ -133,9 +133,9 @@ def test_config_file_errors_name_the_key(cli, tmp_path, text, message):
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("command, cls", [("train", "posttrain.train.dp:TrainConfig"),
+@pytest.mark.parametrize("command, cls", [("train", "posttrain.train.sft:TrainConfig"),
                                           ("rl", "posttrain.train.rl:RLConfig"),
-                                          ("pipeline", "posttrain.train.pipeline:PipelineConfig")])
+                                          ("pipeline", "posttrain.train.sft.pipeline:PipelineConfig")])
 def test_every_trainer_takes_the_engine_and_optimizer_sections_from_the_same_flags(command, cls):
     """One definition per flag: the engine and optimizer sections (EngineConfig, OptimConfig) give
     every trainer the same flags, and a section's unset flags keep the trainer's own default."""

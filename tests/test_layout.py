@@ -56,3 +56,36 @@ def test_no_module_imports_another_modules_private_names():
             if (node.module.startswith("posttrain") and private) or torch_private:
                 bad.append((str(path.relative_to(ROOT)), node.module, private))
     assert not bad, bad
+
+
+#: Inside the trainer layer: the core is below every trainer, and trainers do not import each
+#: other (the pipeline trainer builds on supervised fine-tuning's data and loss, not the reverse).
+TRAINERS = {
+    "train/core": ("posttrain.train.sft", "posttrain.train.rl"),
+    "train/rl": ("posttrain.train.sft",),
+    "train/sft": ("posttrain.train.rl", "posttrain.train.sft.pipeline"),
+}
+
+
+@pytest.mark.parametrize("part", list(TRAINERS))
+def test_the_trainer_core_is_below_every_trainer_and_trainers_do_not_import_each_other(part):
+    paths = [p for p in (ROOT / part).rglob("*.py")
+             if part != "train/sft" or "pipeline" not in p.relative_to(ROOT / part).parts]
+    bad = [(str(p.relative_to(ROOT)), name) for p in paths for name in _imports(p)
+           if name and name.startswith(TRAINERS[part])]
+    assert not bad, f"{part} imports what builds on it or beside it: {bad}"
+
+
+def test_no_trainer_tests_an_engine_name():
+    """Trainers ask an engine for capabilities (posttrain.dp's interface), never which engine it is:
+    no comparison of ``engine.name`` or ``cfg.engine.name`` against a string literal."""
+    bad = []
+    for path in (ROOT / "train").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                names = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "name"
+                         and "engine" in ast.unparse(s.value)]
+                if names and any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
+                    bad.append((str(path.relative_to(ROOT)), ast.unparse(node)))
+    assert not bad, bad

@@ -16,9 +16,9 @@ from posttrain.dp import EngineConfig
 from posttrain.models import load_pretrained
 from posttrain.pipeline.stages import balanced_block_ranges, split_model
 from posttrain.train.core import OptimConfig
-from posttrain.train.pipeline import PipelineConfig, predicted_peaks, run_pipeline
-from posttrain.train.pipeline.data import PipelineData, packed_loss
-from posttrain.train.pipeline.loop import check_model_and_data
+from posttrain.train.sft.pipeline import PipelineConfig, predicted_peaks, run_pipeline
+from posttrain.train.sft.pipeline.data import PipelineData, packed_loss
+from posttrain.train.sft.pipeline.loop import check_model_and_data
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,7 @@ def long_tail_data(tmp_path_factory):
     ("qwen2", "1f1b", 1, "full", "odc", "odc", "diff_micro"),  # tied: copies on each replica's first and last rank
     ("llama", "1f1b", 1, "full", "odc", "collective", "same_micro"),
     ("qwen2", "1f1b", 1, "full", "fsdp", "odc", "same_micro"),
+    ("llama", "1f1b", 1, "1", "odc-fsdp2", "odc", "diff_micro"),  # every registered engine runs a column
     # split backward: W's gradients are pushed after W (stage_backward_weight bypasses the push hook)
     ("llama", "zbv", 2, "full", "odc", "odc", "diff_micro"),
     ("qwen2", "zb_h1", 1, "none", "odc", "collective", "same_micro"),
@@ -188,8 +189,8 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
                                                      offload, dp, mode, balance):
     from posttrain.models import load_pretrained as load
     from posttrain.models import tied_names
-    from posttrain.train.dp.loop import loss_units
-    from posttrain.train.pipeline.dp import SPLIT_BACKWARD, replica_plans, runnable
+    from posttrain.train.sft.loop import loss_units
+    from posttrain.train.sft.pipeline.dp import SPLIT_BACKWARD, replica_plans, runnable
 
     cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, dp_size=2, model_path=deep_model(family),
                          data=long_tail_data, sequences=16, max_tokens=64, steps=1, optim=OptimConfig("sgd", lr=0.5),

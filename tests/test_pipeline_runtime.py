@@ -13,7 +13,7 @@ from posttrain.pipeline.offload import ActivationStore
 from posttrain.pipeline.runtime import PipelineRunner, execution_order, to_torch_actions
 from posttrain.pipeline.stages import split_model
 from posttrain.train.core import OptimConfig
-from posttrain.train.pipeline import (
+from posttrain.train.sft.pipeline import (
     PipelineConfig,
     build_pipeline_model,
     measured_weight_keep,
@@ -166,7 +166,7 @@ def test_bad_pipeline_configs_are_clear():
 
 def _long_worker(rank, world, cfg):
     from posttrain.pipeline.stages import split_model
-    from posttrain.train.pipeline import build_pipeline_model, microbatch_loss
+    from posttrain.train.sft.pipeline import build_pipeline_model, microbatch_loss
 
     stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
     runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=microbatch_loss)
@@ -183,7 +183,7 @@ def test_failure_names_rank_stage_action_and_microbatch():
 
 def _ragged_worker(rank, world, cfg, static):
     from posttrain.pipeline.stages import split_model
-    from posttrain.train.pipeline import build_pipeline_model, microbatch_loss
+    from posttrain.train.sft.pipeline import build_pipeline_model, microbatch_loss
 
     stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
     runner = PipelineRunner({rank: stages[rank]}, cfg.build(), loss_fn=microbatch_loss, static_shapes=static)
@@ -253,7 +253,7 @@ def test_store_aliases_views_passes_params_and_small_tensors_and_round_trips():
 def test_a_ranks_peak_is_its_stages_together_not_the_sum_of_their_peaks():
     """Two stages on one rank that peak at different times: the rank's peak (what `posttrain
     pipeline` reports as peak MiB) is the larger, not the sum; held together, it is the sum."""
-    from posttrain.train.pipeline import format_report
+    from posttrain.train.sft.pipeline import format_report
 
     lin = nn.Linear(64, 64)
     store = ActivationStore(lin.parameters())

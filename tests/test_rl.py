@@ -238,7 +238,7 @@ def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, d
 
 def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one(tmp_path, tiny_model, monkeypatch):
     from posttrain.data.tasks import chat_task_records
-    from posttrain.train.dp import export_checkpoint
+    from posttrain.train.sft import export_checkpoint
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))

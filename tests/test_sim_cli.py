@@ -209,8 +209,8 @@ def test_old_spellings_still_work_and_name_their_replacement(old, new, capsys):
 def test_calibration_plumbing_on_a_tiny_config(capsys):
     """Runs measure -> predict -> real runs and reports both numbers (tiny: no accuracy claim)."""
     from posttrain.lab.calibrate import calibrate_odc, calibrate_pipeline
-    from posttrain.train.dp import TrainConfig
-    from posttrain.train.pipeline import PipelineConfig
+    from posttrain.train.sft import TrainConfig
+    from posttrain.train.sft.pipeline import PipelineConfig
 
     r = calibrate_odc(TrainConfig(steps=3, sequences=8, max_len=128, max_tokens=128, dim=32, num_layers=2),
                       repeats=1, iters=1)

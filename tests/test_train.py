@@ -12,7 +12,7 @@ import pytest
 from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
 from posttrain.train.core import OptimConfig
-from posttrain.train.dp import TrainConfig, TrainData, run_training, summarize, train_worker
+from posttrain.train.sft import TrainConfig, TrainData, run_training, summarize, train_worker
 
 # SGD: a gradient off by a constant factor changes the curve (Adam would normalize it away).
 BASE = TrainConfig(steps=3, sequences=6, max_len=48, max_tokens=64, dim=32, num_layers=2, optim=OptimConfig("sgd", lr=0.5))

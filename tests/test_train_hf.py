@@ -18,7 +18,7 @@ from posttrain.data.tasks import chat_task_records  # noqa: E402
 from posttrain.dp import EngineConfig  # noqa: E402
 from posttrain.models import HFCausalLM, load_pretrained, save_pretrained, tied_names  # noqa: E402
 from posttrain.train.core import OptimConfig  # noqa: E402
-from posttrain.train.dp import (  # noqa: E402
+from posttrain.train.sft import (  # noqa: E402
     TrainConfig,
     TrainData,
     loss_units,

@@ -102,7 +102,7 @@ def _overhead(args: argparse.Namespace) -> int:
 
 def _pipeline(args: argparse.Namespace) -> int:
     from posttrain.lab.bench.pipeline import bench_pipeline
-    from posttrain.train.pipeline import PipelineConfig
+    from posttrain.train.sft.pipeline import PipelineConfig
 
     base = PipelineConfig(model=args.model, dim=args.dim, num_layers=args.num_layers, seq_len=args.seq_len,
                           batch=args.batch, seed=args.seed)
@@ -114,8 +114,8 @@ def _pipeline(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from posttrain.train.dp import TrainConfig
-    from posttrain.train.pipeline import PipelineConfig
+    from posttrain.train.sft import TrainConfig
+    from posttrain.train.sft.pipeline import PipelineConfig
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     bs = bench.add_subparsers(dest="bench", required=True)

@@ -23,7 +23,7 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     from posttrain.lab.demo import DEMO
     from posttrain.train.core import config_value
-    from posttrain.train.dp import TrainConfig
+    from posttrain.train.sft import TrainConfig
 
     p = sub.add_parser("demo", help="FSDP2 and ODC on a tiny GPT, 2 CPU processes: table, factors, timeline")
     add_config_arguments(p, TrainConfig, fields=("steps", "sequences", "max_len", "optim.lr", "seed"),

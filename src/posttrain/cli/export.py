@@ -8,7 +8,7 @@ __all__ = ["add_parser"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from posttrain.train.dp import export_checkpoint
+    from posttrain.train.sft import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out_dir)
     print(f"wrote {out} (AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)")

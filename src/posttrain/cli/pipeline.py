@@ -11,7 +11,7 @@ __all__ = ["add_parser"]
 
 def _run(args: argparse.Namespace) -> int:
     from posttrain.lab.plots import plot_pipeline
-    from posttrain.train.pipeline import PipelineConfig, format_report, measured_weight_keep, predicted_peaks, run_pipeline
+    from posttrain.train.sft.pipeline import PipelineConfig, format_report, measured_weight_keep, predicted_peaks, run_pipeline
 
     cfg = config_from_args(PipelineConfig, args)
     if cfg.dp_size > 1:
@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     if results[0]["resumed_from"]:
         print(f"resumed from {cfg.checkpoint_dir} after step {results[0]['resumed_from']}")
     if cfg.dp_size > 1:
-        from posttrain.train.pipeline.report import format_dp_report
+        from posttrain.train.sft.pipeline.report import format_dp_report
 
         predicted = {(r["dp_rank"], r["pp_rank"]): predicted_peaks(
             cfg, r["microbatches"][-1], weight_keep=measured_weight_keep([r]))[r["pp_rank"]] for r in results}
@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from posttrain.train.pipeline import PipelineConfig
+    from posttrain.train.sft.pipeline import PipelineConfig
 
     p = sub.add_parser("pipeline", help="pipeline-parallel training with activation offload, CPU processes")
     add_config_arguments(p, PipelineConfig, defaults={"num_microbatches": 8, "dim": 128, "num_layers": 8,

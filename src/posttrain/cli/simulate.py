@@ -157,8 +157,8 @@ def add_dp_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser, **defaults) -> None:
-    """Pipeline shape (from :class:`~posttrain.train.pipeline.PipelineConfig`) and workload options."""
-    from posttrain.train.pipeline import PipelineConfig
+    """Pipeline shape (from :class:`~posttrain.train.sft.pipeline.PipelineConfig`) and workload options."""
+    from posttrain.train.sft.pipeline import PipelineConfig
 
     fields = ("num_ranks", "num_microbatches", *defaults.pop("extra_fields", ()))
     add_config_arguments(p, PipelineConfig, fields=fields,
@@ -249,7 +249,7 @@ def _table(args) -> int:
 
 def _calibrate(args) -> int:
     from posttrain.lab.calibrate import calibrate_odc, calibrate_pipeline
-    from posttrain.train.pipeline import PipelineConfig
+    from posttrain.train.sft.pipeline import PipelineConfig
 
     from .train import train_config
 
@@ -269,7 +269,7 @@ def _calibrate(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from posttrain.train.dp import TrainConfig
+    from posttrain.train.sft import TrainConfig
 
     sim = sub.add_parser("simulate", help="discrete-event simulation at cluster scale (FSDP vs ODC, pipeline)")
     ss = sim.add_subparsers(dest="simulate", required=True)

@@ -10,9 +10,9 @@ __all__ = ["add_parser", "train_config"]
 
 
 def train_config(args: argparse.Namespace, **overrides):
-    """The :class:`~posttrain.train.dp.TrainConfig` of parsed ``TrainConfig`` options; ``--max-tokens``
+    """The :class:`~posttrain.train.sft.TrainConfig` of parsed ``TrainConfig`` options; ``--max-tokens``
     defaults to ``--max-len``."""
-    from posttrain.train.dp import TrainConfig
+    from posttrain.train.sft import TrainConfig
 
     overrides.setdefault("max_tokens", getattr(args, "max_tokens", None) or args.max_len)
     return config_from_args(TrainConfig, args, **overrides)
@@ -21,7 +21,7 @@ def train_config(args: argparse.Namespace, **overrides):
 def _run(args: argparse.Namespace) -> int:
     from posttrain.lab.plots import plot_timelines
     from posttrain.spans import write_chrome_trace
-    from posttrain.train.dp import run_training
+    from posttrain.train.sft import run_training
 
     cfg = train_config(args, progress=True)
     results = run_training(cfg, world_size=args.world_size,
@@ -40,7 +40,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from posttrain.train.dp import TrainConfig
+    from posttrain.train.sft import TrainConfig
 
     p = sub.add_parser("train", help="data-parallel training with FSDP2 or ODC on CPU processes (or under torchrun)")
     add_config_arguments(p, TrainConfig, defaults={"steps": 20, "max_tokens": None})

@@ -41,7 +41,7 @@ from posttrain.launch import run_ranks
 from posttrain.models import build_model
 from posttrain.sim import Cluster, LayerCost, SimModel, plan_lengths, simulate_dp, simulate_minibatch
 from posttrain.train.core import config_value
-from posttrain.train.dp import (
+from posttrain.train.sft import (
     TrainConfig,
     TrainData,
     microbatch_loss,
@@ -442,7 +442,7 @@ def calibrate_odc(cfg: TrainConfig, *, world_size: int = 2, repeats: int = 3, me
 
 def calibrate_pipeline(cfg, *, log=print) -> dict:
     """Run the real pipeline runner and print its measured per-rank peaks next to the simulator's."""
-    from posttrain.train.pipeline import measured_weight_keep, predicted_peaks, run_pipeline
+    from posttrain.train.sft.pipeline import measured_weight_keep, predicted_peaks, run_pipeline
 
     results = run_pipeline(cfg)
     measured = [round(r["result"]["peak_units"], 9) for r in results]
@@ -481,7 +481,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
     """
     from posttrain.pipeline import Action
     from posttrain.sim.pipeline import PipelineWorkload
-    from posttrain.train.pipeline.report import measured_weight_keep
+    from posttrain.train.sft.pipeline.report import measured_weight_keep
 
     try:
         with open(path) as f:

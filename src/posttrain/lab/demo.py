@@ -26,7 +26,7 @@ from dataclasses import replace
 from posttrain.dp import EngineConfig
 from posttrain.lab.plots import plot_timelines
 from posttrain.train.core import OptimConfig
-from posttrain.train.dp import TrainConfig, run_training, summarize
+from posttrain.train.sft import TrainConfig, run_training, summarize
 
 __all__ = ["DEMO", "VARIANTS", "run_demo"]
 
@@ -54,7 +54,7 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2,
     """Train ``cfg`` with every variant; print the table and the factors, write the timeline.
 
     Returns:
-        variant label -> :func:`posttrain.train.dp.summarize` of that run.
+        variant label -> :func:`posttrain.train.sft.summarize` of that run.
     """
     results, summaries = {}, {}
     for label, dp, mode, balance, _ in VARIANTS:

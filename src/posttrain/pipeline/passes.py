@@ -6,7 +6,7 @@
 - :func:`add_offload`: per :class:`OffloadPolicy`, an ``OFFLOAD`` right after the forward of each
   offloaded chunk-microbatch and a ``RELOAD`` placed before the compute action that precedes its
   backward, so it is issued when the action before that one starts (a copy is issued where it
-  sits, see ``simulate.py``): a whole action's time to land, and it lands an action ahead of the
+  sits, see :func:`posttrain.pipeline.deps.simulate`): a whole action's time to land, and it lands an action ahead of the
   backward. Offloaded chunks are each rank's first ``chunks``
   chunks: in model order the first chunk runs its forward first and its backward last, so it
   lives longest (PipeOffload, Wan et al., ICML 2025). A chunk-microbatch whose lifespan (end of

@@ -12,7 +12,7 @@ costs in torch. :func:`to_torch_actions` converts our compute schedules to torch
 (``_Action``). ``posttrain bench pipeline`` (:mod:`posttrain.lab.bench.pipeline`) times this runner
 against torch's own ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` on the same stages.
 
-Execution order (the simulator's semantics, ``simulate.py``): a copy (``OFFLOAD``/``RELOAD``) is
+Execution order (the simulator's semantics, :func:`posttrain.pipeline.deps.simulate`): a copy (``OFFLOAD``/``RELOAD``) is
 issued when the compute action in front of it in the list starts, so a ``RELOAD`` runs just
 *before* that compute action (a prefetch) and an ``OFFLOAD`` right after its forward. Sends are
 asynchronous (waited at the end of the step). The first tensor crossing each stage boundary is

@@ -9,7 +9,7 @@ Same model, data and steps for every variant (``<engine>[-collective]+<balancing
 - ``odc-collective+same_micro``, ``odc+diff_micro``: flat ODC (``--dp odc``), in collective mode
   and with one synchronization per minibatch;
 
-and two bounds with no communication at all (:mod:`posttrain.train.dp.bounds`): the **even bound**
+and two bounds with no communication at all (:mod:`posttrain.train.sft.bounds`): the **even bound**
 (the partition run's measured compute divided evenly over the ranks) and the **partition bound** (the best assignment of
 whole sequences to ranks under their measured compute times, each rank running its share back to
 back: per step the fastest of three candidate assignments, chosen on one run and timed on
@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
 from posttrain.launch import run_ranks
-from posttrain.train.dp import (
+from posttrain.train.sft import (
     TrainConfig,
     TrainData,
     partition_bound_worker,

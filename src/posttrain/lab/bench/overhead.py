@@ -32,7 +32,7 @@ import torch.distributed as dist
 from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
 from posttrain.models import build_model
-from posttrain.train.dp import TrainConfig, TrainData, build_training, microbatch_loss
+from posttrain.train.sft import TrainConfig, TrainData, build_training, microbatch_loss
 
 
 def _worker(rank: int, world_size: int, dim: int, repeats: int) -> dict:

@@ -1,6 +1,6 @@
 """``posttrain bench pipeline``: activation memory per schedule and offload policy, and our runner vs torch's.
 
-Part 1 runs :func:`~posttrain.train.pipeline.run_pipeline` for 2 and 4 stages across 1F1B,
+Part 1 runs :func:`~posttrain.train.sft.pipeline.run_pipeline` for 2 and 4 stages across 1F1B,
 interleaved 1F1B and group-interleaved (2 chunks per rank, group size 1) with offload none, half
 (1 of 2 chunks) and full, and prints each run's largest per-rank peak of saved activations
 (measured by the saved-tensor hooks, MiB and chunk-microbatches) and its ratio to the same
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from posttrain.launch import run_ranks
 from posttrain.pipeline import PipelineRunner
 from posttrain.pipeline.stages import split_model
-from posttrain.train.pipeline import (
+from posttrain.train.sft.pipeline import (
     PipelineConfig,
     build_pipeline_model,
     measured_weight_keep,

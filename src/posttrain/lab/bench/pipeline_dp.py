@@ -54,7 +54,7 @@ def bench_pipeline_dp(*, ranks: int = 2, dp_size: int = 2, schedule: str = "1f1b
     """Run every variant ``repeats`` interleaved rounds; print and return tokens/s and ratios."""
     from posttrain.dp import EngineConfig
     from posttrain.lab.chat import make_chat_task
-    from posttrain.train.pipeline import PipelineConfig, run_pipeline
+    from posttrain.train.sft.pipeline import PipelineConfig, run_pipeline
 
     world = ranks * dp_size
     cores = os.cpu_count() or 1

@@ -121,7 +121,7 @@ def predict_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int
     import random
 
     from posttrain.lab.calibrate import machine_from_shapes, predict_plans
-    from posttrain.train.dp import TrainConfig
+    from posttrain.train.sft import TrainConfig
 
     cost = FlopsCost.from_config(model_cfg)
     plans = {m: [plan_minibatch([len(s["ids"]) - 1 for s in step], world_size=world_size, max_tokens=max_tokens,

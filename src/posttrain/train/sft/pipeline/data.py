@@ -18,8 +18,8 @@ import torch
 from posttrain.balance import FlopsCost, pack_sequences
 from posttrain.balance.exact import min_max_partition
 from posttrain.models import token_loss_sum
-from posttrain.train.dp import TrainConfig, TrainData
-from posttrain.train.dp.loop import loss_units
+from posttrain.train.sft import TrainConfig, TrainData
+from posttrain.train.sft.loop import loss_units
 
 from .config import PipelineConfig
 

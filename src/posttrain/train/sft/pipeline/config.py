@@ -57,8 +57,8 @@ class PipelineConfig(RunConfig):
             number of ranks, chunks or schedule: parameters are saved under the model's names).
         steps: optimizer steps.
         dp_size: data-parallel replicas of the pipeline (``ranks x dp_size`` processes): each
-            stage's parameters sharded over its replicas by the engine (``odc``, or ``fsdp``;
-            needs ``data``; see :mod:`posttrain.train.pipeline.dp`).
+            stage's parameters sharded over its replicas by the run's engine (needs ``data``; see
+            :mod:`posttrain.train.sft.pipeline.dp`).
         balance: with ``dp_size`` > 1, how a step's records are balanced over the replicas
             (``diff_micro``: each replica its own microbatch count; ``same_micro``: equal counts).
     """
@@ -144,9 +144,6 @@ class PipelineConfig(RunConfig):
                 raise ValueError("--dp-size needs --data (and --model-path): replicas balance a step's records")
             if self.balance not in METHODS:
                 raise ValueError(f"--balance={self.balance!r} is not one of {', '.join(METHODS)}")
-            if self.engine.name not in ("odc", "fsdp"):
-                raise ValueError(f"--dp={self.engine.name!r} is not one of odc, fsdp (the engines pipeline x data "
-                                 "parallelism is tested on)")
             engine = engine_class(self.engine.name)
             if self.schedule in SPLIT_BACKWARD and not engine.split_backward:
                 raise ValueError(f"--dp {self.engine.name} with --schedule {self.schedule}: the engine reduces "

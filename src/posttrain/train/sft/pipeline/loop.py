@@ -73,7 +73,8 @@ def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None, *,
     """Peak resident chunk-microbatches per rank that the schedule predicts, lowered as the runner
     runs it (offload, then sends and receives); ``num_microbatches``: instead of ``cfg``'s (a
     data-parallel replica's own count); ``weight_keep``: what a split backward keeps for ``W``
-    (per stage: :func:`~posttrain.train.pipeline.report.measured_weight_keep` of a run; 1, the default, assumes everything)."""
+    (per stage: :func:`~posttrain.train.sft.pipeline.report.measured_weight_keep` of a run; 1, the
+    default, assumes everything)."""
     m = num_microbatches or cfg.num_microbatches
     sched = cfg.build(m)
     lowered = add_offload(sched.actions, sched.layout, m, cfg.policy())
@@ -182,7 +183,7 @@ def _export(cfg: PipelineConfig, model, own: dict[str, torch.Tensor], rank: int,
 
 
 class PipelineDPTrainer(Trainer):
-    """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.pipeline.dp`): its
+    """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.sft.pipeline.dp`): its
     column's engine shards its stages; a runner per microbatch count."""
 
     scalars = ("loss", "step_time_s")
@@ -221,7 +222,7 @@ class PipelineDPTrainer(Trainer):
                          optimizer=cfg.optim.build(engine.parameters()), label=f"pipeline {cfg.schedule} x dp")
 
     def train_step(self, step: int) -> dict:
-        from posttrain.train.dp.loop import loss_units
+        from posttrain.train.sft.loop import loss_units
 
         from .dp import replica_plans
 
@@ -275,7 +276,7 @@ class PipelineDPTrainer(Trainer):
 
 
 def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_params: bool = False) -> dict:
-    """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.pipeline.dp`)."""
+    """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.sft.pipeline.dp`)."""
     trainer = PipelineDPTrainer(cfg, rank, world_size, return_params=return_params)
     rows = trainer.run()
     engine, result = trainer.engine, trainer.result
@@ -340,7 +341,7 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
             if cfg.dp_size == 1:
                 data.step(step)
                 continue
-            from posttrain.train.dp.loop import loss_units
+            from posttrain.train.sft.loop import loss_units
 
             from .dp import replica_plans, runnable
 
