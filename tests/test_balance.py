@@ -93,7 +93,7 @@ def test_diff_micro_balances_long_tail_better_than_fsdp_can():
 
 
 def test_bad_input_names_the_problem():
-    with pytest.raises(ValueError, match=r"max_tokens=100 is smaller than sequence 2 \(150 tokens\).*--max-tokens"):
+    with pytest.raises(ValueError, match=r"max_tokens=100 is smaller than sequence 2 \(150 tokens\); raise `max_tokens`"):
         plan_minibatch([10, 20, 150], world_size=2, max_tokens=100)
     with pytest.raises(ValueError, match="round_robin, local_sort, same_micro, diff_micro"):
         plan_minibatch([10], world_size=1, max_tokens=100, method="best")

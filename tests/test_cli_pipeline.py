@@ -45,24 +45,23 @@ def test_pipeline_bad_input_is_a_clear_error(cli, capsys):
         cli("pipeline", "--schedule", "pipedream")
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "gpipe" in err and "zbv" in err
-    rc, _, err = cli("pipeline", "--stages", "2", "--layers", "1")  # the old spelling of --ranks still works
-    assert "--stages is deprecated; use --ranks" in err
-    assert rc == 2 and "cannot be cut into 2 stages" in err
+    rc, _, err = cli("pipeline", "--ranks", "2", "--layers", "1")  # a trainer's error, named by the flags
+    assert rc == 2 and "--layers=1 cannot be cut into 2 stages" in err
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--schedule", "1f1b", "--group-size", "2"], "(--group-size)"),
-    (["--schedule", "gpipe", "--group-size", "2"], "(--group-size)"),
-    (["--schedule", "zb_h1", "--group-size", "1"], "(--group-size)"),
-    (["--schedule", "zbv", "--group-size", "2"], "(--group-size)"),
-    (["--schedule", "interleaved_1f1b", "--chunks", "2", "--group-size", "2"], "(--group-size)"),
-    (["--schedule", "zbv", "--chunks", "3"], "zbv runs 2 chunks per rank (a V), got num_chunks=3 (--chunks)"),
-    (["--schedule", "zbv", "--chunks", "1"], "(--chunks)"),
-    (["--schedule", "1f1b", "--chunks", "2"], "(--chunks)"),
-    (["--schedule", "interleaved_1f1b", "--chunks", "0"], "(--chunks)"),
-    (["--ranks", "0"], "(--ranks)"),
-    (["--microbatches", "0"], "(--microbatches)"),
-    (["--schedule", "group_interleaved", "--chunks", "2", "--group-size", "3"], "(--group-size)"),
+    (["--schedule", "1f1b", "--group-size", "2"], "1f1b takes no group size, got --group-size=2: drop it"),
+    (["--schedule", "gpipe", "--group-size", "2"], "got --group-size=2: drop it"),
+    (["--schedule", "zb_h1", "--group-size", "1"], "got --group-size=1: drop it"),
+    (["--schedule", "zbv", "--group-size", "2"], "got --group-size=2: drop it"),
+    (["--schedule", "interleaved_1f1b", "--chunks", "2", "--group-size", "2"], "got --group-size=2: drop it"),
+    (["--schedule", "zbv", "--chunks", "3"], "zbv runs 2 chunks per rank (a V), got --chunks=3: drop it"),
+    (["--schedule", "zbv", "--chunks", "1"], "got --chunks=1: drop it"),
+    (["--schedule", "1f1b", "--chunks", "2"], "got --chunks=2: drop it"),
+    (["--schedule", "interleaved_1f1b", "--chunks", "0"], "--chunks=0 must be at least 1"),
+    (["--ranks", "0"], "--ranks=0 must be at least 1"),
+    (["--microbatches", "0"], "--microbatches=0 must be at least 1"),
+    (["--schedule", "group_interleaved", "--chunks", "2", "--group-size", "3"], "--group-size=3 must be in [1, --ranks=2]"),
     (["--offload", "3"], "--offload=3"),
 ])
 def test_pipeline_flags_a_schedule_would_ignore_are_errors_naming_the_flag(cli, argv, message):

@@ -158,3 +158,18 @@ def test_every_trainer_takes_the_engine_and_optimizer_sections_from_the_same_fla
     if cfg is not None:  # (the pipeline refuses these engine options: tested in test_pipeline_hf)
         assert cfg.engine.name == "fsdp" and cfg.engine.replicas == 2 and cfg.engine.activation_checkpointing
         assert cfg.optim == type(cfg.optim)("sgd", lr=config().optim.lr)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-len", "100", "--max-tokens", "64"],
+     "--max-tokens=64 is smaller than the longest sequence (--max-len=100); raise --max-tokens"),
+    (["--layers", "0"], "--layers=0 must be at least 1"),
+    (["--dp", "fsdp", "--deterministic"], "--deterministic is for the ODC engines (--dp odc or odc-fsdp2)"),
+    (["--replicas", "0"], "--replicas=0 must be at least 1"),
+    (["--sequences", "3", "--world-size", "4"], "--sequences=3 is fewer than the 4 ranks"),  # refused at run time
+])
+def test_a_refused_value_is_named_by_its_flag(cli, argv, message):
+    """The trainers and the library name parameters (max_tokens=64); the command line writes each
+    as its flag, from the table its options are built from."""
+    rc, _, err = cli("train", *argv)
+    assert rc == 2 and message in err, err

@@ -107,17 +107,17 @@ def test_stages_are_balanced_by_cost_and_refuse_other_models(deep_model):
 
 
 def test_bad_pipeline_data_flags_are_named(deep_model, chat_data):
-    with pytest.raises(ValueError, match="--data needs --model-path"):
+    with pytest.raises(ValueError, match="`data` needs `model_path`"):
         PipelineConfig(data=chat_data)
-    with pytest.raises(ValueError, match="--sequences=2 is fewer than --microbatches=4"):
+    with pytest.raises(ValueError, match="sequences=2 is fewer than num_microbatches=4"):
         PipelineConfig(model_path=deep_model("llama"), data=chat_data, sequences=2, num_microbatches=4)
     cfg = PipelineConfig(model_path=deep_model("llama"), data=chat_data, sequences=16, num_microbatches=2, max_tokens=40)
-    with pytest.raises(ValueError, match="do not fit in --microbatches=2 microbatches of at most --max-tokens=40"):
+    with pytest.raises(ValueError, match="do not fit in num_microbatches=2 microbatches of at most max_tokens=40"):
         PipelineData(replace(cfg), load_pretrained(cfg.model_path).config).step(0)
-    with pytest.raises(ValueError, match="--dp fsdp does not write the pipeline's checkpoints yet"):
+    with pytest.raises(ValueError, match=r"engine\.name='fsdp' does not write the pipeline's checkpoints yet"):
         PipelineConfig(model_path=deep_model("llama"), data=chat_data, dp_size=2, engine=EngineConfig("fsdp"),
                        balance="same_micro", checkpoint_dir="ckpt")
-    with pytest.raises(ValueError, match="--schedule zbv, which puts the first and the last stage on one rank"):
+    with pytest.raises(ValueError, match="`schedule` zbv, which puts the first and the last stage on one rank"):
         check_model_and_data(PipelineConfig(model_path=deep_model("qwen2"), data=chat_data, dp_size=2, schedule="zbv",
                                             chunks=2))
     with pytest.raises(ValueError, match="with one pipeline rank does not support yet; use posttrain train"):
@@ -153,7 +153,7 @@ def test_a_pipeline_checkpoint_resumes_on_another_split_to_the_same_run(deep_mod
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=2e-5, rtol=1e-4, msg=name)
     assert run_pipeline(cut) == []  # nothing left to do
-    with pytest.raises(ValueError, match="--sequences"):
+    with pytest.raises(ValueError, match="written with sequences=12, this run has 8"):
         run_pipeline(replace(cut, sequences=8, steps=5))
 
 
@@ -283,7 +283,7 @@ def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_
     assert AutoModelForCausalLM.from_pretrained(out) is not None
     rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--dp-size", "2",
                      "--schedule", "zbv", "--dp", "fsdp", "--balance", "same_micro")
-    assert rc == 2 and "--dp fsdp with --schedule zbv" in err
+    assert rc == 2 and "--dp='fsdp' with --schedule='zbv'" in err
 
 
 def test_a_pipeline_resumes_with_sgd_and_another_packing(deep_model, chat_data, tmp_path):

@@ -146,6 +146,7 @@ def test_group_interleaved_zb_reproduces_the_papers_unit_clock_figures():
     assert timed.makespan == 240 and max(timed.peaks()) == 13
 
 
+@pytest.mark.full
 def test_group_interleaved_zb_is_megatrons_split_order_where_that_runs():
     for p in range(1, 9):
         for v in (1, 2, 3):
@@ -272,7 +273,7 @@ def test_offload_skips_short_lifespans_and_checks_policy():
     assert add_offload(s.actions, s.layout, 8, OffloadPolicy(1, min_lifespan=1e9)) == s.actions
     with pytest.raises(ValueError, match="offload chunks=2 exceeds the 1 chunks per rank"):
         add_offload(s.actions, s.layout, 8, OffloadPolicy(2))
-    with pytest.raises(ValueError, match="--offload='half' is not none, full or a number of chunks"):
+    with pytest.raises(ValueError, match="offload='half' is not none, full or a number of chunks"):
         OffloadPolicy.parse("half", 2)
     assert OffloadPolicy.parse("full", 4).chunks == 4 and OffloadPolicy.parse("none", 4).chunks == 0
 
@@ -309,6 +310,7 @@ def _variants():
                         yield name, p, m, v, g
 
 
+@pytest.mark.full
 def test_lowering_send_recv_changes_no_time_and_no_peak_on_any_generated_schedule():
     """One memory accounting: a schedule with OFFLOAD/RELOAD has the same per-rank peaks, start
     times and makespan once SEND/RECV are added (what the runtime runs and measures), under free
@@ -345,6 +347,7 @@ def _full_offload_peak(name, p, m, v=None, g=None, *, weight=True, weight_keep=1
     return max(simulate(lowered, s.layout, m, weight_keep=weight_keep).peaks())
 
 
+@pytest.mark.full
 def test_full_offload_keeps_a_constant_few_resident_on_every_schedule():
     """docs/pipeline.md: with full offload every schedule keeps at most 3 chunk-microbatches
     resident (group_interleaved_zb and zb_h1_tight at most 2), at any number of ranks, once the

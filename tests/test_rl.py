@@ -148,7 +148,7 @@ def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_m
 
 def test_rewards_that_raise_or_are_not_finite_are_named():
     assert load_reward("reverse_digits")("reverse 1 2 3", " 3 2 1 ") == 1.0
-    with pytest.raises(ValueError, match="--reward 'math:nope': cannot import"):
+    with pytest.raises(ValueError, match="`reward` 'math:nope': cannot import"):
         load_reward("math:nope")
     with pytest.raises(ValueError, match="give reverse_digits or module:function"):
         load_reward("nothing")
@@ -166,7 +166,7 @@ def test_prompts_too_long_or_malformed_are_named(tmp_path, chat_tokenizer_dir):
     tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"prompt": "reverse 1 2 3"}) + "\n" + json.dumps({"prompt": "reverse " + "1 " * 100}) + "\n")
-    with pytest.raises(ValueError, match=r"p.jsonl:2: a prompt of \d+ tokens plus --max-new-tokens=8 exceeds"):
+    with pytest.raises(ValueError, match=r"p.jsonl:2: a prompt of \d+ tokens plus max_new_tokens=8 exceeds"):
         load_prompts(str(p), tok, max_new_tokens=8, max_tokens=64)
     p.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"p\.jsonl:1: expected"):
@@ -194,7 +194,7 @@ def test_a_short_rl_run_reports_every_figure(tmp_path, tiny_model):
     assert (tmp_path / "out" / "config.json").exists()
     recorded = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recorded] == [0, 1] and len(recorded[0]["samples"]) == 16
-    with pytest.raises(ValueError, match="--prompts-per-step=1 is fewer than the 2 ranks"):
+    with pytest.raises(ValueError, match="prompts_per_step=1 is fewer than the 2 ranks"):
         run_rl(replace(cfg, prompts_per_step=1), world_size=2, quiet=True)
 
 
@@ -260,7 +260,7 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one(tmp_path, tiny_m
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert [json.loads(x)["step"] for x in (tmp_path / "b.jsonl").read_text().splitlines()] == [0, 1, 2]
     assert run_rl(cut, world_size=2, quiet=True) == []  # nothing left to do
-    with pytest.raises(ValueError, match="--prompts-per-step=4, this run has 2"):
+    with pytest.raises(ValueError, match="prompts_per_step=4, this run has 2"):
         run_rl(replace(cut, prompts_per_step=2, steps=5), world_size=2, quiet=True)
     # The checkpoint exports like a training checkpoint, to the same weights.
     export_checkpoint(str(tmp_path / "a"), str(tmp_path / "ea"), log=lambda *a: None)

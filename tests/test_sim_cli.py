@@ -166,21 +166,21 @@ def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_p
     (["plan", "pipeline", "--memory-gib", "-1"], "--memory-gib"),
     (["simulate", "table", "--gpus", "8,x"], "comma-separated"),
     # flags a schedule would ignore, and counts and costs out of range, named by flag
-    (["simulate", "pipeline", "--stages", "0"], "num_ranks=0 must be at least 1 (--stages)"),
-    (["simulate", "pipeline", "--microbatches", "0"], "(--microbatches)"),
+    (["simulate", "pipeline", "--ranks", "0"], "--ranks=0 must be at least 1"),
+    (["simulate", "pipeline", "--microbatches", "0"], "--microbatches=0 must be at least 1"),
     (["simulate", "pipeline", "--host-gbps", "0"], "--host-gbps=0.0 must be a positive"),
     (["simulate", "pipeline", "--forward-ms", "-1"], "--forward-ms=-1.0 must be a non-negative"),
     (["simulate", "pipeline", "--weight-ms", "nan"], "--weight-ms=nan"),
     (["simulate", "pipeline", "--activation-mib", "-2"], "--activation-mib=-2.0"),
-    (["simulate", "pipeline", "--schedule", "zbv", "--chunks", "3"], "(--chunks)"),
-    (["simulate", "pipeline", "--schedule", "1f1b", "--chunks", "2"], "(--chunks)"),
-    (["simulate", "pipeline", "--schedule", "zb_h1", "--group-size", "2"], "(--group-size)"),
-    (["simulate", "pipeline", "--schedule", "interleaved_1f1b", "--group-size", "8"], "(--group-size)"),
-    (["simulate", "pipeline", "--group-size", "9"], "(--group-size)"),
-    (["simulate", "pipeline", "--offload-chunks", "3"], "(--offload-chunks)"),
-    (["simulate", "pipeline", "--offload-chunks", "-1"], "(--offload-chunks)"),
-    (["plan", "pipeline", "--stages", "0", "--memory-gib", "4"], "num_ranks=0 must be at least 1 (--stages)"),
-    (["plan", "pipeline", "--microbatches", "0", "--memory-gib", "4"], "(--microbatches)"),
+    (["simulate", "pipeline", "--schedule", "zbv", "--chunks", "3"], "got --chunks=3: drop it"),
+    (["simulate", "pipeline", "--schedule", "1f1b", "--chunks", "2"], "got --chunks=2: drop it"),
+    (["simulate", "pipeline", "--schedule", "zb_h1", "--group-size", "2"], "got --group-size=2: drop it"),
+    (["simulate", "pipeline", "--schedule", "interleaved_1f1b", "--group-size", "8"], "got --group-size=8: drop it"),
+    (["simulate", "pipeline", "--group-size", "9"], "--group-size=9 must be in [1, --ranks=8]"),
+    (["simulate", "pipeline", "--offload-chunks", "3"], "--offload-chunks=3 must be between 0 and the 2 chunks"),
+    (["simulate", "pipeline", "--offload-chunks", "-1"], "--offload-chunks=-1 must be between 0"),
+    (["plan", "pipeline", "--ranks", "0", "--memory-gib", "4"], "--ranks=0 must be at least 1"),
+    (["plan", "pipeline", "--microbatches", "0", "--memory-gib", "4"], "--microbatches=0 must be at least 1"),
     (["plan", "pipeline", "--host-gbps", "0", "--memory-gib", "4"], "--host-gbps"),
     (["plan", "pipeline", "--backward-ms", "-1", "--memory-gib", "4"], "--backward-ms"),
     (["plan", "pipeline", "--top", "0", "--memory-gib", "4"], "--top"),
@@ -199,11 +199,12 @@ def test_unknown_profile_is_rejected_by_the_parser(capsys):
     assert e.value.code == 2 and "longalign" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("old,new", [(["--lengths", "swe_smith"], "--profile"), (["--model", "1.5b"], "--cost-model")])
-def test_old_spellings_still_work_and_name_their_replacement(old, new, capsys):
-    assert main(["plan", "odc", "--gpus", "8", "--sequences-per-gpu", "2", "--minibatches", "1", *old]) == 0
-    captured = capsys.readouterr()
-    assert f"{old[0]} is deprecated; use {new}" in captured.err and "recommended: " in captured.out
+@pytest.mark.parametrize("old", [["--model", "1.5b"], ["--stages", "4"]])
+def test_dropped_spellings_are_refused(old, capsys):
+    """One word per concept: --cost-model and --ranks have no second spelling."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "odc", "--gpus", "8", "--sequences-per-gpu", "2", "--minibatches", "1", *old])
+    assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_calibration_plumbing_on_a_tiny_config(capsys):

@@ -115,8 +115,8 @@ def test_flat_odc_resumes_on_another_world_size(first, then, tmp_path):
 
 
 @pytest.mark.parametrize("change,flag", [
-    ({"num_layers": 3}, "--layers=2"), ({"dim": 64}, "--dim=32"), ({"model": "llama"}, "--model='gpt'"),
-    ({"optim": OptimConfig("sgd")}, "--optimizer='adamw'"), ({"engine": E("fsdp")}, "resume with --dp odc"),
+    ({"num_layers": 3}, "num_layers=2"), ({"dim": 64}, "dim=32"), ({"model": "llama"}, "model='gpt'"),
+    ({"optim": OptimConfig("sgd")}, "optim.name='adamw'"), ({"engine": E("fsdp")}, "resume with `engine.name` odc"),
 ])
 def test_resume_refuses_another_model_optimizer_or_engine_in_one_line(change, flag, tmp_path):
     ckpt = str(tmp_path / "ckpt")
@@ -130,7 +130,7 @@ def test_resume_refuses_another_model_optimizer_or_engine_in_one_line(change, fl
 def test_resume_refuses_a_checkpoint_of_different_data(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_ranks(train_worker, 2, replace(BASE, steps=1, checkpoint_dir=ckpt))
-    with pytest.raises(ValueError, match="written with --seed=0, this run has 1; resuming would replay different data"):
+    with pytest.raises(ValueError, match="written with seed=0, this run has 1; resuming would replay different data"):
         run_training(replace(BASE, steps=2, seed=1, checkpoint_dir=ckpt), world_size=2, quiet=True)
 
 
@@ -170,22 +170,24 @@ def test_jsonl_data_epochs_and_positions(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"engine": ("ddp",)}, "--dp='ddp' is not one of fsdp, odc-fsdp2, odc"),
-        ({"engine": ("fsdp", {"deterministic": True})}, "--deterministic is for the ODC engines"),
-        ({"engine": ("fsdp", {"mode": "collective"})}, "--odc-mode collective is for the ODC engines"),
-        ({"engine": ("odc", {"replicas": 0})}, "--replicas=0 must be at least 1"),
-        ({"balance": "best"}, "--balance='best' is not one of round_robin"),
-        ({"profile": "zipf"}, "--profile='zipf'"),
-        ({"model": "bert"}, "--model='bert' is not one of gpt, llama"),
-        ({"engine": ("odc", {"precision": "fp8"})}, "--precision='fp8' is not one of fp32, bf16"),
-        ({"max_len": 100, "max_tokens": 64}, "--max-tokens=64 is smaller than the longest sequence"),
-        ({"steps": 0}, "--steps=0 must be at least 1"),
-        ({"num_layers": 0}, "--layers=0 must be at least 1"),
-        ({"checkpoint_every": -1}, "--checkpoint-every=-1 must be non-negative"),
-        ({"optim": ("lion",)}, "--optimizer='lion' is not one of adamw, sgd"),
+        ({"engine": ("ddp",)}, "name='ddp' is not one of fsdp, odc-fsdp2, odc"),
+        ({"engine": ("fsdp", {"deterministic": True})}, "`deterministic` is for the ODC engines"),
+        ({"engine": ("fsdp", {"mode": "collective"})}, "`mode` collective is for the ODC engines"),
+        ({"engine": ("odc", {"replicas": 0})}, "replicas=0 must be at least 1"),
+        ({"balance": "best"}, "balance='best' is not one of round_robin"),
+        ({"profile": "zipf"}, "profile='zipf'"),
+        ({"model": "bert"}, "model='bert' is not one of gpt, llama"),
+        ({"engine": ("odc", {"precision": "fp8"})}, "precision='fp8' is not one of fp32, bf16"),
+        ({"max_len": 100, "max_tokens": 64}, "max_tokens=64 is smaller than the longest sequence"),
+        ({"steps": 0}, "steps=0 must be at least 1"),
+        ({"num_layers": 0}, "num_layers=0 must be at least 1"),
+        ({"checkpoint_every": -1}, "checkpoint_every=-1 must be non-negative"),
+        ({"optim": ("lion",)}, "name='lion' is not one of adamw, sgd"),
     ],
 )
-def test_bad_config_names_the_flag(kwargs, message):
+def test_bad_config_names_the_parameter(kwargs, message):
+    """The library and the trainers name parameters; the command line names flags (see
+    test_cli_train's test_a_refused_value_is_named_by_its_flag)."""
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         sections = {"engine": EngineConfig, "optim": OptimConfig}  # (args, kwargs): a bad section fails as it is built
         replace(BASE, **{k: sections[k](*v[:1], **(v[1] if len(v) > 1 else {})) if k in sections else v
@@ -193,14 +195,14 @@ def test_bad_config_names_the_flag(kwargs, message):
 
 
 def test_more_ranks_than_sequences_is_refused_before_starting():
-    with pytest.raises(ValueError, match="--sequences=3 is fewer than the 4 ranks"):
+    with pytest.raises(ValueError, match="sequences=3 is fewer than the 4 ranks"):
         run_training(replace(BASE, sequences=3), world_size=4, quiet=True)
 
 
 def test_sequence_longer_than_max_tokens_in_a_file_names_it(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in (10, 10, 90, 10)))
-    with pytest.raises(ValueError, match=r"d.jsonl:3: a sequence of 90 tokens trains on 89, more than --max-tokens=64"):
+    with pytest.raises(ValueError, match=r"d.jsonl:3: a sequence of 90 tokens trains on 89, more than max_tokens=64"):
         run_training(replace(BASE, data=str(path), sequences=4, max_tokens=64), world_size=2, quiet=True)
 
 

@@ -119,9 +119,9 @@ def test_a_failing_step_still_closes_and_writes_nothing_after_it(tmp_path):
 
 def test_a_run_that_cannot_write_its_outputs_is_refused_before_any_rank(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match=r"--output-dir .* is a file, not a directory"):
+    with pytest.raises(ValueError, match=r"`output_dir` .* is a file, not a directory"):
         check_run(ToyConfig(output_dir=str(tmp_path / "file")))
-    with pytest.raises(ValueError, match=r"--metrics .* is a directory"):
+    with pytest.raises(ValueError, match=r"`metrics` .* is a directory"):
         check_run(ToyConfig(metrics=str(tmp_path)))
-    with pytest.raises(ValueError, match="--save-every needs --output-dir"):
+    with pytest.raises(ValueError, match="`save_every` needs `output_dir`"):
         ToyConfig(save_every=2)

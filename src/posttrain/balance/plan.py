@@ -241,7 +241,7 @@ def plan_minibatch(
         if n > max_tokens:
             raise ValueError(
                 f"max_tokens={max_tokens} is smaller than sequence {i} ({n} tokens); "
-                "raise --max-tokens or drop that sequence"
+                "raise `max_tokens` or drop that sequence"
             )
     cost = cost or TokenCost()
     costs = [float(cost(n)) for n in lengths]

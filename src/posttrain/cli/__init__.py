@@ -27,8 +27,9 @@
     python -m posttrain demo                # the same without the console script
 
 Every command's options come from the configuration dataclasses of the code it runs
-(``posttrain.cli.options``); older spellings (``--stages``, ``--lengths``, ``--model`` for a cost
-preset) still work and say which flag replaces them.
+(``posttrain.cli.options``), which is also the one place that maps a parameter to its flag: the
+library and the trainers name parameters in their errors (``max_tokens=64``), this command line
+prints the flag (``--max-tokens=64``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -71,10 +71,37 @@ def _log_failure(e: Exception) -> str:
     return path
 
 
+def _command_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
+    """Parameter -> flag for every option of the command ``argv`` runs (a section's option under
+    its own field name, unless two options share it)."""
+    actions = list(parser._actions)
+    for word in argv:  # descend into the subcommands argv names
+        sub = next((a for a in actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or word not in sub.choices:
+            continue
+        actions = list(sub.choices[word]._actions)
+    from .options import FLAGS
+
+    out: dict[str, str] = {}
+    shared: set[str] = set()
+    for a in actions:
+        longs = [o for o in a.option_strings if o.startswith("--")]
+        if not longs or a.dest in (None, argparse.SUPPRESS, "help"):
+            continue
+        out[a.dest] = longs[0]
+        name = a.dest.rsplit(".", 1)[-1]
+        if name in out and out[name] != longs[0]:
+            shared.add(name)
+        out.setdefault(name, longs[0])
+    taken = set(out.values())  # library parameters the command's options stand for under another name
+    out.update({k: v for k, v in FLAGS.items() if "." not in k and v in taken and k not in out})
+    return {k: v for k, v in out.items() if k not in shared}
+
+
 def main(argv: list[str] | None = None) -> int:
     from posttrain.launch import Interrupted, RanksFailedError
 
-    from .options import apply_config_file
+    from .options import apply_config_file, name_flags
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv[0] if argv else None)
@@ -86,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
-    except ValueError as e:
-        msg = str(e)
-        for new, typed in getattr(args, "_typed_flags", {}).items():  # a deprecated spelling was given
-            msg = re.sub(rf"{re.escape(new)}(?![\w-])", typed, msg)
-        print(f"posttrain: error: {msg}", file=sys.stderr)
+    except ValueError as e:  # a parameter the library or a trainer refused: named by its flag
+        print(f"posttrain: error: {name_flags(str(e), _command_flags(parser, argv))}", file=sys.stderr)
         rc = 2
     except RanksFailedError as e:
         print(f"posttrain: error: {e.summary()} (tracebacks: {_log_failure(e)})", file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from .options import _Deprecated, add_config_arguments, float_list, int_list
+from .options import add_config_arguments, float_list, int_list
 from .train import train_config
 
 __all__ = ["add_parser"]
@@ -176,8 +176,6 @@ def add_parser(sub) -> None:
 
     pp = bs.add_parser("pipeline", help="saved-activation peaks per schedule and offload; our runner vs torch's")
     pp.add_argument("--ranks", default="2,4", help="comma-separated pipeline sizes (default 2,4)")
-    pp.add_argument("--stages", dest="ranks", action=_Deprecated, new_flag="--ranks", default=argparse.SUPPRESS,
-                    help=argparse.SUPPRESS)
     add_config_arguments(pp, PipelineConfig, fields=("model", "dim", "num_layers", "seq_len", "batch", "seed"),
                          defaults={"dim": 128, "num_layers": 8, "seq_len": 256})
     pp.add_argument("--repeats", type=int, default=7, help="timed steps per runtime, alternating (default 7)")

@@ -1,11 +1,18 @@
-"""Command-line options generated from configuration dataclasses: one definition per flag.
+"""Command-line options generated from configuration dataclasses: one definition per flag, and
+the one place that maps a parameter to its flag.
 
-A dataclass field becomes ``--field-name`` (``metadata={"flag": "--layers"}`` renames it), its help
-is the field's entry in the class docstring's ``Attributes:`` section, its type and choices come
-from the annotation (``int``, ``float``, ``str``, ``bool``, ``X | None``, ``Literal[...]``;
+A dataclass field becomes ``--field-name`` (:data:`FLAGS` renames a few), its help is the field's
+entry in the class docstring's ``Attributes:`` section (or a base class's), its type and choices
+come from the annotation (``int``, ``float``, ``str``, ``bool``, ``X | None``, ``Literal[...]``;
 ``metadata={"choices": callable}`` for choices known at run time), and its default is the
-field's. Old spellings listed in ``metadata={"aliases": ("--stages",)}`` still work and print a
-deprecation line naming the new flag.
+field's. A field that is itself a dataclass (a section: ``engine``, ``optim``) adds its own
+fields' options.
+
+The library and the trainers name parameters in their errors, never flags: a parameter is
+written ``name=value``, or ```name``` without a value. The command line writes each as its flag
+(:func:`name_flags`): when a configuration it builds refuses a value (:func:`config_from_args`,
+with that class's own fields) and when a run fails with a ``ValueError`` (``posttrain.cli.main``,
+with every option of the command).
 """
 
 from __future__ import annotations
@@ -13,13 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import sys
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["add_config_arguments", "config_from_args", "field_docs"]
+__all__ = ["FLAGS", "add_config_arguments", "config_from_args", "field_docs", "field_flags", "name_flags"]
 
 _MISSING = dataclasses.MISSING
 
@@ -57,23 +63,6 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     return {k: " ".join(v.replace("``", "").split()) for k, v in out.items()}
 
 
-class _Deprecated(argparse.Action):
-    """Stores like the flag it stands for, after saying which flag to use."""
-
-    def __init__(self, option_strings, dest, *, new_flag: str, inner: str = "store", **kwargs):
-        self.new_flag = new_flag
-        self.inner = inner
-        if inner == "store_true":
-            kwargs["nargs"] = 0
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"posttrain: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
-        setattr(namespace, self.dest, True if self.inner == "store_true" else values)
-        # errors about the value then name the flag the user typed (see posttrain.cli.main)
-        namespace.__dict__.setdefault("_typed_flags", {})[self.new_flag] = option_string
-
-
 def _resolve(cls: type, name: str) -> Any:
     hints = typing.get_type_hints(cls, include_extras=False)
     return hints[name]
@@ -96,17 +85,59 @@ def _parse_type(annotation: Any) -> tuple[Any, tuple | None, bool]:
     return str, None, optional
 
 
-#: Flags that are not ``--`` + the parameter's name with dashes, by ``Class.field``: the one place
-#: the command line renames a parameter of the library or the trainers.
+#: Flags that are not ``--`` + the parameter's name with dashes, by ``Class.field`` or by field
+#: name: the one place the command line renames a parameter of the library or the trainers.
 FLAGS = {
     "EngineConfig.name": "--dp",
     "EngineConfig.mode": "--odc-mode",
     "OptimConfig.name": "--optimizer",
+    "num_layers": "--layers",
+    "num_ranks": "--ranks",
+    "num_microbatches": "--microbatches",
+    "num_heads": "--heads",
+    # library parameters the command line takes in other units or under the config's name
+    "num_chunks": "--chunks",
+    "num_gpus": "--gpus",
+    "intra_bandwidth": "--intra-gbps",
+    "inter_bandwidth": "--inter-gbps",
+    "host_bandwidth": "--host-gbps",
+    "achieved_flops": "--achieved-tflops",
+    "memory_budget": "--memory-gib",
 }
 
 
 def _flag(cls: type, f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or FLAGS.get(f"{cls.__name__}.{f.name}") or "--" + f.name.replace("_", "-")
+    return FLAGS.get(f"{cls.__name__}.{f.name}") or FLAGS.get(f.name) or "--" + f.name.replace("_", "-")
+
+
+def field_flags(cls: type) -> dict[str, str]:
+    """Parameter -> flag for the fields of dataclass ``cls`` and of its sections (a section's
+    field by its dotted path, ``engine.name``, and by its own name unless two sections share it)."""
+    out: dict[str, str] = {}
+    shared: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if _is_section(cls, f):
+            for name, flag in field_flags(_resolve(cls, f.name)).items():
+                out[f"{f.name}.{name}"] = flag
+                if name in out and out[name] != flag:
+                    shared.add(name)
+                out.setdefault(name, flag)
+        else:
+            out[f.name] = _flag(cls, f)
+    return {k: v for k, v in out.items() if k not in shared}
+
+
+def name_flags(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` with every parameter in ``flags`` it names (``name=value``, or ```name```; a
+    section's field by its dotted path, ``engine.name=...``) written as its flag."""
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        if name not in flags:
+            return m.group(0)
+        return flags[name] + ("=" if m.group(2) else "")
+
+    return re.sub(r"`(\w+(?:\.\w+)*)`|(?<![\w.-])(\w+(?:\.\w+)*)=(?!=)", sub, message)
 
 
 def _is_section(cls: type, f: dataclasses.Field) -> bool:
@@ -167,14 +198,6 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             text = f"{help_text.rstrip('.')} (default {default})" if default is not None else help_text
         kwargs["help"] = text.replace("%", "%%")
         parser.add_argument(flag, **kwargs)
-        for alias in f.metadata.get("aliases", ()):
-            alias_kwargs = {"dest": path, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS,
-                            "new_flag": flag, "inner": "store_true" if kind is bool else "store"}
-            if kind is not bool:
-                alias_kwargs["type"] = kind
-                if choices:
-                    alias_kwargs["choices"] = choices
-            parser.add_argument(alias, action=_Deprecated, **alias_kwargs)
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
@@ -188,12 +211,19 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> A
         elif _is_section(cls, f):
             # a section starts from the field's default, so that a command offering only some of
             # its options keeps the rest of that default
-            given = {g.name: getattr(args, f"{path}.{g.name}") for g in dataclasses.fields(_resolve(cls, f.name))
+            section = _resolve(cls, f.name)
+            given = {g.name: getattr(args, f"{path}.{g.name}") for g in dataclasses.fields(section)
                      if hasattr(args, f"{path}.{g.name}")}
-            values[f.name] = dataclasses.replace(_default(f), **given)
+            try:
+                values[f.name] = dataclasses.replace(_default(f), **given)
+            except ValueError as e:
+                raise ValueError(name_flags(str(e), field_flags(section))) from None
         elif hasattr(args, path):
             values[f.name] = getattr(args, path)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ValueError(name_flags(str(e), field_flags(cls))) from None
 
 
 def int_list(text: str, flag: str) -> list[int]:

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .options import _Deprecated, add_config_arguments, config_from_args, int_list
+from .options import add_config_arguments, config_from_args, int_list
 
 __all__ = ["ClusterOptions", "CostOptions", "LengthOptions", "WorkloadOptions", "add_parser", "dp_inputs", "workload"]
 
@@ -37,7 +37,7 @@ class LengthOptions:
         seed: length sampling seed.
     """
 
-    profile: str = field(default="longalign", metadata={"choices": _profiles, "aliases": ("--lengths",)})
+    profile: str = field(default="longalign", metadata={"choices": _profiles})
     lengths_file: str | None = None
     sequences_per_gpu: int = 8
     minibatches: int = 2
@@ -72,7 +72,7 @@ class CostOptions:
         achieved_tflops: per-GPU achieved TFLOP/s.
     """
 
-    cost_model: str = field(default="7b", metadata={"choices": _cost_models, "aliases": ("--model",)})
+    cost_model: str = field(default="7b", metadata={"choices": _cost_models})
     achieved_tflops: float = 400.0
 
 
@@ -294,8 +294,6 @@ def add_parser(sub) -> None:
     table = ss.add_parser("table", help="predicted ODC/FSDP speedup per balancing method, 8-256 GPUs")
     table.add_argument("--gpus", default="8,16,32,64,128,256", help="comma-separated GPU counts")
     table.add_argument("--cost-models", default="1.5b,7b", help="comma-separated cost presets (default 1.5b,7b)")
-    table.add_argument("--models", dest="cost_models", action=_Deprecated, new_flag="--cost-models",
-                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     table.add_argument("--profiles", default="longalign,swe_smith", help="comma-separated length profiles")
     add_config_arguments(table, LengthOptions, fields=("sequences_per_gpu", "minibatches", "seed"))
     table.add_argument("--json", default="out/sim_table.json", help="results file")

@@ -196,10 +196,10 @@ def load_tokenized(source: str | os.PathLike, tokenizer=None, *, tokenizer_path:
 
     path = Path(source)
     if not path.exists():
-        raise ValueError(f"--data {path}: no such file or directory")
+        raise ValueError(f"`data` {path}: no such file or directory")
     is_folder = path.is_dir()
     if is_folder and not ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        raise ValueError(f"--data {path} is a directory but not a `datasets` save_to_disk folder; give a .jsonl file")
+        raise ValueError(f"`data` {path} is a directory but not a `datasets` save_to_disk folder; give a .jsonl file")
     key_src = {"v": _CACHE_VERSION, "source": _source_identity(path), "tokenizer": tokenizer_fingerprint(tokenizer),
                "train_on_prompt": bool(train_on_prompt)}
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]

@@ -132,7 +132,7 @@ def encode_record(record: Any, tokenizer=None, *, train_on_prompt: bool = False)
     """
     kind = record_format(record)
     if kind != "input_ids" and tokenizer is None:
-        raise ValueError(f"a {kind!r} record needs a tokenizer: give --tokenizer DIR, or a --model-path "
+        raise ValueError(f"a {kind!r} record needs a tokenizer: give `tokenizer` DIR, or a `model_path` "
                          "directory with tokenizer files")
     if kind == "messages":
         out = _encode_messages(record["messages"], tokenizer, train_on_prompt)

@@ -110,16 +110,16 @@ class EngineConfig:
 
         cls = engine_class(self.name)
         if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"--precision={self.precision!r} is not one of fp32, bf16")
+            raise ValueError(f"precision={self.precision!r} is not one of fp32, bf16")
         if self.mode not in ("odc", "collective"):
-            raise ValueError(f"--odc-mode={self.mode!r} is not one of odc, collective")
+            raise ValueError(f"mode={self.mode!r} is not one of odc, collective")
         if self.replicas < 1:
-            raise ValueError(f"--replicas={self.replicas} must be at least 1")
+            raise ValueError(f"replicas={self.replicas} must be at least 1")
         if not cls.one_sided and self.mode == "collective":
-            raise ValueError(f"--odc-mode collective is for the ODC engines (--dp odc or odc-fsdp2); {self.name} "
+            raise ValueError(f"`mode` collective is for the ODC engines (`name` odc or odc-fsdp2); {self.name} "
                              "always synchronizes per layer")
         if not cls.one_sided and self.deterministic:
-            raise ValueError("--deterministic is for the ODC engines (--dp odc or odc-fsdp2)")
+            raise ValueError("`deterministic` is for the ODC engines (`name` odc or odc-fsdp2)")
 
     @property
     def label(self) -> str:
@@ -296,7 +296,7 @@ def data_parallel_mesh(config: EngineConfig) -> DeviceMesh:
     """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` for ``config.replicas > 1``."""
     world = dist.get_world_size()
     if world % config.replicas:
-        raise ValueError(f"--replicas={config.replicas} does not divide the {world} data-parallel ranks")
+        raise ValueError(f"replicas={config.replicas} does not divide the {world} data-parallel ranks")
     if config.replicas == 1:
         return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     return init_device_mesh("cpu", (config.replicas, world // config.replicas), mesh_dim_names=("replicate", "shard"))

@@ -34,7 +34,7 @@ def engine_names() -> tuple[str, ...]:
 def engine_class(name: str) -> type[DataParallelEngine]:
     """The class registered as ``name``."""
     if name not in _ENGINES:
-        raise ValueError(f"--dp={name!r} is not one of {', '.join(_ENGINES)}")
+        raise ValueError(f"name={name!r} is not one of {', '.join(_ENGINES)}")
     return _ENGINES[name]
 
 

@@ -36,4 +36,4 @@ def build_model(kind: str, cfg: GPTConfig) -> nn.Module:
         return GPT(cfg)
     if kind == "llama":
         return LlamaLM(cfg)
-    raise ValueError(f"--model={kind!r} is not one of {', '.join(MODELS)}")
+    raise ValueError(f"model={kind!r} is not one of {', '.join(MODELS)}")

@@ -75,11 +75,11 @@ class HFCausalLM(nn.Module):
 def _check_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(f"--model-path {p}: not a directory")
+        raise ValueError(f"`model_path` {p}: not a directory")
     if not (p / "config.json").exists():
-        raise ValueError(f"--model-path {p}: no config.json (expected a transformers model directory)")
+        raise ValueError(f"`model_path` {p}: no config.json (expected a transformers model directory)")
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-        raise ValueError(f"--model-path {p}: no weights (*.safetensors) next to config.json")
+        raise ValueError(f"`model_path` {p}: no weights (*.safetensors) next to config.json")
     return p
 
 
@@ -97,12 +97,12 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     p = _check_dir(path)
     config = AutoConfig.from_pretrained(p)
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"--model-path {p}: {config.model_type} is an encoder-decoder model; posttrain trains "
+        raise ValueError(f"`model_path` {p}: {config.model_type} is an encoder-decoder model; posttrain trains "
                          "decoder-only causal LMs")
     try:
         model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
     except (ValueError, KeyError) as e:
-        raise ValueError(f"--model-path {p}: transformers cannot load it as a causal LM ({e})") from None
+        raise ValueError(f"`model_path` {p}: transformers cannot load it as a causal LM ({e})") from None
     return HFCausalLM(model)
 
 

@@ -62,9 +62,9 @@ class OffloadPolicy:
         try:
             k = int(text)
         except ValueError:
-            raise ValueError(f"--offload={text!r} is not none, full or a number of chunks") from None
+            raise ValueError(f"offload={text!r} is not none, full or a number of chunks") from None
         if not 0 <= k <= num_chunks:
-            raise ValueError(f"--offload={k} must be between 0 and the {num_chunks} chunks per rank")
+            raise ValueError(f"offload={k} must be between 0 and the {num_chunks} chunks per rank")
         return OffloadPolicy(k)
 
 

@@ -192,38 +192,38 @@ def check_schedule_options(name: str, *, num_ranks: int, num_microbatches: int, 
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     if num_ranks < 1:
-        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1 (--ranks)")
+        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1")
     if num_microbatches < 1:
-        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be at least 1 (--microbatches)")
+        raise ValueError(f"{name}: num_microbatches={num_microbatches} must be at least 1")
     if num_chunks is not None:
         if name in ONE_CHUNK_SCHEDULES and num_chunks != 1:
-            raise ValueError(f"{name} runs one chunk per rank, got num_chunks={num_chunks} (--chunks): drop it")
+            raise ValueError(f"{name} runs one chunk per rank, got num_chunks={num_chunks}: drop it")
         if name == "zbv" and num_chunks != 2:
-            raise ValueError(f"zbv runs 2 chunks per rank (a V), got num_chunks={num_chunks} (--chunks): drop it")
+            raise ValueError(f"zbv runs 2 chunks per rank (a V), got num_chunks={num_chunks}: drop it")
         if num_chunks < 1:
-            raise ValueError(f"{name}: num_chunks={num_chunks} must be at least 1 (--chunks)")
+            raise ValueError(f"{name}: num_chunks={num_chunks} must be at least 1")
     if group_size is not None and name not in GROUPED_SCHEDULES:
         why = " (its group is the ranks: group_interleaved with group_size=num_ranks)" if name == "interleaved_1f1b" else ""
-        raise ValueError(f"{name} takes no group size{why}, got group_size={group_size} (--group-size): drop it; "
+        raise ValueError(f"{name} takes no group size{why}, got group_size={group_size}: drop it; "
                          f"only {', '.join(GROUPED_SCHEDULES)} group microbatches")
 
 
 def _check_counts(name: str, num_ranks: int, num_microbatches: int, minimum: int) -> None:
     if num_ranks < 1:
-        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1 (--ranks)")
+        raise ValueError(f"{name}: num_ranks={num_ranks} must be at least 1")
     if num_microbatches < minimum:
         raise ValueError(f"{name} needs at least {minimum} microbatches for {num_ranks} ranks, "
-                         f"got num_microbatches={num_microbatches} (--microbatches)")
+                         f"got num_microbatches={num_microbatches}")
 
 
 def _check_groups(name: str, num_ranks: int, num_microbatches: int, group_size: int) -> None:
     _check_counts(name, num_ranks, num_microbatches, 1)
     if not 1 <= group_size <= num_ranks:
-        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}] (--group-size)")
+        raise ValueError(f"{name}: group_size={group_size} must be in [1, num_ranks={num_ranks}]")
     _check_counts(name, num_ranks, num_microbatches, group_size)
     if num_microbatches % group_size:
         raise ValueError(f"{name}: num_microbatches={num_microbatches} must be a multiple of group_size={group_size} "
-                         "(--microbatches, --group-size)")
+                         "(`num_microbatches`, `group_size`)")
 
 
 def _finish(name: str, layout: StageLayout, m: int, actions, group_size=None, block_times=None) -> Schedule:

@@ -37,7 +37,7 @@ def block_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         raise ValueError(f"num_stages={num_stages} must be at least 1")
     if num_layers < num_stages:
         raise ValueError(f"cannot cut {num_layers} blocks into {num_stages} stages: every stage needs at least "
-                         f"one block (raise --layers or lower --ranks/--chunks)")
+                         f"one block (raise `num_layers` or lower `num_ranks`/`chunks`)")
     base, extra = divmod(num_layers, num_stages)
     out, lo = [], 0
     for s in range(num_stages):

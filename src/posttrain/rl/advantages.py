@@ -41,9 +41,9 @@ def compute_advantages(rewards: Sequence[float], group_size: int, *, estimator: 
             a group of one (neither estimator has a baseline then), or a non-finite reward.
     """
     if estimator not in ESTIMATORS:
-        raise ValueError(f"--advantage={estimator!r} is not one of {', '.join(ESTIMATORS)}")
+        raise ValueError(f"advantage={estimator!r} is not one of {', '.join(ESTIMATORS)}")
     if group_size < 2:
-        raise ValueError(f"--samples-per-prompt={group_size}: {estimator.upper()} compares the samples of a prompt "
+        raise ValueError(f"samples_per_prompt={group_size}: {estimator.upper()} compares the samples of a prompt "
                          "with each other and needs at least 2")
     r = torch.tensor(list(rewards), dtype=torch.float64)
     if r.numel() % group_size:

@@ -76,7 +76,7 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, kl
     minibatch's :func:`loss_units` before ``backward``), and sums for the step's statistics:
     ``tokens``, ``clipped`` tokens, ``kl`` and ``entropy`` sums over response tokens."""
     if agg not in LOSS_AGGS:
-        raise ValueError(f"--loss-agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
+        raise ValueError(f"loss_agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
     inputs = torch.cat([r.input_ids[:-1] for r in rollouts]).unsqueeze(0)
     targets = torch.cat([r.input_ids[1:] for r in rollouts])
     lengths = [len(r) - 1 for r in rollouts]

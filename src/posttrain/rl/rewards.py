@@ -42,13 +42,13 @@ def load_reward(spec: str) -> RewardFn:
         return reverse_digits_reward
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise ValueError(f"--reward {spec!r}: give reverse_digits or module:function")
+        raise ValueError(f"`reward` {spec!r}: give reverse_digits or module:function")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"--reward {spec!r}: cannot import it ({e})") from None
+        raise ValueError(f"`reward` {spec!r}: cannot import it ({e})") from None
     if not callable(fn):
-        raise ValueError(f"--reward {spec!r} is not callable")
+        raise ValueError(f"`reward` {spec!r} is not callable")
     return fn
 
 
@@ -57,11 +57,11 @@ def call_reward(fn: RewardFn, prompt: Any, response: str, *, name: str = "reward
     try:
         value = fn(prompt, response)
     except Exception as e:  # the user's function: report, do not crash deep inside the loop
-        raise ValueError(f"--reward {name} raised {type(e).__name__}: {e} (response {response[:60]!r})") from None
+        raise ValueError(f"`reward` {name} raised {type(e).__name__}: {e} (response {response[:60]!r})") from None
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"--reward {name} returned {value!r}, not a number (response {response[:60]!r})") from None
+        raise ValueError(f"`reward` {name} returned {value!r}, not a number (response {response[:60]!r})") from None
     if not math.isfinite(value):
-        raise ValueError(f"--reward {name} returned {value} (response {response[:60]!r}); rewards must be finite")
+        raise ValueError(f"`reward` {name} returned {value} (response {response[:60]!r}); rewards must be finite")
     return value

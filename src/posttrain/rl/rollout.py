@@ -46,11 +46,11 @@ class HFRollout:
     def __init__(self, model: nn.Module, *, eos_token_id: int, pad_token_id: int | None, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int = 64) -> None:
         if not temperature > 0:
-            raise ValueError(f"--temperature={temperature} must be positive")
+            raise ValueError(f"temperature={temperature} must be positive")
         if not 0 < top_p <= 1:
-            raise ValueError(f"--top-p={top_p} must be in (0, 1]")
+            raise ValueError(f"top_p={top_p} must be in (0, 1]")
         if max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens={max_new_tokens} must be at least 1")
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
         self.model = model.eval()
         self.eos, self.pad = eos_token_id, pad_token_id if pad_token_id is not None else eos_token_id
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens

@@ -36,20 +36,19 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
-            raise ValueError(f"num_gpus={self.num_gpus}: a cluster needs at least 1 GPU (--gpus)")
+            raise ValueError(f"num_gpus={self.num_gpus}: a cluster needs at least 1 GPU")
         if self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node={self.gpus_per_node} must be at least 1 (--gpus-per-node)")
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} must be at least 1")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(f"num_gpus={self.num_gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")
         for name in ("intra_bandwidth", "inter_bandwidth", "accumulate_bandwidth"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
-                flag = {"intra_bandwidth": "--intra-gbps", "inter_bandwidth": "--inter-gbps"}.get(name, name)
-                raise ValueError(f"{name}={v} must be a positive number of bytes/s ({flag})")
+                raise ValueError(f"{name}={v} must be a positive number of bytes/s")
         for name in ("intra_latency", "inter_latency"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name}={v} must be a non-negative number of seconds (--{name.replace('_', '-')})")
+                raise ValueError(f"{name}={v} must be a non-negative number of seconds")
 
     @property
     def node_size(self) -> int:

@@ -104,7 +104,7 @@ class SimModel:
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
-            raise ValueError(f"num_layers={self.num_layers} must be at least 1 (--layers)")
+            raise ValueError(f"num_layers={self.num_layers} must be at least 1")
         for name in ("layer_param_bytes", "layer_grad_bytes", "optimizer_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be non-negative")
@@ -129,7 +129,7 @@ class SimModel:
         if name not in MODEL_SHAPES:
             raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_SHAPES)}")
         if not achieved_flops > 0:
-            raise ValueError(f"achieved_flops={achieved_flops} must be positive (--achieved-tflops)")
+            raise ValueError(f"achieved_flops={achieved_flops} must be positive")
         shape = MODEL_SHAPES[name]
         lin = 2.0 * shape.linear_params / shape.num_layers / achieved_flops  # the head spread over the layers
         quad = 2.0 * shape.hidden / achieved_flops

@@ -45,14 +45,13 @@ class PipelineWorkload:
 
     def __post_init__(self) -> None:
         if not 0 <= self.weight_keep <= 1:
-            raise ValueError(f"weight_keep={self.weight_keep} must be between 0 and 1 (--weight-keep)")
+            raise ValueError(f"weight_keep={self.weight_keep} must be between 0 and 1")
         for name in ("forward_s", "input_grad_s", "weight_grad_s", "activation_bytes"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name}={v} must be a non-negative number")
         if not self.host_bandwidth > 0:
-            raise ValueError(f"host_bandwidth={self.host_bandwidth} must be a positive number of bytes/s "
-                             "(--host-gbps)")
+            raise ValueError(f"host_bandwidth={self.host_bandwidth} must be a positive number of bytes/s")
 
     @property
     def copy_s(self) -> float:
@@ -146,7 +145,7 @@ def simulate_pipeline(schedule: str, *, num_ranks: int, num_microbatches: int, n
                            num_chunks=num_chunks, group_size=group_size)
     if not 0 <= offload_chunks <= sched.layout.num_chunks:
         raise ValueError(f"offload_chunks={offload_chunks} must be between 0 and the {sched.layout.num_chunks} chunks "
-                         "per rank (--offload-chunks)")
+                         "per rank")
     d = workload.durations()
     base = simulate(sched.actions, sched.layout, num_microbatches, durations=d, weight_keep=workload.weight_keep)
     policy = OffloadPolicy(offload_chunks, 2 * workload.copy_s if min_lifespan is None else min_lifespan)

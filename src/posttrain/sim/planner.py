@@ -33,7 +33,7 @@ def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Clus
     options = sorted(set(max_tokens_options))
     if not options or options[-1] < longest:
         raise ValueError(f"no max_tokens option holds the longest sequence ({longest} tokens); "
-                         f"raise --max-tokens (got {list(options)})")
+                         f"raise `max_tokens` (got {list(options)})")
     rows = []
     for mt in (o for o in options if o >= longest):
         ref = None
@@ -86,12 +86,11 @@ def plan_pipeline(*, num_ranks: int, num_microbatches: int, workload: PipelineWo
 
     ``workload`` is per chunk-microbatch at one chunk per rank; with ``v`` chunks each chunk holds
     ``1/v`` of a rank's layers, so its times and activation bytes are divided by ``v``."""
-    for name, value, flag in (("num_ranks", num_ranks, "--ranks"), ("num_microbatches", num_microbatches,
-                                                                    "--microbatches")):
+    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
         if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1 ({flag})")
+            raise ValueError(f"{name}={value} must be at least 1")
     if not memory_budget > 0:
-        raise ValueError(f"memory_budget={memory_budget} must be positive (--memory-gib)")
+        raise ValueError(f"memory_budget={memory_budget} must be positive")
     fits, tried = [], 0
     for c in pipeline_candidates(num_ranks, chunk_options):
         v = c["num_chunks"]

@@ -59,30 +59,31 @@ def check_resumable(cfg: RunConfig) -> dict | None:
     own_kind = cfg.CHECKPOINT_FORMAT  # a run of its own kind (pipeline), else an engine's
     mine = own_kind or engine_class(cfg.engine.name).checkpoint_format
     if own_kind is not None and fmt != own_kind:
-        raise ValueError(f"checkpoint {path} holds {fmt} state, not a {own_kind} run's; give another --checkpoint-dir")
+        raise ValueError(f"checkpoint {path} holds {fmt} state, not a {own_kind} run's; give another `checkpoint_dir`")
     if own_kind is None and fmt == "pipeline":
         raise ValueError(f"checkpoint {path} is a posttrain pipeline run's; resume it with posttrain pipeline")
     for k in cfg.DATA_FIELDS:
         if meta["config"].get(k) != getattr(cfg, k):
             raise ValueError(
-                f"checkpoint {path} was written with --{k.replace('_', '-')}={meta['config'].get(k)!r}, "
+                f"checkpoint {path} was written with {k}={meta['config'].get(k)!r}, "
                 f"this run has {getattr(cfg, k)!r}; resuming would replay different data"
             )
-    for field, flag in cfg.state_fields():
+    for field in cfg.state_fields():
         was, now = config_value(saved, field), config_value(cfg, field)
         if was is not None and was != now:
             raise ValueError(
-                f"checkpoint {path} holds a run with {flag}={was!r}, this run has {flag}={now!r}; "
-                f"give {flag} {was} to resume it, or another --checkpoint-dir to start afresh"
+                f"checkpoint {path} holds a run with {field}={was!r}, this run has {field}={now!r}; "
+                f"give `{field}` {was} to resume it, or another `checkpoint_dir` to start afresh"
             )
     steps_done = int(meta["steps_done"])
     if meta.get("data_position") != steps_done * cfg.sequences_per_step:
         raise ValueError(f"checkpoint {path}: data position {meta.get('data_position')} does not match {steps_done} "
-                         f"steps of {cfg.sequences_per_step} records (a different --sequences, --batch or --microbatches?)")
+                         f"steps of {cfg.sequences_per_step} records (a different `sequences`, `batch` or `num_microbatches`?)")
     if own_kind is None and fmt is not None and fmt != mine:
         raise ValueError(
-            f"checkpoint {path} was written by --dp {config_value(saved, 'engine.name')} ({fmt} state), which --dp "
-            f"{cfg.engine.name} cannot load ({mine} state); resume with --dp {config_value(saved, 'engine.name')}"
+            f"checkpoint {path} was written by engine.name={config_value(saved, 'engine.name')!r} ({fmt} state), "
+            f"which engine.name={cfg.engine.name!r} cannot load ({mine} state); resume with `engine.name` "
+            f"{config_value(saved, 'engine.name')}"
         )
     return meta
 

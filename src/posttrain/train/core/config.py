@@ -30,9 +30,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
-            raise ValueError(f"--optimizer={self.name!r} is not one of adamw, sgd")
+            raise ValueError(f"name={self.name!r} is not one of adamw, sgd")
         if not self.lr > 0:
-            raise ValueError(f"--lr={self.lr} must be positive")
+            raise ValueError(f"lr={self.lr} must be positive")
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """The optimizer over ``params``."""
@@ -81,10 +81,10 @@ class RunConfig:
     #: The format of the trainer's own checkpoints, where they are not its engine's (``None``).
     CHECKPOINT_FORMAT: ClassVar[str | None] = None
 
-    def state_fields(self) -> tuple[tuple[str, str], ...]:
-        """Fields that decide the shapes a checkpoint holds (a resumed run must agree on them),
-        with their flags."""
-        return (("optim.name", "--optimizer"),)
+    def state_fields(self) -> tuple[str, ...]:
+        """Fields that decide the shapes a checkpoint holds (a resumed run must agree on them), by
+        their dotted paths."""
+        return ("optim.name",)
 
     @property
     def sequences_per_step(self) -> int:
@@ -93,13 +93,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError(f"--steps={self.steps} must be at least 1")
+            raise ValueError(f"steps={self.steps} must be at least 1")
         if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be non-negative")
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be non-negative")
         if self.save_every < 0:
-            raise ValueError(f"--save-every={self.save_every} must be non-negative")
+            raise ValueError(f"save_every={self.save_every} must be non-negative")
         if self.save_every and not self.output_dir:
-            raise ValueError("--save-every needs --output-dir")
+            raise ValueError("`save_every` needs `output_dir`")
 
     def due(self, step: int, every: int) -> bool:
         """Whether step ``step`` (0-based) ends on a multiple of ``every`` or is the last."""

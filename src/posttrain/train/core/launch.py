@@ -43,10 +43,10 @@ def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None) -
     written (the run's own and ``outputs``, ``{flag: file path}``), or a checkpoint under
     ``checkpoint_dir`` that is unreadable or was written by another kind of run. Returns that
     checkpoint's metadata (``None``: nothing to resume)."""
-    for flag, path in (("--checkpoint-dir", cfg.checkpoint_dir), ("--output-dir", cfg.output_dir),
-                       ("--tensorboard", cfg.tensorboard)):
+    for flag, path in (("`checkpoint_dir`", cfg.checkpoint_dir), ("`output_dir`", cfg.output_dir),
+                       ("`tensorboard`", cfg.tensorboard)):
         check_output_path(flag, path, directory=True)
-    for flag, path in {"--metrics": cfg.metrics, **(outputs or {})}.items():
+    for flag, path in {"`metrics`": cfg.metrics, **(outputs or {})}.items():
         check_output_path(flag, path, directory=False)
     return check_resumable(cfg)
 
@@ -61,7 +61,7 @@ def launch_world(world_size: int) -> tuple[int, bool]:
     """``(world size, whether this process leads)`` of a run asked for ``world_size`` processes:
     under ``torchrun``, torchrun's world and whether this is its rank 0."""
     if world_size < 1:
-        raise ValueError(f"--world-size={world_size} must be at least 1")
+        raise ValueError(f"world_size={world_size} must be at least 1")
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]) == 0
     return world_size, True

@@ -68,27 +68,27 @@ class RLConfig(RunConfig):
 
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("prompts", "prompts_per_step", "seed")
 
-    def state_fields(self) -> tuple[tuple[str, str], ...]:
-        return (("model_path", "--model-path"), *super().state_fields())
+    def state_fields(self) -> tuple[str, ...]:
+        return ("model_path", *super().state_fields())
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, choices in (("balance", METHODS), ("advantage", ESTIMATORS), ("loss_agg", LOSS_AGGS),
                               ("scale_rewards", ("std", "none"))):
             if getattr(self, name) not in choices:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
         for name in ("prompts_per_step", "ppo_epochs", "minibatches", "max_new_tokens", "max_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.samples_per_prompt < 2:
-            raise ValueError(f"--samples-per-prompt={self.samples_per_prompt}: {self.advantage.upper()} compares the "
+            raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: {self.advantage.upper()} compares the "
                              "samples of a prompt with each other and needs at least 2")
         if not 0 < self.clip_eps < 1:
-            raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
+            raise ValueError(f"clip_eps={self.clip_eps} must be in (0, 1)")
         if self.kl_coef < 0:
-            raise ValueError(f"--kl-coef={self.kl_coef} must be non-negative")
+            raise ValueError(f"kl_coef={self.kl_coef} must be non-negative")
         if self.minibatches > self.prompts_per_step * self.samples_per_prompt:
-            raise ValueError(f"--minibatches={self.minibatches} exceeds the {self.prompts_per_step * self.samples_per_prompt} "
+            raise ValueError(f"minibatches={self.minibatches} exceeds the {self.prompts_per_step * self.samples_per_prompt} "
                              "samples of a step")
 
     @property

@@ -21,19 +21,19 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     result (``{"metrics": [...]}``; ``[]`` on torchrun ranks other than 0)."""
     world_size, lead = launch_world(world_size)
     if cfg.model_path is None or cfg.prompts is None:
-        raise ValueError("posttrain rl needs --model-path (a transformers model directory) and --prompts (a JSONL file)")
+        raise ValueError("posttrain rl needs `model_path` (a transformers model directory) and `prompts` (a JSONL file)")
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-        raise ValueError(f"--model-path {cfg.model_path}: no config.json (expected a transformers model directory)")
+        raise ValueError(f"`model_path` {cfg.model_path}: no config.json (expected a transformers model directory)")
     say = print if (lead and not quiet) else (lambda *a, **k: None)
-    meta = check_run(cfg, {"--record": cfg.record})  # unwritable outputs, a mismatched checkpoint: one line
+    meta = check_run(cfg, {"`record`": cfg.record})  # unwritable outputs, a mismatched checkpoint: one line
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--model-path {cfg.model_path}: no tokenizer transformers can load ({e})") from None
+        raise ValueError(f"`model_path` {cfg.model_path}: no tokenizer transformers can load ({e})") from None
     prompts = load_prompts(cfg.prompts, tok, max_new_tokens=cfg.max_new_tokens, max_tokens=cfg.max_tokens)
     load_reward(cfg.reward)
     if cfg.prompts_per_step < world_size:
-        raise ValueError(f"--prompts-per-step={cfg.prompts_per_step} is fewer than the {world_size} ranks")
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {world_size} ranks")
     say(f"posttrain rl: {cfg.advantage} with {cfg.engine.label}+{cfg.balance} updates on {world_size} CPU processes, "
         f"{cfg.prompts_per_step} of {len(prompts)} prompts x {cfg.samples_per_prompt} samples per step, {cfg.steps} steps",
         flush=True)

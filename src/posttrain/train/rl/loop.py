@@ -72,7 +72,7 @@ def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int) 
     try:
         f = open(path)
     except OSError as e:
-        raise ValueError(f"--prompts {path}: {e.strerror}") from None
+        raise ValueError(f"`prompts` {path}: {e.strerror}") from None
     with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -95,11 +95,11 @@ def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int) 
             if not ids:
                 raise ValueError(f"{where}: the prompt is empty")
             if len(ids) + max_new_tokens > max_tokens + 1:
-                raise ValueError(f"{where}: a prompt of {len(ids)} tokens plus --max-new-tokens={max_new_tokens} "
-                                 f"exceeds --max-tokens={max_tokens} + 1; raise --max-tokens or shorten it")
+                raise ValueError(f"{where}: a prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} "
+                                 f"exceeds max_tokens={max_tokens} + 1; raise `max_tokens` or shorten it")
             out.append(Prompt(raw, ids, where))
     if not out:
-        raise ValueError(f"--prompts {path}: no prompts")
+        raise ValueError(f"`prompts` {path}: no prompts")
     return out
 
 

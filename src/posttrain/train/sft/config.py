@@ -63,17 +63,16 @@ class TrainConfig(RunConfig):
     max_len: int = 512
     max_tokens: int = 512
     dim: int = 128
-    num_layers: int = field(default=4, metadata={"flag": "--layers"})
+    num_layers: int = 4
     eval_data: str | None = None
     eval_every: int = 0
 
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("profile", "data", "sequences", "max_len", "seed", "train_on_prompt",
                                               "truncate", "skip_long")
 
-    def state_fields(self) -> tuple[tuple[str, str], ...]:
-        gpt = (("max_tokens", "--max-tokens"),) if self.model == "gpt" else ()  # sizes its position table
-        return (("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
-                *super().state_fields(), *gpt)
+    def state_fields(self) -> tuple[str, ...]:
+        gpt = ("max_tokens",) if self.model == "gpt" else ()  # sizes its position table
+        return ("model_path", "model", "dim", "num_layers", *super().state_fields(), *gpt)
 
     @property
     def sequences_per_step(self) -> int:
@@ -83,33 +82,32 @@ class TrainConfig(RunConfig):
         super().__post_init__()
         for name, choices in (("balance", METHODS), ("profile", PROFILES), ("model", MODELS)):
             if getattr(self, name) not in choices:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
         for name in ("sequences", "dim", "num_layers"):
             if getattr(self, name) < 1:
-                flag = "layers" if name == "num_layers" else name
-                raise ValueError(f"--{flag}={getattr(self, name)} must be at least 1")
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.loss_norm not in ("token", "sequence"):
-            raise ValueError(f"--loss-norm={self.loss_norm!r} is not one of token, sequence")
+            raise ValueError(f"loss_norm={self.loss_norm!r} is not one of token, sequence")
         if self.truncate and self.skip_long:
-            raise ValueError("--truncate and --skip-long exclude each other: choose one")
+            raise ValueError("`truncate` and `skip_long` exclude each other: choose one")
         if self.vocab_size is not None and self.vocab_size < 2:
-            raise ValueError(f"--vocab-size={self.vocab_size} must be at least 2")
+            raise ValueError(f"vocab_size={self.vocab_size} must be at least 2")
         if self.eval_every < 0:
-            raise ValueError(f"--eval-every={self.eval_every} must be non-negative")
+            raise ValueError(f"eval_every={self.eval_every} must be non-negative")
         if self.eval_every and not self.eval_data:
-            raise ValueError("--eval-every needs --eval-data")
+            raise ValueError("`eval_every` needs `eval_data`")
         if self.output_dir and self.model_path is None and self.model == "gpt":
-            raise ValueError("--output-dir writes a transformers model: give --model-path (or --model llama)")
+            raise ValueError("`output_dir` writes a transformers model: give `model_path` (or `model` llama)")
         if self.data is None:
             if self.max_len < 8:
-                raise ValueError(f"--max-len={self.max_len} must be at least 8")
+                raise ValueError(f"max_len={self.max_len} must be at least 8")
             if self.max_tokens < self.max_len:
                 raise ValueError(
-                    f"--max-tokens={self.max_tokens} is smaller than the longest sequence "
-                    f"(--max-len={self.max_len}); raise --max-tokens"
+                    f"max_tokens={self.max_tokens} is smaller than the longest sequence "
+                    f"(max_len={self.max_len}); raise `max_tokens`"
                 )
         elif self.max_tokens < 1:
-            raise ValueError(f"--max-tokens={self.max_tokens} must be at least 1")
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
 
     def model_config(self, vocab_size: int = SYNTHETIC_VOCAB) -> GPTConfig:
         """The model shape: heads of about 32 channels (the most heads up to ``dim // 32`` that

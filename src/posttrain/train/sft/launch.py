@@ -33,15 +33,15 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
     """
     world_size, lead = launch_world(world_size)
     if world_size % cfg.engine.replicas:
-        raise ValueError(f"--replicas={cfg.engine.replicas} does not divide --world-size={world_size}")
+        raise ValueError(f"replicas={cfg.engine.replicas} does not divide world_size={world_size}")
     say = print if (lead and not quiet) else (lambda *a, **k: None)
     check_run(cfg, outputs)  # unwritable outputs, a mismatched checkpoint: one line, before any work
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
     data = TrainData(cfg, world_size, log=say)
     if data.dropped:
-        say(f"--skip-long: left out {data.dropped} of {len(data.dataset)} sequences longer than {cfg.max_tokens + 1} tokens")
+        say(f"skip_long: left out {data.dropped} of {len(data.dataset)} sequences longer than {cfg.max_tokens + 1} tokens")
     if data.truncated:
-        say(f"--truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
+        say(f"truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
     source = cfg.data or f"{cfg.profile} synthetic"
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
     say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {world_size} CPU processes, {model} "
@@ -101,12 +101,12 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
         return _export_pipeline_checkpoint(path, meta, out_dir, log=log)
     kw = dict(saved)
     if "prompts" in saved:
-        kw.pop("max_tokens", None)  # an RL run's: it has no --max-len to agree with
+        kw.pop("max_tokens", None)  # an RL run's: it has no `max_len` to agree with
     cfg = config_from_dict(TrainConfig, kw)
     cfg = replace(cfg, engine=replace(cfg.engine, replicas=1), output_dir=out_dir, save_every=0, checkpoint_dir=None,
                   progress=False)
     if cfg.model_path and not os.path.isdir(cfg.model_path):
-        raise ValueError(f"{path} was trained from --model-path {cfg.model_path}, which is gone; export needs its "
+        raise ValueError(f"{path} was trained from `model_path` {cfg.model_path}, which is gone; export needs its "
                          "config and tokenizer")
     check_output_path("OUT_DIR", out_dir, directory=True)
     # The vocabulary: the model's with --model-path; else that of the run's data (synthetic, or
@@ -128,9 +128,9 @@ def _export_pipeline_checkpoint(path: str, meta: dict, out_dir: str, *, log=prin
     saved = meta["full_config"]
     model_path = saved.get("model_path")
     if not model_path:
-        raise ValueError(f"{path}: a pipeline run of the built-in model; export needs a --model-path run")
+        raise ValueError(f"{path}: a pipeline run of the built-in model; export needs a `model_path` run")
     if not os.path.isdir(model_path):
-        raise ValueError(f"{path} was trained from --model-path {model_path}, which is gone; export needs its config "
+        raise ValueError(f"{path} was trained from `model_path` {model_path}, which is gone; export needs its config "
                          "and tokenizer")
     check_output_path("OUT_DIR", out_dir, directory=True)
     log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")

@@ -50,13 +50,13 @@ def load_tokenizer(cfg: TrainConfig):
     if path is None:
         return None, None
     if not os.path.isdir(path):
-        raise ValueError(f"--tokenizer {path}: not a directory")
+        raise ValueError(f"`tokenizer` {path}: not a directory")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path), path
     except (OSError, ValueError) as e:
-        raise ValueError(f"--tokenizer {path}: transformers cannot load a tokenizer there ({e})") from None
+        raise ValueError(f"`tokenizer` {path}: transformers cannot load a tokenizer there ({e})") from None
 
 
 def model_vocab_size(cfg: TrainConfig) -> int | None:
@@ -66,7 +66,7 @@ def model_vocab_size(cfg: TrainConfig) -> int | None:
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-        raise ValueError(f"--model-path {cfg.model_path}: no config.json (expected a transformers model directory)")
+        raise ValueError(f"`model_path` {cfg.model_path}: no config.json (expected a transformers model directory)")
     return int(AutoConfig.from_pretrained(cfg.model_path).vocab_size)
 
 
@@ -92,14 +92,14 @@ class TrainData:
         self._index = None
         self._perm = None
         if cfg.sequences < world_size:
-            raise ValueError(f"--sequences={cfg.sequences} is fewer than the {world_size} ranks; every rank needs data")
+            raise ValueError(f"sequences={cfg.sequences} is fewer than the {world_size} ranks; every rank needs data")
         model_vocab = model_vocab_size(cfg)
         self.eval_dataset = self._eval_index = None
         if cfg.data is None:
             if cfg.eval_data:
-                raise ValueError("--eval-data needs --data (synthetic runs have no held-out set)")
+                raise ValueError("`eval_data` needs `data` (synthetic runs have no held-out set)")
             if model_vocab is not None and model_vocab < SYNTHETIC_VOCAB:
-                raise ValueError(f"synthetic data uses {SYNTHETIC_VOCAB} token ids; --model-path has a vocabulary "
+                raise ValueError(f"synthetic data uses {SYNTHETIC_VOCAB} token ids; `model_path` has a vocabulary "
                                  f"of {model_vocab}")
             self.vocab_size = model_vocab or SYNTHETIC_VOCAB
             return
@@ -110,12 +110,12 @@ class TrainData:
         if len(keep) < world_size:
             raise ValueError(f"{cfg.data} holds {len(keep)} usable sequences, fewer than the {world_size} ranks")
         if cfg.sequences > len(keep):
-            raise ValueError(f"--sequences={cfg.sequences} exceeds the {len(keep)} usable sequences in {cfg.data}")
+            raise ValueError(f"sequences={cfg.sequences} exceeds the {len(keep)} usable sequences in {cfg.data}")
         if cfg.eval_data:
             self.eval_dataset, self._eval_index, _, dropped, cut = _prepare(
                 cfg.eval_data, cfg, tokenizer, tok_path, model_vocab, log, vocab=self.vocab_size)
             if log and (dropped or cut):
-                log(f"--eval-data: {'left out' if dropped else 'cut'} {dropped or cut} sequences longer than "
+                log(f"eval_data: {'left out' if dropped else 'cut'} {dropped or cut} sequences longer than "
                     f"{cfg.max_tokens + 1} tokens")
 
     def eval_samples(self) -> list[Sample]:
@@ -161,21 +161,21 @@ def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model
     if vocab is not None:
         flag = "the training data's vocabulary"
     elif model_vocab is not None:
-        vocab, flag = model_vocab, "--model-path's vocabulary"
+        vocab, flag = model_vocab, "`model_path`'s vocabulary"
     elif cfg.vocab_size is not None:
-        vocab, flag = cfg.vocab_size, f"--vocab-size={cfg.vocab_size}"
+        vocab, flag = cfg.vocab_size, f"vocab_size={cfg.vocab_size}"
     elif tokenizer is not None:
         vocab, flag = len(tokenizer), "the tokenizer's vocabulary"
     else:
         vocab, flag = ds.max_id + 1, None
         if vocab > _MAX_INFERRED_VOCAB:
-            flag = f"the {_MAX_INFERRED_VOCAB} ids posttrain infers without --vocab-size"
+            flag = f"the {_MAX_INFERRED_VOCAB} ids posttrain infers without `vocab_size`"
             vocab = _MAX_INFERRED_VOCAB
     if ds.max_id >= vocab:
         max_ids = np.asarray(ds.table["max_id"], dtype=np.int64)
         bad = int(np.nonzero(max_ids >= vocab)[0][0])
         raise ValueError(f"{ds.where(bad)}: token id {int(max_ids[bad])} is outside {flag} ({vocab} ids); "
-                         "give the right --vocab-size or --tokenizer")
+                         "give the right `vocab_size` or `tokenizer`")
     limit = cfg.max_tokens + 1  # a sequence of n tokens trains on n - 1 positions
     long = np.nonzero(ds.lengths > limit)[0]
     keep, dropped, truncated = np.arange(len(ds)), 0, 0
@@ -188,6 +188,6 @@ def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model
             first = int(long[0])
             n = int(ds.lengths[first])
             raise ValueError(f"{ds.where(first)}: a sequence of {n} tokens trains on {n - 1}, more than "
-                             f"--max-tokens={cfg.max_tokens} fit in a microbatch ({long.size} such sequences); "
-                             "raise --max-tokens, or give --truncate or --skip-long")
+                             f"max_tokens={cfg.max_tokens} fit in a microbatch ({long.size} such sequences); "
+                             "raise `max_tokens`, or give `truncate` or `skip_long`")
     return ds, keep, vocab, dropped, truncated

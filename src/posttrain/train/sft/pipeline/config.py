@@ -66,17 +66,17 @@ class PipelineConfig(RunConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
     steps: int = 3
     schedule: str = field(default="1f1b", metadata={"choices": lambda: SCHEDULES})
-    num_ranks: int = field(default=2, metadata={"flag": "--ranks", "aliases": ("--stages",)})
+    num_ranks: int = 2
     chunks: int | None = None
-    num_microbatches: int = field(default=4, metadata={"flag": "--microbatches"})
+    num_microbatches: int = 4
     group_size: int | None = None
     offload: str = "none"
     no_weight_split: bool = False
     model: str = field(default="gpt", metadata={"choices": lambda: MODELS})
     dim: int = 64
-    num_layers: int = field(default=4, metadata={"flag": "--layers"})
-    num_heads: int = field(default=4, metadata={"flag": "--heads"})
-    vocab_size: int = field(default=64, metadata={"flag": "--vocab"})
+    num_layers: int = 4
+    num_heads: int = 4
+    vocab_size: int = 64
     seq_len: int = 64
     batch: int = 2
     model_path: str | None = None
@@ -95,24 +95,21 @@ class PipelineConfig(RunConfig):
                                               "truncate", "skip_long")
     CHECKPOINT_FORMAT: ClassVar[str | None] = "pipeline"
 
-    def state_fields(self) -> tuple[tuple[str, str], ...]:
-        return (("model_path", "--model-path"), ("model", "--model"), ("dim", "--dim"), ("num_layers", "--layers"),
-                ("vocab_size", "--vocab"), ("seq_len", "--seq-len"), *super().state_fields())
+    def state_fields(self) -> tuple[str, ...]:
+        return ("model_path", "model", "dim", "num_layers", "vocab_size", "seq_len", *super().state_fields())
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_schedule_options(self.schedule, num_ranks=self.num_ranks, num_microbatches=self.num_microbatches,
                                num_chunks=self.chunks, group_size=self.group_size)
         if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; valid: {', '.join(MODELS)}")
-        flags = {"num_ranks": "ranks", "num_microbatches": "microbatches", "dim": "dim",
-                 "num_layers": "layers", "num_heads": "heads", "vocab_size": "vocab", "seq_len": "seq-len",
-                 "batch": "batch", "steps": "steps"}
-        for name, flag in flags.items():
+            raise ValueError(f"model={self.model!r} is not one of {', '.join(MODELS)}")
+        for name in ("num_ranks", "num_microbatches", "dim", "num_layers", "num_heads", "vocab_size", "seq_len",
+                     "batch"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{flag}={getattr(self, name)} must be at least 1")
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.model_path is None and self.num_layers < self.num_stages:
-            raise ValueError(f"--layers={self.num_layers} cannot be cut into {self.num_stages} stages "
+            raise ValueError(f"num_layers={self.num_layers} cannot be cut into {self.num_stages} stages "
                              f"({self.num_ranks} ranks x {self.num_chunks} chunks): need at least one block each")
         OffloadPolicy.parse(self.offload, self.num_chunks)
         self._check_data()
@@ -120,43 +117,43 @@ class PipelineConfig(RunConfig):
 
     def _check_data(self) -> None:
         if self.data and not self.model_path:
-            raise ValueError("--data needs --model-path (a transformers model directory to train)")
+            raise ValueError("`data` needs `model_path` (a transformers model directory to train)")
         if self.output_dir and not self.model_path:
-            raise ValueError("--output-dir writes a transformers model: give --model-path")
+            raise ValueError("`output_dir` writes a transformers model: give `model_path`")
         if self.loss_norm not in ("token", "sequence"):
-            raise ValueError(f"--loss-norm={self.loss_norm!r} is not one of token, sequence")
+            raise ValueError(f"loss_norm={self.loss_norm!r} is not one of token, sequence")
         if self.truncate and self.skip_long:
-            raise ValueError("--truncate and --skip-long exclude each other")
-        for value, flag in ((self.engine.precision != "fp32", "--precision bf16"),
-                            (self.engine.activation_checkpointing, "--activation-checkpointing"),
-                            (self.engine.replicas > 1, "--replicas")):
+            raise ValueError("`truncate` and `skip_long` exclude each other")
+        for value, flag in ((self.engine.precision != "fp32", "engine.precision='bf16'"),
+                            (self.engine.activation_checkpointing, "`engine.activation_checkpointing`"),
+                            (self.engine.replicas > 1, "`engine.replicas`")):
             if value:
                 raise ValueError(f"posttrain pipeline does not take {flag} yet")
         for name in ("sequences", "max_tokens", "dp_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.dp_size > 1:
             from posttrain.balance import METHODS
 
             from .dp import SPLIT_BACKWARD
 
             if not self.data:
-                raise ValueError("--dp-size needs --data (and --model-path): replicas balance a step's records")
+                raise ValueError("`dp_size` needs `data` (and `model_path`): replicas balance a step's records")
             if self.balance not in METHODS:
-                raise ValueError(f"--balance={self.balance!r} is not one of {', '.join(METHODS)}")
+                raise ValueError(f"balance={self.balance!r} is not one of {', '.join(METHODS)}")
             engine = engine_class(self.engine.name)
             if self.schedule in SPLIT_BACKWARD and not engine.split_backward:
-                raise ValueError(f"--dp {self.engine.name} with --schedule {self.schedule}: the engine reduces "
+                raise ValueError(f"engine.name={self.engine.name!r} with schedule={self.schedule!r}: the engine reduces "
                                  "gradients from backward hooks, which a split backward's weight pass bypasses; use "
-                                 "--dp odc, or gpipe, 1f1b, interleaved_1f1b or group_interleaved")
+                                 "`engine.name` odc, or gpipe, 1f1b, interleaved_1f1b or group_interleaved")
             if self.checkpoint_dir and not engine.whole_state:
-                raise ValueError(f"--checkpoint-dir with --dp-size: --dp {self.engine.name} does not write the "
-                                 "pipeline's checkpoints yet; use --dp odc")
+                raise ValueError(f"`checkpoint_dir` with `dp_size`: engine.name={self.engine.name!r} does not write "
+                                 "the pipeline's checkpoints yet; use `engine.name` odc")
             if engine.needs_equal_microbatches(self.engine) and self.balance != "same_micro":
-                raise ValueError(f"--dp {self.engine.label} has a rendezvous per layer, so every replica must run "
-                                 "the same number of microbatches: give --balance same_micro")
+                raise ValueError(f"the engine {self.engine.label} has a rendezvous per layer, so every replica must "
+                                 "run the same number of microbatches: give `balance` same_micro")
         elif self.data and self.sequences < self.num_microbatches:
-            raise ValueError(f"--sequences={self.sequences} is fewer than --microbatches={self.num_microbatches}: "
+            raise ValueError(f"sequences={self.sequences} is fewer than num_microbatches={self.num_microbatches}: "
                              "every microbatch needs a sequence")
 
     @property

@@ -76,9 +76,9 @@ class PipelineData:
         too_big = [sum(lengths[i] for i in s) for s in sets]
         if min(len(s) for s in sets) == 0 or max(too_big) > cfg.max_tokens:
             raise ValueError(f"step {step}: {len(samples)} records of {sum(lengths)} tokens do not fit in "
-                             f"--microbatches={cfg.num_microbatches} microbatches of at most --max-tokens="
-                             f"{cfg.max_tokens} (the fullest needs {max(too_big)}); raise --max-tokens or "
-                             "--microbatches, or lower --sequences")
+                             f"num_microbatches={cfg.num_microbatches} microbatches of at most max_tokens="
+                             f"{cfg.max_tokens} (the fullest needs {max(too_big)}); raise `max_tokens` or "
+                             "`num_microbatches`, or lower `sequences`")
         divisor = loss_units(samples, range(len(samples)), cfg.loss_norm)
         if divisor == 0:
             raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")

@@ -54,7 +54,7 @@ class PipelineGrid:
 
     def __init__(self, pp: int, dp: int) -> None:
         if dist.get_world_size() != pp * dp:
-            raise ValueError(f"{dist.get_world_size()} processes for --ranks {pp} x --dp-size {dp}")
+            raise ValueError(f"{dist.get_world_size()} processes for `num_ranks` {pp} x `dp_size` {dp}")
         mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
         self.pp, self.dp = pp, dp
         self.pp_rank = mesh.get_local_rank("pp")
@@ -143,7 +143,7 @@ def replica_plans(lengths: list[int], *, replicas: int, max_tokens: int, method:
             widest = max(range(len(sets)), key=lambda j: len(sets[j])) if sets else None
             if widest is None or len(sets[widest]) < 2:
                 raise ValueError(f"replica {d} gets {len(sets)} microbatches, which the schedule cannot run, and none "
-                                 "can be split further; raise --sequences or lower --max-tokens")
+                                 "can be split further; raise `sequences` or lower `max_tokens`")
             ids = sorted(sets.pop(widest), key=lambda i: -cost(lengths[i]))
             halves: list[list[int]] = [[], []]
             for i in ids:  # largest first, each to the cheaper half

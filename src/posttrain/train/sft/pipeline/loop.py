@@ -321,18 +321,18 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     try:
         config = AutoConfig.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--model-path {cfg.model_path}: not a transformers model directory ({e})") from None
+        raise ValueError(f"`model_path` {cfg.model_path}: not a transformers model directory ({e})") from None
     layers = getattr(config, "num_hidden_layers", None)
     if layers is not None and layers < cfg.num_stages:
-        raise ValueError(f"--model-path {cfg.model_path} has {layers} decoder layers, fewer than the {cfg.num_stages} "
-                         f"stages (--ranks {cfg.num_ranks} x --chunks {cfg.num_chunks}): every stage needs one")
+        raise ValueError(f"`model_path` {cfg.model_path} has {layers} decoder layers, fewer than the {cfg.num_stages} "
+                         f"stages (`num_ranks` {cfg.num_ranks} x `chunks` {cfg.num_chunks}): every stage needs one")
     layout = cfg.build().layout
     if (cfg.dp_size > 1 and getattr(config, "tie_word_embeddings", False)
             and layout.rank_of(0) == layout.rank_of(cfg.num_stages - 1)):
-        where, instead = ((f"--schedule {cfg.schedule}, which puts the first and the last stage on one rank,",
+        where, instead = ((f"`schedule` {cfg.schedule}, which puts the first and the last stage on one rank,",
                            "use another schedule") if cfg.num_ranks > 1 else
                           ("one pipeline rank", "use posttrain train for data parallelism alone"))
-        raise ValueError(f"--model-path {cfg.model_path} ties its input and output embeddings, which --dp-size with "
+        raise ValueError(f"`model_path` {cfg.model_path} ties its input and output embeddings, which `dp_size` with "
                          f"{where} does not support yet; {instead}")
     if cfg.data:
         data = PipelineData(cfg, config, log=log)
