@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
 BENCHES := odc rl transport overhead balance pipeline pipeline-dp
 
-.PHONY: setup test lint demo results clean $(addprefix bench-,$(BENCHES))
+.PHONY: setup test test-fast test-full lint demo results clean $(addprefix bench-,$(BENCHES))
 
 setup: $(VENV)/.installed
 
@@ -16,8 +16,14 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 	$(PIP) -e ".[test]"
 	touch $@
 
-test: setup lint
-	$(PY) -m pytest -q
+# Two tiers (tests/conftest.py): the fast one (single process, under a minute) first, then the rest.
+test: test-fast test-full
+
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not full"
+
+test-full: setup
+	$(PY) -m pytest -q -m full
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

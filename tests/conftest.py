@@ -1,5 +1,6 @@
 """Shared fixtures: the shared-memory leak check on every test, and running the command line."""
 
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -38,6 +39,32 @@ def cli(capsys):
         return rc, captured.out, captured.err
 
     return run
+
+
+#: The fast tier: single-process tests of pure functions (schedules, balancing, simulation, data,
+#: layout), under a minute in all. Every other module, and a test marked ``full`` in these, is the
+#: full tier (multi-process parity, command-line runs, benchmarks). ``make test`` runs both.
+FAST_MODULES = {"test_balance", "test_data", "test_data_formats", "test_layout", "test_packing",
+                "test_pipeline_schedules", "test_sim"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] not in FAST_MODULES:
+            item.add_marker(pytest.mark.full)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """A fast-tier test that starts a process (a rank, a command) fails: mark it ``full``."""
+    if request.node.get_closest_marker("full"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is in the fast tier but starts a process: mark it full")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 def _ours() -> set[str]:

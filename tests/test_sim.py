@@ -170,6 +170,7 @@ def test_pipeline_offload_hides_when_k_is_small_and_not_when_large():
     assert slow.k > 1 and not simulate_pipeline("interleaved_1f1b", workload=slow, min_lifespan=0.0, **kw).hidden
 
 
+@pytest.mark.full
 def test_pipeoffload_table_rows_and_our_g_equal_p_numbers():
     rows = {(r["schedule"], r["chunks"], r["group_size"]): r for r in pipeoffload_table()}
     assert len(rows) == 12
