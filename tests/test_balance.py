@@ -175,7 +175,7 @@ def test_refine_never_raises_the_max_and_stops_at_a_local_optimum(weights, k, se
     start = [[] for _ in range(k)]
     for i in range(len(weights)):
         start[rng.randrange(k)].append(i)
-    out = refine(start, weights, max_rounds=100_000)
+    out = refine(start, weights, max_transfers=100_000)
     assert sorted(i for p in out for i in p) == list(range(len(weights)))
     before, after = _sums(start, weights), _sums(out, weights)
     tol = 1e-9 * max(1.0, max(before))
@@ -217,9 +217,9 @@ def test_refine_rejects_bad_parts():
         refine([[0, 1], [1]], [1.0, 2.0])
     with pytest.raises(ValueError, match="index 5, outside the 2 weights"):
         refine([[0, 5]], [1.0, 2.0])
-    with pytest.raises(ValueError, match="max_rounds=-1"):
-        refine([[0]], [1.0], max_rounds=-1)
-    assert refine([[1, 0], [2]], [5.0, 1.0, 1.0], max_rounds=0) == [[0, 1], [2]]
+    with pytest.raises(ValueError, match="max_transfers=-1"):
+        refine([[0]], [1.0], max_transfers=-1)
+    assert refine([[1, 0], [2]], [5.0, 1.0, 1.0], max_transfers=0) == [[0, 1], [2]]
 
 
 def _profile_lengths(profile, n, seed):
@@ -244,8 +244,8 @@ def test_diff_micro_within_a_tenth_of_a_percent_at_32_ranks(profile):
 
 def test_same_micro_starts_at_the_round_lower_bound(monkeypatch):
     """Sequences over half the budget cannot share a microbatch: 6 of 60 tokens (and 6 of 10)
-    over 2 ranks with a budget of 100 need 3 rounds, and same_micro tries 3 rounds (6 bins)
-    first, not 1 and 2; the costliest bins run first. A failure pinpoints _min_rounds or the
+    over 2 ranks with a budget of 100 need 3 microbatches each, and same_micro tries 3 per rank (6 bins)
+    first, not 1 and 2; the costliest bins run first. A failure pinpoints _min_per_rank or the
     dealing in _same_micro."""
     import posttrain.balance.plan as plan_module
     tried = []

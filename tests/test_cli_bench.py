@@ -69,7 +69,7 @@ def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path,
     assert proc.returncode == 0, proc.stderr
     saved = json.loads(out.read_text())
     points = saved["points"]
-    assert set(saved["calibration"]["engine"]) == {"odc", "collective"}  # what the predictions rest on
+    assert set(saved["calibration"]["engine"]) == {"one-sided", "collective"}  # what the predictions rest on
     assert 0 <= saved["calibration"]["jitter"] <= 1
     assert [(p["sequences_per_rank"], p["max_tokens"]) for p in points] == [(1, 64), (1, 128), (2, 64), (2, 128)]
     for p in points:

@@ -9,7 +9,7 @@ def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_c
     png, metrics = tmp_path / "p.png", tmp_path / "m.json"
     proc = run_cli("pipeline", "--schedule", "group_interleaved", "--ranks", "2", "--chunks", "2", "--group-size", "1",
                 "--microbatches", "4", "--offload", "1", "--steps", "2", "--dim", "32", "--layers", "4",
-                "--seq-len", "32", "--chart", str(png), "--calibration-out", str(metrics))
+                "--seq-len", "32", "--plot", str(png), "--calibration-out", str(metrics))
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0] in ("0", "1")]
     assert len(rows) == 2
@@ -28,7 +28,7 @@ def test_split_backward_frees_what_only_i_needs_and_the_report_says_what_w_kept(
     peaks = {}
     for extra in ([], ["--no-weight-split"]):
         proc = run_cli("pipeline", "--schedule", "zbv", "--ranks", "2", "--microbatches", "4", "--offload", "full",
-                       "--steps", "2", "--dim", "32", "--seq-len", "32", "--chart", "", *extra)
+                       "--steps", "2", "--dim", "32", "--seq-len", "32", "--plot", "", *extra)
         assert proc.returncode == 0, proc.stderr
         rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
         assert all(float(r[3]) == float(r[4]) for r in rows)  # measured = predicted with the measured fractions
@@ -66,5 +66,5 @@ def test_pipeline_bad_input_is_a_clear_error(cli, capsys):
 ])
 def test_pipeline_flags_a_schedule_would_ignore_are_errors_naming_the_flag(cli, argv, message):
     """Refused in one line before any process starts (in-process: no rank is forked)."""
-    rc, out, err = cli("pipeline", *argv, "--chart", "")
+    rc, out, err = cli("pipeline", *argv, "--plot", "")
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and not out, (out, err)

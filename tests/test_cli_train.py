@@ -19,7 +19,7 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     from posttrain.lab.demo import VARIANTS
 
     png = tmp_path / "t.png"
-    proc = run_cli("demo", "--steps", "6", "--timeline", str(png))
+    proc = run_cli("demo", "--steps", "6", "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     rows = {label: ln[len(label):].split() for label, *_ in VARIANTS for ln in lines if ln.startswith(label + " ")}
@@ -51,7 +51,7 @@ def test_train_fsdp_writes_metrics_timeline_and_trace(run_cli, tmp_path):
 
     metrics, png, trace = tmp_path / "m.csv", tmp_path / "t.png", tmp_path / "t.json"
     proc = run_cli("train", "--dp", "fsdp", "--balance", "same_micro", "--steps", "3", "--sequences", "6",
-                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics), "--timeline", str(png),
+                "--max-len", "64", "--dim", "32", "--layers", "2", "--metrics", str(metrics), "--plot", str(png),
                 "--trace", str(trace))
     assert proc.returncode == 0, proc.stderr
     assert sum(line.startswith("step") for line in proc.stdout.splitlines()) == 3

@@ -11,15 +11,17 @@ from posttrain.launch import run_ranks
 from posttrain.models import GPT, GPTConfig, token_loss_sum
 
 CFG = GPTConfig(vocab_size=32, dim=16, num_layers=2, num_heads=2, max_seq_len=32)
-ENGINES = [("fsdp", "odc"), ("odc-fsdp2", "odc"), ("odc-fsdp2", "collective"), ("odc", "odc"), ("odc", "collective")]
+ENGINES = [("fsdp", "one-sided"), ("odc-fsdp2", "one-sided"), ("odc-fsdp2", "collective"), ("odc", "one-sided"),
+           ("odc", "collective")]
 
 
 def test_every_registered_engine_is_covered_here():
     assert sorted(engine_names()) == sorted({name for name, _ in ENGINES})
 
 
-@pytest.mark.parametrize("name, mode, equal", [("fsdp", "odc", True), ("odc", "odc", False), ("odc", "collective", True),
-                                               ("odc-fsdp2", "odc", False), ("odc-fsdp2", "collective", True)])
+@pytest.mark.parametrize("name, mode, equal", [("fsdp", "one-sided", True), ("odc", "one-sided", False),
+                                               ("odc", "collective", True), ("odc-fsdp2", "one-sided", False),
+                                               ("odc-fsdp2", "collective", True)])
 def test_whether_ranks_need_equal_counts_is_known_before_any_process(name, mode, equal):
     assert engine_class(name).needs_equal_microbatches(EngineConfig(mode=mode)) is equal
 

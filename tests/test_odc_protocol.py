@@ -116,7 +116,7 @@ def _slow_rank_worker(rank, world_size, mode):
 def test_fast_rank_does_not_wait_for_slow_rank():
     """Rank 1 sleeps 0.4 s per microbatch. Under ODC rank 0 finishes its microbatches long before
     rank 1; in collective mode (FSDP semantics) it is held back at every gather."""
-    fast, slow = run_ranks(_slow_rank_worker, 2, "odc")
+    fast, slow = run_ranks(_slow_rank_worker, 2, "one-sided")
     assert slow > 1.1 and fast < 0.5, (fast, slow)
     fast_c, slow_c = run_ranks(_slow_rank_worker, 2, "collective")
     assert fast_c > 0.8, (fast_c, slow_c)

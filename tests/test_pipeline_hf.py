@@ -61,15 +61,15 @@ def _reference(cfg: PipelineConfig, steps: int):
     return first, model
 
 
-@pytest.mark.parametrize("family, schedule, chunks, loss_norm", [
-    ("llama", "1f1b", 1, "token"),
-    ("qwen2", "interleaved_1f1b", 2, "sequence"),  # tied embeddings on ranks 0 and 1
-    ("qwen2", "zbv", 2, "token"),                  # tied embeddings on one rank (V shape)
+@pytest.mark.parametrize("family, schedule, chunks, loss_agg", [
+    ("llama", "1f1b", 1, "token-mean"),
+    ("qwen2", "interleaved_1f1b", 2, "seq-mean-token-mean"),  # tied embeddings on ranks 0 and 1
+    ("qwen2", "zbv", 2, "token-mean"),                  # tied embeddings on one rank (V shape)
 ])
 def test_pipeline_on_a_transformers_model_equals_the_unsplit_model(deep_model, chat_data, tmp_path, family,
-                                                                  schedule, chunks, loss_norm):
+                                                                  schedule, chunks, loss_agg):
     cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, num_microbatches=4, model_path=deep_model(family),
-                         data=chat_data, sequences=12, max_tokens=128, steps=2, optim=OptimConfig(lr=1e-3), loss_norm=loss_norm,
+                         data=chat_data, sequences=12, max_tokens=128, steps=2, optim=OptimConfig(lr=1e-3), loss_agg=loss_agg,
                          output_dir=str(tmp_path / "out"))
     results = run_pipeline(cfg, return_grads=True)
     want, trained = _reference(cfg, cfg.steps)
@@ -128,7 +128,7 @@ def test_the_pipeline_command_trains_a_model_directory_on_chat_data(cli, deep_mo
     out = tmp_path / "trained"
     rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--ranks", "2",
                           "--microbatches", "4", "--sequences", "8", "--max-tokens", "128", "--steps", "1",
-                          "--offload", "full", "--output-dir", str(out), "--chart", "")
+                          "--offload", "full", "--output-dir", str(out), "--plot", "")
     assert rc == 0, err
     assert f"wrote {out}" in stdout and (out / "config.json").exists()
     rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--ranks", "2",
@@ -175,14 +175,14 @@ def long_tail_data(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family, schedule, chunks, offload, dp, mode, balance", [
-    ("llama", "1f1b", 1, "none", "odc", "odc", "diff_micro"),
-    ("llama", "interleaved_1f1b", 2, "1", "odc", "odc", "diff_micro"),
-    ("qwen2", "1f1b", 1, "full", "odc", "odc", "diff_micro"),  # tied: copies on each replica's first and last rank
+    ("llama", "1f1b", 1, "none", "odc", "one-sided", "diff_micro"),
+    ("llama", "interleaved_1f1b", 2, "1", "odc", "one-sided", "diff_micro"),
+    ("qwen2", "1f1b", 1, "full", "odc", "one-sided", "diff_micro"),  # tied: copies on each replica's first and last rank
     ("llama", "1f1b", 1, "full", "odc", "collective", "same_micro"),
-    ("qwen2", "1f1b", 1, "full", "fsdp", "odc", "same_micro"),
-    ("llama", "1f1b", 1, "1", "odc-fsdp2", "odc", "diff_micro"),  # every registered engine runs a column
+    ("qwen2", "1f1b", 1, "full", "fsdp", "one-sided", "same_micro"),
+    ("llama", "1f1b", 1, "1", "odc-fsdp2", "one-sided", "diff_micro"),  # every registered engine runs a column
     # split backward: W's gradients are pushed after W (stage_backward_weight bypasses the push hook)
-    ("llama", "zbv", 2, "full", "odc", "odc", "diff_micro"),
+    ("llama", "zbv", 2, "full", "odc", "one-sided", "diff_micro"),
     ("qwen2", "zb_h1", 1, "none", "odc", "collective", "same_micro"),
 ])
 def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data, tmp_path, family, schedule, chunks,
@@ -219,7 +219,7 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
     samples = data.data.minibatch(0)
     plans = replica_plans([len(x) - 1 for x in samples], replicas=2, max_tokens=64, method=balance,
                           model_config=model.config, runnable=runnable(cfg))
-    total = loss_units(samples, range(len(samples)), "token")
+    total = loss_units(samples, range(len(samples)), "token-mean")
     for sets in plans:
         batch = data.pack(samples, sets, float(total))
         for x, t, e in zip(batch.inputs, batch.targets, batch.extras):
@@ -270,7 +270,7 @@ def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_
 
     metrics, out = tmp_path / "m.csv", tmp_path / "out"
     rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--ranks", "2",
-                          "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--chart", "",
+                          "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--plot", "",
                           "--metrics", str(metrics), "--output-dir", str(out), "--save-every", "1")
     assert rc == 0, err
     assert "2 data-parallel replicas (odc, diff_micro)" in stdout and "microbatches per replica and step" in stdout
@@ -306,7 +306,7 @@ def long_records(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("dp, mode", [("fsdp", "odc"), ("odc", "collective")])
+@pytest.mark.parametrize("dp, mode", [("fsdp", "one-sided"), ("odc", "collective")])
 def test_replicas_with_a_rendezvous_per_layer_run_equal_counts(deep_model, long_records, dp, mode):
     # same_micro may leave a replica an empty bin; it runs a dummy microbatch instead of hanging.
     cfg = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, dp_size=2, model_path=deep_model("llama"),

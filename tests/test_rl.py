@@ -217,7 +217,7 @@ def _reference_worker(rank, world, cfg, model_dir, lengths):
     return lps, micro, held, local
 
 
-@pytest.mark.parametrize("dp, mode", [("odc", "odc"), ("fsdp", "odc"), ("odc", "collective")])
+@pytest.mark.parametrize("dp, mode", [("odc", "one-sided"), ("fsdp", "one-sided"), ("odc", "collective")])
 def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, dp, mode):
     model_dir = tiny_model("llama")
     cfg = RLConfig(engine=EngineConfig(dp, mode=mode), balance="diff_micro", kl_coef=0.1, max_tokens=64)

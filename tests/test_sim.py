@@ -355,7 +355,7 @@ def test_predict_plans_charges_each_modes_costs_and_the_jitter_but_not_the_measu
     same = [plan_minibatch(lengths, world_size=2, max_tokens=1024, method="same_micro")]
     diff = [plan_minibatch(lengths, world_size=2, max_tokens=1024, method="diff_micro")]
     eng = {"per_layer_microbatch": 3e-4, "per_step": 1e-3}
-    machine = {"layer_cost": LayerCost(linear=1e-5), "engine": {"odc": dict(eng), "collective": dict(eng)}}
+    machine = {"layer_cost": LayerCost(linear=1e-5), "engine": {"one-sided": dict(eng), "collective": dict(eng)}}
     kw = dict(num_layers=4, max_tokens=1024)
     base = predict_plans(same, diff, machine, **kw)
     # the calibration records the collective mode's compute over ODC's; the simulation does not use it

@@ -15,7 +15,7 @@ from posttrain.cli import main
 def test_simulate_odc_prints_both_and_writes_trace_and_png(tmp_path, capsys):
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
     assert main(["simulate", "odc", "--gpus", "16", "--sequences-per-gpu", "4", "--minibatches", "1",
-                 "--cost-model", "1.5b", "--trace", str(trace), "--png", str(png)]) == 0
+                 "--cost-model", "1.5b", "--trace", str(trace), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "fsdp+same_micro" in out and "odc+diff_micro" in out and "speedup" in out
     assert json.loads(trace.read_text())["traceEvents"] and png.read_bytes()[:4] == b"\x89PNG"
@@ -24,12 +24,12 @@ def test_simulate_odc_prints_both_and_writes_trace_and_png(tmp_path, capsys):
 def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
     chart = tmp_path / "p.png"
     assert main(["simulate", "pipeline", "--ranks", "4", "--microbatches", "8", "--chunks", "2",
-                 "--offload-chunks", "1", "--chart", str(chart)]) == 0
+                 "--offload-chunks", "1", "--plot", str(chart)]) == 0
     out = capsys.readouterr().out
     assert "makespan" in out and "k = (D2H + H2D)" in out and chart.read_bytes()[:4] == b"\x89PNG"
     # zbv and the one-chunk schedules run with their own chunk count when --chunks is not given
     for name in ("zbv", "1f1b", "zb_h1"):
-        assert main(["simulate", "pipeline", "--schedule", name, "--ranks", "4", "--microbatches", "8", "--chart", ""]) == 0
+        assert main(["simulate", "pipeline", "--schedule", name, "--ranks", "4", "--microbatches", "8", "--plot", ""]) == 0
     assert "zbv: 4 ranks x 2 chunks" in capsys.readouterr().out.split("1f1b:")[0]
     assert main(["simulate", "pipeline", "--paper-table"]) == 0
     assert "group_interleaved_zb  2  1  13,5,2" in capsys.readouterr().out
@@ -81,7 +81,7 @@ def test_plan_pipeline_recommends_no_offload_when_that_fits_as_fast_and_the_leas
     [best] = [r for star, r in _plan_rows(out) if star]
     assert best[4] != "0" and float(best[7]) <= 0.3
     see = out.split("see it: posttrain ")[1].splitlines()[0].split()
-    assert main([*see, "--chart", ""]) == 0
+    assert main([*see, "--plot", ""]) == 0
     assert f"makespan {best[5]} ms" in capsys.readouterr().out
 
 
@@ -187,7 +187,7 @@ def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_p
     (["plan", "odc", "--top", "0"], "--top"),
 ])
 def test_bad_input_exits_2_with_a_message(argv, message, capsys):
-    extra = {"odc": ["--trace", "", "--png", ""], "pipeline": ["--chart", ""]}.get(argv[1], []) if argv[0] == "simulate" else []
+    extra = {"odc": ["--trace", "", "--plot", ""], "pipeline": ["--plot", ""]}.get(argv[1], []) if argv[0] == "simulate" else []
     assert main(argv + extra) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) <= 2  # one line (and a deprecation note)
@@ -226,7 +226,7 @@ def test_simulate_pipeline_takes_what_w_keeps(capsys):
     """zbv at p=8, m=32, full offload: 3 chunk-microbatches at most when W keeps everything (its
     part offloaded on its own), 2.44 when W keeps the 0.44 a GPT block's linear inputs take."""
     base = ["simulate", "pipeline", "--schedule", "zbv", "--ranks", "8", "--microbatches", "32", "--forward-ms", "1",
-            "--backward-ms", "1", "--weight-ms", "1", "--offload-chunks", "2", "--host-gbps", "1000", "--chart", ""]
+            "--backward-ms", "1", "--weight-ms", "1", "--offload-chunks", "2", "--host-gbps", "1000", "--plot", ""]
     peaks = {}
     for keep in ("1", "0.44"):
         assert main([*base, "--weight-keep", keep]) == 0

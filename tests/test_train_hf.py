@@ -44,7 +44,7 @@ def _reference(cfg: TrainConfig) -> HFCausalLM:
     for step in range(cfg.steps):
         seqs = data.minibatch(step)
         ids = list(range(len(seqs)))
-        microbatch_loss(model, seqs, ids, 1.0 / loss_units(seqs, ids, cfg.loss_norm), cfg.loss_norm).backward()
+        microbatch_loss(model, seqs, ids, 1.0 / loss_units(seqs, ids, cfg.loss_agg), cfg.loss_agg).backward()
         opt.step()
         opt.zero_grad()
     return model
@@ -58,19 +58,19 @@ def _probe(model_dir_or_model, tokens):
         return model(tokens)
 
 
-@pytest.mark.parametrize("family, dp, loss_norm", [
-    ("llama", "odc", "token"),
-    ("qwen2", "odc", "sequence"),
-    ("qwen2", "fsdp", "token"),
-    ("mistral", "odc-fsdp2", "sequence"),
+@pytest.mark.parametrize("family, dp, loss_agg", [
+    ("llama", "odc", "token-mean"),
+    ("qwen2", "odc", "seq-mean-token-mean"),
+    ("qwen2", "fsdp", "token-mean"),
+    ("mistral", "odc-fsdp2", "seq-mean-token-mean"),
 ])
-def test_a_pretrained_model_trains_on_chat_and_exports_what_it_trained(tmp_path, tiny_model, family, dp, loss_norm):
+def test_a_pretrained_model_trains_on_chat_and_exports_what_it_trained(tmp_path, tiny_model, family, dp, loss_agg):
     src = tiny_model(family)
     out = tmp_path / "out"
     # transformers gives a qwen2 directory its own tokenizer class, which splits digits: twice the tokens
     max_tokens = 320 if family == "qwen2" else 160
     cfg = TrainConfig(engine=EngineConfig(dp), balance="diff_micro", model_path=src, data=_chat_file(tmp_path),
-                      sequences=8, max_tokens=max_tokens, steps=3, optim=OptimConfig(lr=1e-2), loss_norm=loss_norm,
+                      sequences=8, max_tokens=max_tokens, steps=3, optim=OptimConfig(lr=1e-2), loss_agg=loss_agg,
                       output_dir=str(out),
                       eval_data=_chat_file(tmp_path, n=5, seed=7, name="eval.jsonl"), eval_every=2)
     results = run_training(cfg, world_size=2, quiet=True)
@@ -96,13 +96,13 @@ def test_a_pretrained_model_trains_on_chat_and_exports_what_it_trained(tmp_path,
     held_out = TrainData(cfg, 1).eval_samples()
     ids = list(range(len(held_out)))
     with torch.no_grad():
-        want_eval = microbatch_loss(ref, held_out, ids, 1.0 / loss_units(held_out, ids, loss_norm), loss_norm)
+        want_eval = microbatch_loss(ref, held_out, ids, 1.0 / loss_units(held_out, ids, loss_agg), loss_agg)
     assert results[1]["metrics"][-1]["eval_loss"] == pytest.approx(float(want_eval), rel=1e-4)
     # the first step's loss is the reference's first loss (masks and normalization agree)
     first = TrainData(cfg, 1).minibatch(0)
     ids = list(range(len(first)))
     with torch.no_grad():
-        ref_loss = microbatch_loss(load_pretrained(src), first, ids, 1.0 / loss_units(first, ids, loss_norm), loss_norm)
+        ref_loss = microbatch_loss(load_pretrained(src), first, ids, 1.0 / loss_units(first, ids, loss_agg), loss_agg)
     assert results[0]["metrics"][0]["loss"] == pytest.approx(float(ref_loss), rel=1e-5)
 
 
@@ -124,13 +124,13 @@ def test_labels_mask_the_loss_and_train_on_prompt_unmasks_it(tmp_path, tiny_mode
     assert pre["loss"] == pytest.approx(masked["loss"], rel=1e-6)
 
 
-def test_loss_normalizations_do_not_depend_on_the_placement_of_sequences(tiny_model, tmp_path):
+def test_loss_aggalizations_do_not_depend_on_the_placement_of_sequences(tiny_model, tmp_path):
     """Gradients of one minibatch split into microbatches in different ways (as ranks and
     microbatches split it) equal the whole minibatch's, for both normalizations."""
     src = tiny_model("llama")
     cfg = TrainConfig(model_path=src, data=_chat_file(tmp_path, n=6), sequences=6, max_tokens=160)
     seqs = TrainData(cfg, 1).minibatch(0)
-    for norm in ("token", "sequence"):
+    for norm in ("token-mean", "seq-mean-token-mean"):
         grads = []
         for split in ([[0, 1, 2, 3, 4, 5]], [[0], [1, 2], [3, 4, 5]], [[5, 0], [4], [3], [2, 1]]):
             model = load_pretrained(src)

@@ -19,12 +19,12 @@ sum of squares falls strictly and the search ends.
 1. Sweeps (at most ``_SWEEPS``): pair the i-th heaviest set with the i-th lightest and make each
    pair's best move or swap, all pairs at once (they are disjoint). Cheap vectorized passes that
    do most of the work when ``k`` is large: a KK start over 1,024 sets needs ~1,500 single
-   rounds without them and ~1,000 with, and those are cheaper (narrower gaps).
+   transfers without them and ~1,000 with, and those are cheaper (narrower gaps).
 2. Rounds: the transfer with the largest drop among (a) the heaviest set against every other
    set and (b) every set against the lightest, each a single move or a one-for-one swap.
 3. When no round transfer exists, an exchange of up to two items of the heaviest set for up to
-   two of the lightest (``_bundle_transfer``); then rounds again.
-It stops when neither 2 nor 3 finds a transfer (or after ``max_rounds`` of them): then no move
+   two of the lightest (``_bundle_transfer``); then transfers again.
+It stops when neither 2 nor 3 finds a transfer (or after ``max_transfers`` of them): then no move
 or swap between the heaviest set and any other lowers the larger of the two, and none between
 any set and the lightest raises the smaller.
 
@@ -43,19 +43,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["balanced_partition", "greedy", "karmarkar_karp", "refine", "refine_rounds", "refined_starts",
+__all__ = ["balanced_partition", "greedy", "karmarkar_karp", "refine", "refine_transfers", "refined_starts",
            "round_robin", "spread"]
 
 # Transfers must beat this fraction of the largest set sum: float noise in the running sums
 # must not count as an improvement (which could cycle).
 _REL_TOL = 1e-12
 # refine's vectorized sweeps: at most this many, each over at most this many (pair, x, y) cells
-# (beyond that, e.g. 2 sets of thousands of items, the bisecting rounds alone are cheaper).
+# (beyond that, e.g. 2 sets of thousands of items, bisecting alone is cheaper).
 _SWEEPS = 8
 _SWEEP_CELLS = 1 << 21
 # refine's two-for-two exchanges: only between sets of at most this many items (pairs ~ n^2 / 2)
 _BUNDLE_ITEMS = 128
-# refine's rounds try at most this many partners per item first (see _best_transfer)
+# refine's transfers try at most this many partners per item first (see _best_transfer)
 _PARTNERS = 64
 
 
@@ -192,7 +192,7 @@ def karmarkar_karp(weights: Sequence[float], k: int) -> list[list[int]]:
     return parts
 
 
-def refine(parts: list[list[int]], weights: Sequence[float], *, max_rounds: int = 1000) -> list[list[int]]:
+def refine(parts: list[list[int]], weights: Sequence[float], *, max_transfers: int = 1000) -> list[list[int]]:
     """Local search between the heaviest set, the lightest and every other set, best transfer
     first, while one narrows a gap. See [Note: refine].
 
@@ -202,16 +202,16 @@ def refine(parts: list[list[int]], weights: Sequence[float], *, max_rounds: int 
     Args:
         parts: item indices per set, each index at most once; indices in no set stay out.
         weights: weight per item index (non-negative).
-        max_rounds: most transfers after the sweeps (0: return the input unchanged). From a KK
-            or LPT start ``k`` sets need about ``k`` to ``2 k``; :func:`refine_rounds` gives a
+        max_transfers: most transfers after the sweeps (0: return the input unchanged). From a KK
+            or LPT start ``k`` sets need about ``k`` to ``2 k``; :func:`refine_transfers` gives a
             budget that scales with the problem.
 
     Raises:
         ValueError: an index appears twice or is out of range, a weight is negative, or
-            ``max_rounds`` is negative.
+            ``max_transfers`` is negative.
     """
-    if max_rounds < 0:
-        raise ValueError(f"max_rounds={max_rounds} must be non-negative; pass 0 to skip the search")
+    if max_transfers < 0:
+        raise ValueError(f"max_transfers={max_transfers} must be non-negative; pass 0 to skip the search")
     k = len(parts)
     if k == 0:
         return []
@@ -235,10 +235,10 @@ def refine(parts: list[list[int]], weights: Sequence[float], *, max_rounds: int 
     own = np.concatenate(([0], np.repeat(np.arange(k), [len(p) for p in parts])[order]))  # -> set
     sums = np.bincount(own[1:], weights=sw[1:], minlength=k)
     tol = _REL_TOL * float(sums.max())
-    for _ in range(_SWEEPS if max_rounds else 0):
+    for _ in range(_SWEEPS if max_transfers else 0):
         if not _sweep(sw, own, sums, tol):
             break
-    for _ in range(max_rounds):
+    for _ in range(max_transfers):
         hi, lo = int(np.argmax(sums)), int(np.argmin(sums))
         gap = sums[hi] - sums[lo]
         if gap <= 2 * tol:
@@ -401,9 +401,9 @@ def refined_starts(weights: Sequence[float], k: int, *, good_enough: float | Non
             this (None: always try it). A second start mostly trims the tail: over 60 minibatches
             of 256 sequences on 32 ranks the worst case fell from 0.09% to 0.06%.
     """
-    rounds = refine_rounds(len(weights), k)
+    transfers = refine_transfers(len(weights), k)
     kk_start = karmarkar_karp(weights, k)
-    kk = refine(kk_start, weights, max_rounds=rounds)
+    kk = refine(kk_start, weights, max_transfers=transfers)
     if good_enough is not None:
         sums = [sum(weights[i] for i in p) for p in kk]
         if max(sums) <= sum(sums) / k * (1 + good_enough):
@@ -411,7 +411,7 @@ def refined_starts(weights: Sequence[float], k: int, *, good_enough: float | Non
     lpt = greedy(weights, k)
     if _shape(kk_start, weights) == _shape(lpt, weights):
         return [kk]
-    return [kk, refine(lpt, weights, max_rounds=rounds)]
+    return [kk, refine(lpt, weights, max_transfers=transfers)]
 
 
 def _shape(parts: list[list[int]], weights: Sequence[float]) -> list[tuple[float, ...]]:
@@ -431,13 +431,13 @@ def balanced_partition(weights: Sequence[float], k: int) -> list[list[int]]:
     candidates = refined_starts(weights, k)
     rr = round_robin(weights, k)
     if spread(rr, weights) < min(spread(p, weights) for p in candidates):
-        candidates.append(refine(rr, weights, max_rounds=refine_rounds(len(weights), k)))
+        candidates.append(refine(rr, weights, max_transfers=refine_transfers(len(weights), k)))
     return min(candidates, key=lambda p: (spread(p, weights), max(sum(weights[i] for i in s) for s in p)))
 
 
-def refine_rounds(n: int, k: int) -> int:
+def refine_transfers(n: int, k: int) -> int:
     """A :func:`refine` budget for ``n`` items over ``k`` sets: KK and LPT starts need about
-    ``k`` to ``2 k`` rounds; this leaves room for worse starts and stops pathological inputs.
+    ``k`` to ``2 k`` transfers; this leaves room for worse starts and stops pathological inputs.
 
     Args:
         n: number of items.

@@ -5,10 +5,10 @@
 - ``local_sort``: round-robin, then each rank packs its sequences longest first.
 - ``same_micro``: the best FSDP can do. FSDP's per-layer collectives make rank ``r``'s
   microbatch ``j`` wait for every rank's microbatch ``j``, so every rank runs the same number of
-  microbatches and each round ``j`` should be balanced: sequences are partitioned into
-  ``rounds * world_size`` cost-balanced microbatches, sorted by cost, and dealt round by round.
+  microbatches and each microbatch position ``j`` should be balanced: sequences are partitioned into
+  ``count * world_size`` cost-balanced microbatches (``count`` per rank), sorted by cost, and dealt ``world_size`` at a time.
   The partition is LPT under the token budget (costliest sequence first into the cheapest
-  microbatch with room); ``rounds`` starts at a lower bound (total tokens, and sequences over
+  microbatch with room); ``count`` starts at a lower bound (total tokens, and sequences over
   half the budget, which cannot share a microbatch) and grows while that fails. There is no
   local search on top: measured on the simulator's length profiles it shortens FSDP's step by
   at most ~0.5% and costs more than the rest of the plan (seconds at 1,024 ranks).
@@ -24,7 +24,7 @@ trainers run a zero-weight dummy there to keep the collectives matched.
 
 Predicted step time: ``sync="microbatch"`` (FSDP) is ``sum_j max_r cost(r, j)``; ``sync="minibatch"``
 (ODC) is ``max_r sum_j cost(r, j)``. Under ``sync="microbatch"`` a rank with fewer microbatches
-than others idles through the missing rounds.
+than others idles through the microbatches it lacks.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ class Plan:
         if sync == "minibatch":
             return max(self.rank_costs)
         if sync == "microbatch":
-            rounds = max(self.num_microbatches)
+            busiest = max(self.num_microbatches)
             return sum(
-                max((mbs[j].cost if j < len(mbs) else 0.0) for mbs in self.ranks) for j in range(rounds)
+                max((mbs[j].cost if j < len(mbs) else 0.0) for mbs in self.ranks) for j in range(busiest)
             )
         raise ValueError(f"sync={sync!r} is not one of 'minibatch', 'microbatch'")
 
@@ -124,14 +124,14 @@ class Plan:
 # diff_micro's worst rank within this fraction of the mean is good enough for one start: the
 # ODC reference reaches 0.01-0.06% at 8-32 ranks, and 0.03% is ~0.3 ms of a 1 s step.
 _GOOD_ENOUGH = 3e-4
-# _fill_bins gives up on a sequence after this many bins without room (then one more round is
+# _fill_bins gives up on a sequence after this many bins without room (then one more microbatch per rank is
 # cheaper than a search that is quadratic in the bins).
 _MAX_SKIPS = 32
 
 
-def _min_rounds(lengths: Sequence[int], world_size: int, max_tokens: int) -> int:
-    """A lower bound on ``same_micro``'s rounds: the tokens must fit, and no two sequences
-    longer than half the budget can share a microbatch (so trying fewer rounds is wasted work).
+def _min_per_rank(lengths: Sequence[int], world_size: int, max_tokens: int) -> int:
+    """A lower bound on ``same_micro``'s microbatches per rank: the tokens must fit, and no two sequences
+    longer than half the budget can share a microbatch (so trying fewer is wasted work).
 
     Args:
         lengths: tokens per sequence.
@@ -175,7 +175,7 @@ def _fill_bins(lengths: Sequence[int], costs: Sequence[float], k: int, max_token
 
 def _same_micro(lengths: Sequence[int], costs: Sequence[float], world_size: int,
                 max_tokens: int) -> list[list[list[int]]]:
-    """Microbatches of ``rounds * world_size`` cost-balanced bins, dealt round by round.
+    """Microbatches of ``count * world_size`` cost-balanced bins, dealt ``world_size`` at a time.
 
     Args:
         lengths: tokens per sequence.
@@ -184,22 +184,22 @@ def _same_micro(lengths: Sequence[int], costs: Sequence[float], world_size: int,
         max_tokens: the per-microbatch token budget.
     """
     n = len(lengths)
-    rounds = _min_rounds(lengths, world_size, max_tokens)
+    count = _min_per_rank(lengths, world_size, max_tokens)
     while True:
-        if rounds * world_size >= n:  # one sequence per microbatch always fits
-            bins = [[i] for i in range(n)] + [[] for _ in range(rounds * world_size - n)]
+        if count * world_size >= n:  # one sequence per microbatch always fits
+            bins = [[i] for i in range(n)] + [[] for _ in range(count * world_size - n)]
             break
-        got = _fill_bins(lengths, costs, rounds * world_size, max_tokens)
+        got = _fill_bins(lengths, costs, count * world_size, max_tokens)
         if got is not None:
             bins = got
             break
-        rounds += 1
+        count += 1
     bin_cost = [sum(costs[i] for i in b) for b in bins]
     order = sorted(range(len(bins)), key=lambda b: -bin_cost[b])
     per_rank: list[list[list[int]]] = [[] for _ in range(world_size)]
     totals = [0.0] * world_size
-    for j in range(rounds):
-        # heaviest bin of this round to the rank with the least so far (keeps totals even too)
+    for j in range(count):
+        # heaviest bin of position j to the rank with the least so far (keeps totals even too)
         ranks = sorted(range(world_size), key=lambda r: (totals[r], r))
         for r, b in zip(ranks, order[j * world_size: (j + 1) * world_size]):
             per_rank[r].append(bins[b])

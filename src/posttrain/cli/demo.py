@@ -16,7 +16,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = replace(DEMO, steps=args.steps, sequences=args.sequences, max_len=args.max_len, max_tokens=args.max_len,
                   optim=replace(DEMO.optim, lr=getattr(args, "optim.lr")), seed=args.seed)
-    run_demo(cfg, world_size=args.world_size, timeline_path=args.timeline or None)
+    run_demo(cfg, world_size=args.world_size, timeline_path=args.plot or None)
     return 0
 
 
@@ -29,5 +29,5 @@ def add_parser(sub) -> None:
     add_config_arguments(p, TrainConfig, fields=("steps", "sequences", "max_len", "optim.lr", "seed"),
                          defaults={k: config_value(DEMO, k) for k in ("steps", "sequences", "max_len", "optim.lr", "seed")})
     p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
-    p.add_argument("--timeline", default="out/demo_timeline.png", help="timeline PNG ('' for none)")
+    p.add_argument("--plot", default="out/demo_timeline.png", help="timeline PNG ('' for none)")
     p.set_defaults(func=_run)

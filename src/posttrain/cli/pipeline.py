@@ -47,8 +47,8 @@ def _run(args: argparse.Namespace) -> int:
 
         write_pipeline_metrics(cfg, results, args.calibration_out)
         print(f"wrote {args.calibration_out} (posttrain plan pipeline --calibrate {args.calibration_out} plans from it)")
-    if args.chart and cfg.dp_size == 1:
-        path = plot_pipeline(results, args.chart, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
+    if args.plot and cfg.dp_size == 1:
+        path = plot_pipeline(results, args.plot, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
                              f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")
         print(f"wrote {path}")
     return 0
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("pipeline", help="pipeline-parallel training with activation offload, CPU processes")
     add_config_arguments(p, PipelineConfig, defaults={"num_microbatches": 8, "dim": 128, "num_layers": 8,
                                                       "seq_len": 256, "steps": 5})
-    p.add_argument("--chart", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
+    p.add_argument("--plot", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
     p.add_argument("--calibration-out", default=None, metavar="FILE",
                    help="write every rank's last step (action times, saved bytes, peaks) as JSON, for "
                         "posttrain plan pipeline --calibrate")

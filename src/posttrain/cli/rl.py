@@ -29,18 +29,18 @@ def _run(args: argparse.Namespace) -> int:
               f"weights no answer is right and every group is skipped; train it first (README: post-train a "
               f"Hugging Face model) and give --model-path", flush=True)
         cfg = replace(cfg, model_path=os.path.join(task, "model"), prompts=cfg.prompts or os.path.join(task, "train.jsonl"))
-    check_output_path("--curve", args.curve, directory=False)
+    check_output_path("--plot", args.plot, directory=False)
     results = run_rl(cfg, world_size=args.world_size)
     if not results:  # the checkpoint already holds every step
-        if cfg.output_dir or args.curve:
-            print(f"(nothing trained, so --output-dir/--curve not written; posttrain export {cfg.checkpoint_dir} OUT_DIR "
+        if cfg.output_dir or args.plot:
+            print(f"(nothing trained, so --output-dir/--plot not written; posttrain export {cfg.checkpoint_dir} OUT_DIR "
                   "writes the model)")
         return 0
-    if args.curve:
+    if args.plot:
         rows = results[0]["metrics"]
-        plot_reward_curve(rows, args.curve, title=f"posttrain rl: {cfg.advantage}, {cfg.engine.label}+{cfg.balance}, "
+        plot_reward_curve(rows, args.plot, title=f"posttrain rl: {cfg.advantage}, {cfg.engine.label}+{cfg.balance}, "
                           f"{cfg.prompts_per_step} prompts x {cfg.samples_per_prompt} samples a step")
-        print(f"wrote {args.curve}")
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("rl", help="GRPO/RLOO: sample, reward, and update the policy on any data-parallel engine")
     add_config_arguments(p, RLConfig)
     p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
-    p.add_argument("--curve", default=None, help="write the mean reward per step as a PNG")
+    p.add_argument("--plot", default=None, help="write the mean reward per step as a PNG")
     p.add_argument("--task-dir", default="out/chat",
                    help="without --model-path: where the embedded chat task is (made there if absent; default out/chat)")
     add_config_file_argument(p)

@@ -180,7 +180,7 @@ def _odc(args) -> int:
             raise ValueError("--fsdp-balance=diff_micro: FSDP needs equal microbatch counts; use same_micro")
         plans = [plan_minibatch(b, world_size=cluster.num_gpus, max_tokens=max_tokens, method=method,
                                 cost=model.sequence_cost) for b in batches]
-        trace = bool(args.trace or args.png)
+        trace = bool(args.trace or args.plot)
         res = simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, hsdp=args.hsdp, trace=trace)
         res.strategy = f"{res.strategy}+{method}"
         runs.append(res)
@@ -196,9 +196,9 @@ def _odc(args) -> int:
     if args.trace:
         write_chrome_trace({r.strategy: r.spans for r in runs}, args.trace)
         print(f"wrote {args.trace} (chrome://tracing or ui.perfetto.dev)")
-    if args.png:
-        plot_dp_timelines(runs, args.png)
-        print(f"wrote {args.png}")
+    if args.plot:
+        plot_dp_timelines(runs, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -226,9 +226,9 @@ def _pipeline(args) -> int:
     for r in range(res.num_ranks):
         print(f"{r:>4} {res.peaks[r]:>10.2f} {res.peaks[r] * w.activation_bytes / 2**30:>9.2f} "
               f"{res.copy_utilization(r):>9.1%}")
-    if args.chart:
-        plot_pipeline_sim(res, args.chart)
-        print(f"wrote {args.chart}")
+    if args.plot:
+        plot_pipeline_sim(res, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -281,13 +281,13 @@ def add_parser(sub) -> None:
                      help="FSDP's balancing method (default same_micro)")
     odc.add_argument("--max-tokens", type=int, default=None, help="tokens per microbatch (default: longest possible)")
     odc.add_argument("--trace", default="out/sim_odc_trace.json", help="Chrome trace JSON ('' for none)")
-    odc.add_argument("--png", default="out/sim_odc.png", help="timeline PNG, first 16 ranks ('' for none)")
+    odc.add_argument("--plot", default="out/sim_odc.png", help="timeline PNG, first 16 ranks ('' for none)")
     odc.set_defaults(func=_odc)
 
     pipe = ss.add_parser("pipeline", help="a pipeline schedule with activation offload: makespan, memory, copies")
     add_pipeline_arguments(pipe, extra_fields=("schedule", "chunks", "group_size"), schedule="group_interleaved")
     pipe.add_argument("--offload-chunks", type=int, default=0, help="offload each rank's first this many chunks")
-    pipe.add_argument("--chart", default="out/sim_pipeline.png", help="chart PNG ('' for none)")
+    pipe.add_argument("--plot", default="out/sim_pipeline.png", help="chart PNG ('' for none)")
     pipe.add_argument("--paper-table", action="store_true", help="only print ours vs the PipeOffload unit-cost table")
     pipe.set_defaults(func=_pipeline)
 

@@ -25,14 +25,14 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = train_config(args, progress=True)
     results = run_training(cfg, world_size=args.world_size,
-                           outputs={"--timeline": args.timeline, "--trace": args.trace})
+                           outputs={"--plot": args.plot, "--trace": args.trace})
     if results is None or not results[0]["metrics"]:
         return 0
     spans = {f"{cfg.engine.label}+{cfg.balance}": [s for r in results for s in r["spans"]]}
-    if args.timeline:
+    if args.plot:
         last = results[0]["metrics"][-1]["step"]
-        plot_timelines(spans, args.timeline, title=f"step {last}: per-rank compute, communication and waiting")
-        print(f"wrote {args.timeline}")
+        plot_timelines(spans, args.plot, title=f"step {last}: per-rank compute, communication and waiting")
+        print(f"wrote {args.plot}")
     if args.trace:
         write_chrome_trace(spans, args.trace)
         print(f"wrote {args.trace} (chrome://tracing or ui.perfetto.dev; the simulator's traces open beside it)")
@@ -46,6 +46,6 @@ def add_parser(sub) -> None:
     add_config_arguments(p, TrainConfig, defaults={"steps": 20, "max_tokens": None})
     p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2; torchrun sets its own)")
     add_config_file_argument(p)
-    p.add_argument("--timeline", default=None, help="write a per-rank timeline PNG of the last step")
+    p.add_argument("--plot", default=None, help="write a per-rank timeline PNG of the last step")
     p.add_argument("--trace", default=None, help="write the last step as a Chrome trace JSON (Perfetto)")
     p.set_defaults(func=_run)

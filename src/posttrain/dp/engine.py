@@ -83,7 +83,7 @@ class EngineConfig:
     Attributes:
         name: the data-parallel engine: ``odc`` (flat ODC), ``fsdp`` (FSDP2), ``odc-fsdp2``
             (ODC on FSDP2).
-        mode: ODC engines: ``odc`` (one-sided, one synchronization per minibatch) or
+        mode: ODC engines: ``one-sided`` (one synchronization per minibatch) or
             ``collective`` (the same transport with a barrier at every gather and reduce: FSDP's
             rendezvous semantics, so benchmarks can separate mechanism from transport).
         precision: ``fp32``, or ``bf16``: parameters gathered and computed in bf16, gradients
@@ -99,7 +99,7 @@ class EngineConfig:
     """
 
     name: str = field(default="odc", metadata={"choices": _engine_choices})
-    mode: Literal["odc", "collective"] = "odc"
+    mode: Literal["one-sided", "collective"] = "one-sided"
     precision: Literal["fp32", "bf16"] = "fp32"
     deterministic: bool = False
     activation_checkpointing: bool = False
@@ -111,8 +111,8 @@ class EngineConfig:
         cls = engine_class(self.name)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision={self.precision!r} is not one of fp32, bf16")
-        if self.mode not in ("odc", "collective"):
-            raise ValueError(f"mode={self.mode!r} is not one of odc, collective")
+        if self.mode not in ("one-sided", "collective"):
+            raise ValueError(f"mode={self.mode!r} is not one of one-sided, collective")
         if self.replicas < 1:
             raise ValueError(f"replicas={self.replicas} must be at least 1")
         if not cls.one_sided and self.mode == "collective":

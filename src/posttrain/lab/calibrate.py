@@ -106,7 +106,7 @@ def _per_step(step: tuple[dict, ...]) -> float:
     return statistics.mean(r["optimizer_s"] for r in step) + min(r["sync_s"] for r in step)
 
 
-def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str = "odc") -> dict[str, float]:
+def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str = "one-sided") -> dict[str, float]:
     """What engine ``dp`` (in ``mode``) adds to pure compute, from a run on equal-length sequences
     where no rank waits for another: seconds per layer and microbatch (communication, copies,
     hooks) and per step (optimizer step and minibatch sync)."""
@@ -250,7 +250,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     """
     length = max(8, length)
     sequences = 4 * world_size
-    runs: dict[str, list] = {"odc": [], "collective": []}
+    runs: dict[str, list] = {"one-sided": [], "collective": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "equal.jsonl")
         _write_equal(path, sequences, length)
@@ -264,7 +264,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
         cost = FlopsCost.from_config(c.model_config(data.vocab_size))
         plans = [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
     mbs = max(plans[0].num_microbatches)
-    ratios = [_compute(a) / _compute(b) for a, b in zip(runs["collective"], runs["odc"])]
+    ratios = [_compute(a) / _compute(b) for a, b in zip(runs["collective"], runs["one-sided"])]
     factor = statistics.median(ratios)
     measured, per_step = {}, {}
     for mode, results in runs.items():
@@ -276,7 +276,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
             f"compute {measured[mode] * 1e3:.1f} ms a step (quartiles {_quartiles(excess)}), optimizer and exit "
             f"{per_step[mode] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
     # Both modes copy the same bytes: the collective run's operations cost what ODC's do.
-    copies = measured["odc"] / (mbs * cfg.num_layers)
+    copies = measured["one-sided"] / (mbs * cfg.num_layers)
     engine = {mode: {"per_layer_microbatch": copies, "per_step": per_step[mode], "microbatches": mbs,
                      "excess_per_step": measured[mode], "measured_compute_factor": factor if mode == "collective" else 1.0}
               for mode in runs}
@@ -289,7 +289,7 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
         f"the collective mode's compute over ODC's on the same work {factor:.3f}x (rounds: "
         f"{', '.join(f'{x:.3f}' for x in ratios)}; recorded, not applied); "
         f"compute jitter {jitter:.1%} (coefficient of variation) explains the collective run's "
-        f"{(measured['collective'] - measured['odc']) * 1e3:.1f} ms a step more than ODC's", flush=True)
+        f"{(measured['collective'] - measured['one-sided']) * 1e3:.1f} ms a step more than ODC's", flush=True)
     return {"engine": engine, "jitter": jitter}
 
 
@@ -360,7 +360,7 @@ def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_laye
     draws = draws if jitter else 1
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
     times = {}
-    for mode, strategy, plans in (("collective", "fsdp", same_micro), ("odc", "odc", diff_micro)):
+    for mode, strategy, plans in (("collective", "fsdp", same_micro), ("one-sided", "odc", diff_micro)):
         eng = machine["engine"][mode]
         per_op = eng["per_layer_microbatch"] / 3
         model = SimModel(num_layers=num_layers, layer_cost=cost,
@@ -380,8 +380,8 @@ def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_laye
             simulate_minibatch(shares, strategy="odc", model=bare, cluster=cluster,
                                op_times={"gather": 0.0, "reduce": 0.0, "add": 0.0}, overlap=False, jitter=jitter,
                                seed=1000 * d + k).time for d in range(draws))
-    return {"headroom": times["collective"] / partition, "mechanism": times["collective"] / times["odc"],
-            "collective_s": times["collective"], "odc_s": times["odc"], "partition_s": partition}
+    return {"headroom": times["collective"] / partition, "mechanism": times["collective"] / times["one-sided"],
+            "collective_s": times["collective"], "odc_s": times["one-sided"], "partition_s": partition}
 
 
 def _measure_real(cfg: TrainConfig, world_size: int, repeats: int, log) -> dict:

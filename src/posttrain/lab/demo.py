@@ -36,10 +36,10 @@ DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=30, sequence
 
 #: (label, engine, odc mode, balancing method, drawn in the timeline)
 VARIANTS = (
-    ("FSDP2 + same_micro", "fsdp", "odc", "same_micro", True),
+    ("FSDP2 + same_micro", "fsdp", "one-sided", "same_micro", True),
     ("ODC-on-FSDP2 collective", "odc-fsdp2", "collective", "same_micro", False),
     ("flat ODC collective", "odc", "collective", "same_micro", True),
-    ("flat ODC + diff_micro", "odc", "odc", "diff_micro", True),
+    ("flat ODC + diff_micro", "odc", "one-sided", "diff_micro", True),
 )
 #: factor -> (numerator run, denominator run, what differs)
 FACTORS = {

@@ -13,7 +13,7 @@ class ODCConfig:
     """How ODC runs. All fields have defaults suited to training.
 
     Attributes:
-        mode: ``"odc"``: one-sided gather and scatter-accumulate, ranks synchronize only when
+        mode: ``"one-sided"``: one-sided gather and scatter-accumulate, ranks synchronize only when
             entering and leaving a minibatch, and may run different numbers of microbatches.
             ``"collective"``: the same shared-memory transport with a barrier at every gather
             and every reduce (FSDP's rendezvous semantics); ranks must run equal microbatch
@@ -33,14 +33,14 @@ class ODCConfig:
             failing. A peer that aborts or dies is noticed within about 0.2 s regardless.
     """
 
-    mode: Literal["odc", "collective"] = "odc"
+    mode: Literal["one-sided", "collective"] = "one-sided"
     deterministic: bool = False
     grad_divide_factor: float = 1.0
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("odc", "collective"):
-            raise ValueError(f"mode={self.mode!r} is not one of 'odc', 'collective'")
+        if self.mode not in ("one-sided", "collective"):
+            raise ValueError(f"mode={self.mode!r} is not one of 'one-sided', 'collective'")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
         if not self.grad_divide_factor > 0:

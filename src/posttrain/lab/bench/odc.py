@@ -73,16 +73,16 @@ __all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "bench_odc", "factors", "measur
 
 #: (engine, odc mode, balancing method); named ``<dp label>+<method>`` (e.g. ``odc-collective+same_micro``).
 ODC_VARIANTS = (
-    ("fsdp", "odc", "round_robin"),
-    ("fsdp", "odc", "same_micro"),
+    ("fsdp", "one-sided", "round_robin"),
+    ("fsdp", "one-sided", "same_micro"),
     ("odc-fsdp2", "collective", "same_micro"),
-    ("odc-fsdp2", "odc", "round_robin"),
-    ("odc-fsdp2", "odc", "diff_micro"),
+    ("odc-fsdp2", "one-sided", "round_robin"),
+    ("odc-fsdp2", "one-sided", "diff_micro"),
     ("odc", "collective", "same_micro"),
-    ("odc", "odc", "diff_micro"),
+    ("odc", "one-sided", "diff_micro"),
 )
 #: What the mechanism and its headroom need.
-MECHANISM_VARIANTS = (("odc", "collective", "same_micro"), ("odc", "odc", "diff_micro"))
+MECHANISM_VARIANTS = (("odc", "collective", "same_micro"), ("odc", "one-sided", "diff_micro"))
 _REF = "fsdp+same_micro"
 _COLL, _ODC = "odc-collective+same_micro", "odc+diff_micro"
 

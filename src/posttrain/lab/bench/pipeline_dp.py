@@ -33,7 +33,7 @@ from .split import interleaved_rounds, log_split, split_ratios, write_result
 
 __all__ = ["VARIANTS", "bench_pipeline_dp", "long_tail_records"]
 
-VARIANTS = (("fsdp", "odc", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "odc", "diff_micro"))
+VARIANTS = (("fsdp", "one-sided", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "one-sided", "diff_micro"))
 
 
 def long_tail_records(n: int, *, seed: int = 0) -> list[dict]:

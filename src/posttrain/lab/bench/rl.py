@@ -42,7 +42,7 @@ from .split import interleaved_rounds, log_split, split_ratios, write_result
 
 __all__ = ["VARIANTS", "bench_rl", "draw_rollouts", "predict_rl"]
 
-VARIANTS = (("fsdp", "odc", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "odc", "diff_micro"))
+VARIANTS = (("fsdp", "one-sided", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "one-sided", "diff_micro"))
 
 
 def draw_rollouts(steps: int, samples: int, *, prompt_len: tuple[int, int] = (32, 128), max_new_tokens: int = 1024,

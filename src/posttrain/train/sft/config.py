@@ -32,14 +32,14 @@ class TrainConfig(RunConfig):
             from, with its weights; its tokenizer is used when it has one.
         tokenizer: a tokenizer directory (default: ``model_path``'s).
         train_on_prompt: train every token, not only the assistant's (completion's).
-        loss_norm: ``token``: the mean loss over the minibatch's trained tokens; ``sequence``: each
-            sequence's mean, then the mean over sequences.
+        loss_agg: ``token-mean``: the mean loss over the minibatch's trained tokens;
+            ``seq-mean-token-mean``: each sequence's mean, then the mean over sequences.
         truncate: cut sequences longer than ``max_tokens`` + 1 tokens instead of refusing them.
         skip_long: leave out sequences longer than ``max_tokens`` + 1 tokens instead of refusing them.
         vocab_size: the vocabulary of the built-in models on pre-tokenized data (default: the
             tokenizer's, else the largest id + 1); an id outside it is an error.
         eval_data: held-out records (same formats and masks as ``data``): their loss, averaged as
-            ``loss_norm`` says, goes into the metrics as ``eval_loss``.
+            ``loss_agg`` says, goes into the metrics as ``eval_loss``.
         eval_every: evaluate every this many steps (0: after the last step only).
         sequences: sequences per minibatch, over all ranks.
         max_len: longest synthetic sequence.
@@ -55,7 +55,7 @@ class TrainConfig(RunConfig):
     model_path: str | None = None
     tokenizer: str | None = None
     train_on_prompt: bool = False
-    loss_norm: Literal["token", "sequence"] = "token"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     truncate: bool = False
     skip_long: bool = False
     vocab_size: int | None = None
@@ -86,8 +86,8 @@ class TrainConfig(RunConfig):
         for name in ("sequences", "dim", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if self.loss_norm not in ("token", "sequence"):
-            raise ValueError(f"loss_norm={self.loss_norm!r} is not one of token, sequence")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
+            raise ValueError(f"loss_agg={self.loss_agg!r} is not one of token-mean, seq-mean-token-mean")
         if self.truncate and self.skip_long:
             raise ValueError("`truncate` and `skip_long` exclude each other: choose one")
         if self.vocab_size is not None and self.vocab_size < 2:

@@ -9,8 +9,8 @@ microbatches on the ranks with fewer - the cost such engines pay for imbalance.
 Each microbatch's summed loss is divided by the engine's loss divisor for the minibatch (see
 [Note: data-parallel engines]), so every engine computes the same gradient: that of the mean
 loss of the whole minibatch, for any placement of sequences on ranks and microbatches. What is
-counted (``--loss-norm``): ``token``, the trained tokens (each token's loss counts once);
-``sequence``, the sequences with a trained token (each token's loss weighted by one over its
+counted (``loss_agg``): ``token-mean``, the trained tokens (each token's loss counts once);
+``seq-mean-token-mean``, the sequences with a trained token (each token's loss weighted by one over its
 sequence's trained tokens). Balancing costs count every token, trained or not.
 
 Timing (see :mod:`posttrain.spans`): a step starts after a barrier outside the minibatch and
@@ -84,24 +84,24 @@ def _sample(s: Sample | torch.Tensor) -> Sample:
     return s if isinstance(s, Sample) else Sample(s.reshape(-1))
 
 
-def loss_units(seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], loss_norm: str = "token") -> int:
+def loss_units(seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], loss_agg: str = "token-mean") -> int:
     """What the loss of ``seqs[ids]`` is averaged over: trained tokens (``token``), or sequences
     with a trained token (``sequence``)."""
     samples = [_sample(seqs[i]) for i in ids]
-    if loss_norm == "sequence":
+    if loss_agg == "seq-mean-token-mean":
         return sum(1 for s in samples if s.trained)
     return sum(s.trained for s in samples)
 
 
 def microbatch_loss(model: nn.Module, seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], scale: float,
-                    loss_norm: str = "token") -> torch.Tensor:
+                    loss_agg: str = "token-mean") -> torch.Tensor:
     """The packed microbatch of ``seqs[ids]``: its summed loss times ``scale``, where a trained
     token's loss counts once (``token``) or one over its sequence's trained tokens (``sequence``)."""
     samples = [_sample(seqs[i]) for i in ids]
     packed = pack_sequences([s.input_ids for s in samples], [s.labels for s in samples])
     logits = model(packed.inputs, document_lengths=packed.document_lengths)
     weights = None
-    if loss_norm == "sequence":
+    if loss_agg == "seq-mean-token-mean":
         weights = torch.cat([torch.full((len(s) - 1,), 1.0 / max(1, s.trained)) for s in samples]).unsqueeze(0)
     return token_loss_sum(logits, packed.targets, weights) * scale
 
@@ -128,7 +128,7 @@ def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module,
 
 def evaluate(cfg: TrainConfig, engine: DataParallelEngine, samples: list[Sample], rank: int,
              world_size: int) -> float | None:
-    """The loss on ``samples`` (averaged as ``cfg.loss_norm`` says; a collective). Each rank takes
+    """The loss on ``samples`` (averaged as ``cfg.loss_agg`` says; a collective). Each rank takes
     every ``world_size``-th sequence by length and packs them under ``max_tokens``, outside any
     minibatch: every rank runs as many forwards as the busiest (outside a minibatch a sharded
     forward is a collective on every engine)."""
@@ -142,8 +142,8 @@ def evaluate(cfg: TrainConfig, engine: DataParallelEngine, samples: list[Sample]
         for j in range(max(len(p) for p in packs)):
             if j < len(packs[rank]):
                 ids = packs[rank][j]
-                total[0] += microbatch_loss(engine.model, samples, ids, 1.0, cfg.loss_norm).double()
-                total[1] += loss_units(samples, ids, cfg.loss_norm)
+                total[0] += microbatch_loss(engine.model, samples, ids, 1.0, cfg.loss_agg).double()
+                total[1] += loss_units(samples, ids, cfg.loss_agg)
             else:
                 engine.run_dummy(backward=False)
     dist.all_reduce(total)
@@ -174,12 +174,12 @@ class SFTTrainer(Trainer):
         mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
         busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
         total = sum(plan.rank_tokens)
-        units = loss_units(seqs, range(len(seqs)), cfg.loss_norm)
+        units = loss_units(seqs, range(len(seqs)), cfg.loss_agg)
         dist.barrier()  # step start, outside any minibatch
         t0 = time.perf_counter()
         rec.clear()  # keep one step's spans: the timeline shows the last step
         loss_sum = torch.zeros((), dtype=torch.float64)
-        own_units = sum(loss_units(seqs, m.sequence_ids, cfg.loss_norm) for m in mine)
+        own_units = sum(loss_units(seqs, m.sequence_ids, cfg.loss_agg) for m in mine)
         with engine.minibatch(own_units) as mb:
             if mb.global_tokens != units:
                 raise AssertionError(f"the engine counts {mb.global_tokens} loss units in step {step}, the data {units}")
@@ -189,7 +189,7 @@ class SFTTrainer(Trainer):
                     if micro is None:
                         engine.run_dummy()
                         continue
-                    token_loss = microbatch_loss(engine.model, seqs, micro.sequence_ids, 1.0, cfg.loss_norm)
+                    token_loss = microbatch_loss(engine.model, seqs, micro.sequence_ids, 1.0, cfg.loss_agg)
                     loss_sum += token_loss.detach()
                     (token_loss / divisor).backward()
             t_sync = time.perf_counter()

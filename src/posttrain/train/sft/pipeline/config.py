@@ -41,7 +41,7 @@ class PipelineConfig(RunConfig):
         batch: sequences per microbatch.
         model_path: train this local ``transformers`` causal LM (with its weights) instead of a
             built-in model; its blocks are spread over the stages by cost.
-        data: train on this data (the formats, masks and loss normalization of ``posttrain
+        data: train on this data (the formats, masks and loss aggregation of ``posttrain
             train``; needs ``model_path``) instead of the synthetic task: each step takes
             ``sequences`` records and packs them into ``microbatches`` microbatches of at most
             ``max_tokens`` tokens, balanced by cost; the loss is normalized over the step's trained
@@ -50,7 +50,8 @@ class PipelineConfig(RunConfig):
         sequences: records per step with ``data``.
         max_tokens: most tokens in one packed microbatch with ``data``.
         train_on_prompt: also train on prompt tokens.
-        loss_norm: ``token``: every trained token weighs the same; ``sequence``: every sequence does.
+        loss_agg: ``token-mean``: every trained token weighs the same; ``seq-mean-token-mean``: every
+            sequence does (the aggregations of ``posttrain rl``'s ``loss_agg``).
         truncate: cut records longer than ``max_tokens`` + 1 tokens instead of refusing them.
         skip_long: leave out records longer than ``max_tokens`` + 1 tokens instead of refusing them.
         checkpoint_dir: save checkpoints here and resume from the newest one found there (on any
@@ -85,7 +86,7 @@ class PipelineConfig(RunConfig):
     sequences: int = 16
     max_tokens: int = 512
     train_on_prompt: bool = False
-    loss_norm: Literal["token", "sequence"] = "token"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     truncate: bool = False
     skip_long: bool = False
     dp_size: int = 1
@@ -120,8 +121,8 @@ class PipelineConfig(RunConfig):
             raise ValueError("`data` needs `model_path` (a transformers model directory to train)")
         if self.output_dir and not self.model_path:
             raise ValueError("`output_dir` writes a transformers model: give `model_path`")
-        if self.loss_norm not in ("token", "sequence"):
-            raise ValueError(f"loss_norm={self.loss_norm!r} is not one of token, sequence")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
+            raise ValueError(f"loss_agg={self.loss_agg!r} is not one of token-mean, seq-mean-token-mean")
         if self.truncate and self.skip_long:
             raise ValueError("`truncate` and `skip_long` exclude each other")
         for value, flag in ((self.engine.precision != "fp32", "engine.precision='bf16'"),

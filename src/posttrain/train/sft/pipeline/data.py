@@ -5,7 +5,7 @@ microbatch, so the step's records are split into exactly ``m`` sets of balanced 
 (:func:`~posttrain.balance.exact.min_max_partition` on the FLOPs of each record: the slowest
 microbatch paces every stage), each packed into one microbatch of at most ``max_tokens`` tokens.
 The loss of a microbatch is its summed token loss (weighted per sequence with
-``loss_norm="sequence"``), divided by the step's trained tokens (or trained sequences): the
+``loss_agg="seq-mean-token-mean"``), divided by the step's trained tokens (or trained sequences): the
 gradient of the step's mean token loss whatever the packing, as in ``posttrain train``.
 """
 
@@ -30,7 +30,7 @@ def train_config(cfg: PipelineConfig) -> TrainConfig:
     """The data fields of ``cfg`` as ``posttrain train`` reads them (same formats, masks, cache)."""
     return TrainConfig(model_path=cfg.model_path, data=cfg.data, tokenizer=cfg.tokenizer, sequences=cfg.sequences,
                        max_tokens=cfg.max_tokens, seed=cfg.seed, steps=cfg.steps, train_on_prompt=cfg.train_on_prompt,
-                       loss_norm=cfg.loss_norm, truncate=cfg.truncate, skip_long=cfg.skip_long)
+                       loss_agg=cfg.loss_agg, truncate=cfg.truncate, skip_long=cfg.skip_long)
 
 
 @dataclass
@@ -40,7 +40,7 @@ class PipelineStep:
     Attributes:
         inputs: per microbatch, the packed ``(1, tokens)`` input ids.
         targets: per microbatch, ``(targets, weights)``: next-token ids (``-100``: not trained) and
-            per-token weights (``None`` with ``loss_norm="token"``).
+            per-token weights (``None`` with ``loss_agg="token-mean"``).
         extras: per microbatch, ``{"document_lengths": [...]}`` for every stage.
         loss_divisor: the step's trained tokens (or sequences).
         sequence_ids: per microbatch, the records' positions in the step.
@@ -79,7 +79,7 @@ class PipelineData:
                              f"num_microbatches={cfg.num_microbatches} microbatches of at most max_tokens="
                              f"{cfg.max_tokens} (the fullest needs {max(too_big)}); raise `max_tokens` or "
                              "`num_microbatches`, or lower `sequences`")
-        divisor = loss_units(samples, range(len(samples)), cfg.loss_norm)
+        divisor = loss_units(samples, range(len(samples)), cfg.loss_agg)
         if divisor == 0:
             raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
         return self.pack(samples, sets, float(divisor))
@@ -97,7 +97,7 @@ class PipelineData:
             picked = [samples[i] for i in s]
             packed = pack_sequences([p.input_ids for p in picked], [p.labels for p in picked])
             weights = None
-            if cfg.loss_norm == "sequence":
+            if cfg.loss_agg == "seq-mean-token-mean":
                 weights = torch.cat([torch.full((len(p) - 1,), 1.0 / max(1, p.trained)) for p in picked]).unsqueeze(0)
             inputs.append(packed.inputs)
             targets.append((packed.targets, weights))

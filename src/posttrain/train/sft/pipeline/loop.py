@@ -239,7 +239,7 @@ class PipelineDPTrainer(Trainer):
             self.runners[m].store.is_weight = engine.holds
         dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
         t0 = time.perf_counter()
-        with engine.minibatch(loss_units(samples, [i for s_ in sets if s_ for i in s_], cfg.loss_norm)) as mb:
+        with engine.minibatch(loss_units(samples, [i for s_ in sets if s_ for i in s_], cfg.loss_agg)) as mb:
             if mb.global_tokens == 0:
                 raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
             batch = self.data.pack(samples, sets, mb.loss_divisor)
@@ -347,7 +347,7 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
 
             fits = fits or runnable(cfg)
             samples = data.data.minibatch(step)
-            if loss_units(samples, range(len(samples)), cfg.loss_norm) == 0:
+            if loss_units(samples, range(len(samples)), cfg.loss_agg) == 0:
                 raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
             try:
                 replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
