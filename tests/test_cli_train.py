@@ -173,3 +173,20 @@ def test_a_refused_value_is_named_by_its_flag(cli, argv, message):
     as its flag, from the table its options are built from."""
     rc, _, err = cli("train", *argv)
     assert rc == 2 and message in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "rl", "pipeline", "demo", "bench odc", "simulate odc", "simulate pipeline",
+                                     "plan pipeline"])
+def test_help_is_plain_text_naming_flags_not_fields(command, capsys):
+    """Help comes from the config docstrings: a ``field`` they cite is shown as its flag, and no
+    RST role or literal quotes reach the user."""
+    import re
+
+    from posttrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main([*command.split(), "--help"])
+    out = capsys.readouterr().out
+    assert not re.search(r"``|:(mod|class|func|meth|attr):`", out), out
+    if command == "pipeline":
+        assert "(--ranks x --dp-size processes)" in " ".join(out.split())

@@ -32,7 +32,7 @@ _MISSING = dataclasses.MISSING
 
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> its description in the ``Attributes:`` section of the class docstring, or of
-    the docstring of the nearest base class that has one for it (one line)."""
+    the docstring of the nearest base class that has one for it (one line, as written)."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         out.update(_own_field_docs(klass))
@@ -60,7 +60,14 @@ def _own_field_docs(cls: type) -> dict[str, str]:
             out[name] += " " + line.strip()
         else:
             break
-    return {k: " ".join(v.replace("``", "").split()) for k, v in out.items()}
+    return {k: " ".join(v.split()) for k, v in out.items()}
+
+
+def _help(text: str, flags: Mapping[str, str]) -> str:
+    """A field's docstring entry as help: a ``literal`` that names a parameter becomes its flag,
+    other ``literals`` lose their quotes, a :role:`target` shows the target."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", lambda m: flags.get(m.group(1), m.group(1)), text)
 
 
 def _resolve(cls: type, name: str) -> Any:
@@ -161,6 +168,7 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     itself a dataclass (a section: ``engine``, ``optim``) adds its fields' options, named by
     their dotted path in ``fields``, ``exclude`` and ``defaults`` (``"optim.lr"``)."""
     docs = field_docs(cls)
+    flags = field_flags(cls)
     wanted = set(fields) if fields is not None else None
     skip = set(exclude)
     defaults = dict(defaults or {})
@@ -185,7 +193,7 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         kind, choices, _ = _parse_type(_resolve(cls, f.name))
         if "choices" in f.metadata:
             choices = tuple(f.metadata["choices"]())
-        help_text = docs.get(f.name, "")
+        help_text = _help(docs.get(f.name, ""), flags)
         kwargs: dict[str, Any] = {"dest": path, "default": default}
         if kind is bool:
             kwargs["action"] = "store_true"

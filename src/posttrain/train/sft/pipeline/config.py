@@ -57,9 +57,9 @@ class PipelineConfig(RunConfig):
         checkpoint_dir: save checkpoints here and resume from the newest one found there (on any
             number of ranks, chunks or schedule: parameters are saved under the model's names).
         steps: optimizer steps.
-        dp_size: data-parallel replicas of the pipeline (``ranks x dp_size`` processes): each
-            stage's parameters sharded over its replicas by the run's engine (needs ``data``; see
-            :mod:`posttrain.train.sft.pipeline.dp`).
+        dp_size: data-parallel replicas of the pipeline (``num_ranks`` x ``dp_size`` processes):
+            each stage's parameters sharded over its replicas by the run's engine (needs ``data``;
+            docs/pipeline.md).
         balance: with ``dp_size`` > 1, how a step's records are balanced over the replicas
             (``diff_micro``: each replica its own microbatch count; ``same_micro``: equal counts).
     """
