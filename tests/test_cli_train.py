@@ -63,14 +63,10 @@ def test_train_fsdp_writes_metrics_timeline_and_trace(run_cli, tmp_path):
     assert {(e["cat"], e["tid"] // 4) for e in events} >= {("compute", 0), ("compute", 1), ("comm", 0), ("comm", 1)}
 
 
-def test_train_under_torchrun(tmp_path):
-    """torchrun starts the processes; posttrain runs one rank in each and rank 0 reports."""
-    import json
-
-    metrics = tmp_path / "m.jsonl"
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 -m posttrain ARGS``: its ranks killed on a timeout."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "posttrain", "train", "--steps", "2",
-           "--sequences", "4", "--max-len", "32", "--dim", "32", "--layers", "1", "--metrics", str(metrics)]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "posttrain", *args]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}) as p:
         try:
@@ -78,11 +74,39 @@ def test_train_under_torchrun(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)  # torchrun and its ranks
             raise
-    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def test_train_under_torchrun(tmp_path):
+    """torchrun starts the processes; posttrain runs one rank in each and rank 0 reports."""
+    import json
+
+    metrics = tmp_path / "m.jsonl"
+    proc = _torchrun("train", "--steps", "2", "--sequences", "4", "--max-len", "32", "--dim", "32", "--layers", "1",
+                     "--metrics", str(metrics))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("posttrain: odc+diff_micro on 2 CPU processes") == 1  # rank 0 only
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert sorted((r["step"], r["rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_rl_under_torchrun(tmp_path, tiny_model):
+    """The trainer core's launch serves every trainer: RL under torchrun, rank 0 reporting and
+    writing the record once."""
+    import json
+
+    from posttrain.data.tasks import chat_task_records
+
+    prompts, record = tmp_path / "p.jsonl", tmp_path / "r.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(4, seed=1)))
+    proc = _torchrun("rl", "--model-path", tiny_model("llama"), "--prompts", str(prompts), "--samples-per-prompt", "2",
+                     "--prompts-per-step", "2", "--max-new-tokens", "4", "--steps", "2", "--max-tokens", "128",
+                     "--record", str(record))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("posttrain rl: grpo with odc+diff_micro updates on 2 CPU processes") == 1
+    assert sum(line.startswith("reward ") for line in proc.stdout.splitlines()) == 1  # the summary, once
+    assert "nothing trained" not in proc.stdout
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [0, 1]
 
 
 def test_bad_data_inputs_are_clear_errors(cli, tmp_path):
@@ -167,12 +191,23 @@ def test_every_trainer_takes_the_engine_and_optimizer_sections_from_the_same_fla
     (["--dp", "fsdp", "--deterministic"], "--deterministic is for the ODC engines (--dp odc or odc-fsdp2)"),
     (["--replicas", "0"], "--replicas=0 must be at least 1"),
     (["--sequences", "3", "--world-size", "4"], "--sequences=3 is fewer than the 4 ranks"),  # refused at run time
+    (["--dp", "fsdp", "--checkpoint-dir", "CKPT"], "which --dp='fsdp' cannot load"),  # a dotted engine.name
 ])
-def test_a_refused_value_is_named_by_its_flag(cli, argv, message):
+def test_a_refused_value_is_named_by_its_flag(cli, argv, message, tmp_path):
     """The trainers and the library name parameters (max_tokens=64); the command line writes each
     as its flag, from the table its options are built from."""
+    if "CKPT" in argv:  # a flat ODC checkpoint under a path that holds "x=": the path is left as it is
+        from posttrain.launch import run_ranks
+        from posttrain.train.sft import TrainConfig, train_worker
+
+        ckpt = os.path.join(tmp_path, "lr=0.5", "ckpt")
+        run_ranks(train_worker, 2, TrainConfig(steps=1, sequences=4, max_len=32, max_tokens=32, dim=32, num_layers=1,
+                                               checkpoint_dir=ckpt))
+        argv = [a.replace("CKPT", ckpt) for a in argv] + ["--steps", "2", "--sequences", "4", "--max-len", "32",
+                                                           "--dim", "32", "--layers", "1"]
     rc, _, err = cli("train", *argv)
     assert rc == 2 and message in err, err
+    assert "--lr=0.5" not in err
 
 
 @pytest.mark.parametrize("command", ["train", "rl", "pipeline", "demo", "bench odc", "simulate odc", "simulate pipeline",

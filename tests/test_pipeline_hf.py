@@ -235,6 +235,10 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
             seen.add(name)
     assert seen == set(want) and any(not torch.equal(want[n].detach(), start[n]) for n in want)
     got = load(str(tmp_path / "out"))  # the export: one replica's stages, tied weights written once
+    from safetensors import safe_open
+
+    written = [k for f in sorted((tmp_path / "out").glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()]
+    assert len(written) == len(set(written)), sorted(written)  # every tensor in exactly one file
     for name, value in got.state_dict().items():
         torch.testing.assert_close(value, model.state_dict()[name], atol=2e-5, rtol=1e-4, msg=f"exported {name}")
     if alias:

@@ -247,7 +247,8 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one(tmp_path, tiny_m
     monkeypatch.syspath_prepend(str(tmp_path))
     base = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="wordy:reward", samples_per_prompt=4,
                     prompts_per_step=4, max_new_tokens=6, steps=3, max_tokens=128, kl_coef=0.05,
-                    optim=OptimConfig(lr=3e-3), temperature=1.5, engine=EngineConfig(deterministic=True))
+                    optim=OptimConfig(lr=3e-3), temperature=1.5, engine=EngineConfig(deterministic=True),
+                    loss_agg="seq-mean-token-sum")  # (an aggregation SFT's config does not take: export ignores it)
     whole = run_rl(replace(base, checkpoint_dir=str(tmp_path / "a"), metrics=str(tmp_path / "a.jsonl")),
                    world_size=2, quiet=True)[0]["metrics"]
     cut = replace(base, checkpoint_dir=str(tmp_path / "b"), metrics=str(tmp_path / "b.jsonl"))

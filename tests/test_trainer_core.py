@@ -91,11 +91,11 @@ def _worker(rank, world_size, cfg):
 
 def test_checkpoints_exports_and_metrics_follow_their_cadence_and_a_run_resumes(tmp_path):
     cfg = ToyConfig(steps=5, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, output_dir=str(tmp_path / "out"),
-                    save_every=3, metrics=str(tmp_path / "m.jsonl"))
+                    save_every=2, metrics=str(tmp_path / "m.jsonl"))
     check_run(cfg)
     first = run_ranks(_worker, 2, replace(cfg, steps=3))
     events = first[0]["events"]
-    assert [e for e in events if e[0] == "export"] == [("export", 3)]  # save_every 3, and the last step (3)
+    assert [e for e in events if e[0] == "export"] == [("export", 2), ("export", 3)]  # every 2nd, and the last
     assert events[-1] == ("close",)
     assert sorted(os.listdir(cfg.checkpoint_dir)) == ["latest", "step-000002", "step-000003"]
     rows = [json.loads(line) for line in open(cfg.metrics)]
@@ -103,18 +103,19 @@ def test_checkpoints_exports_and_metrics_follow_their_cadence_and_a_run_resumes(
     rest = run_ranks(_worker, 2, cfg)
     assert rest[0]["resumed_from"] == 3 and [r["step"] for r in rest[0]["rows"]] == [3, 4]
     assert torch.equal(rest[0]["p"], torch.full((3,), 5.0))  # resumed from the checkpoint's values
-    assert [e for e in rest[0]["events"] if e[0] == "export"] == [("export", 5)]
+    assert [e for e in rest[0]["events"] if e[0] == "export"] == [("export", 4), ("export", 5)]
     assert len(open(cfg.metrics).read().splitlines()) == 10  # the resumed run appended its rows
     assert sorted(os.listdir(cfg.checkpoint_dir)) == ["latest", "step-000004", "step-000005"]
 
 
 def test_a_failing_step_still_closes_and_writes_nothing_after_it(tmp_path):
-    cfg = ToyConfig(steps=4, fail_at=2, checkpoint_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "out"))
+    cfg = ToyConfig(steps=4, fail_at=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1,
+                    output_dir=str(tmp_path / "out"), save_every=1)
     out = run_ranks(_worker, 2, cfg)
     for r in out:
         assert r["failed"] and r["events"][-1] == ("close",)
-        assert not any(e[0] == "export" for e in r["events"])
-    assert not os.path.exists(cfg.checkpoint_dir)
+        assert [e for e in r["events"] if e[0] == "export"] == [("export", 1), ("export", 2)]  # steps 0 and 1 only
+    assert sorted(os.listdir(cfg.checkpoint_dir)) == ["latest", "step-000001", "step-000002"]
 
 
 def test_a_run_that_cannot_write_its_outputs_is_refused_before_any_rank(tmp_path):

@@ -102,14 +102,9 @@ FLAGS = {
     "num_ranks": "--ranks",
     "num_microbatches": "--microbatches",
     "num_heads": "--heads",
-    # library parameters the command line takes in other units or under the config's name
+    # library parameters the command line takes under another name (in the same units)
     "num_chunks": "--chunks",
     "num_gpus": "--gpus",
-    "intra_bandwidth": "--intra-gbps",
-    "inter_bandwidth": "--inter-gbps",
-    "host_bandwidth": "--host-gbps",
-    "achieved_flops": "--achieved-tflops",
-    "memory_budget": "--memory-gib",
 }
 
 
@@ -144,7 +139,8 @@ def name_flags(message: str, flags: Mapping[str, str]) -> str:
             return m.group(0)
         return flags[name] + ("=" if m.group(2) else "")
 
-    return re.sub(r"`(\w+(?:\.\w+)*)`|(?<![\w.-])(\w+(?:\.\w+)*)=(?!=)", sub, message)
+    # name=value only where a clause starts (after a space, a bracket or a comma): not inside a path
+    return re.sub(r"`(\w+(?:\.\w+)*)`|(?<![^\s(\[,;])(\w+(?:\.\w+)*)=(?!=)", sub, message)
 
 
 def _is_section(cls: type, f: dataclasses.Field) -> bool:

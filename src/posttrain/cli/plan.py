@@ -11,6 +11,12 @@ from .simulate import add_dp_arguments, add_pipeline_arguments, dp_inputs, workl
 __all__ = ["add_parser"]
 
 
+def _positive_gib(value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"--memory-gib={value} must be positive")
+    return value
+
+
 def _odc(args: argparse.Namespace) -> int:
     from posttrain.sim.planner import plan_odc
 
@@ -53,7 +59,7 @@ def _pipeline(args: argparse.Namespace) -> int:
         w, notes = pipeline_workload_from_metrics(args.calibrate, num_ranks=args.num_ranks,
                                                   host_bandwidth=w.host_bandwidth)
     fits, tried = plan_pipeline(num_ranks=args.num_ranks, num_microbatches=args.num_microbatches, workload=w,
-                                memory_budget=args.memory_gib * 2**30)
+                                memory_budget=_positive_gib(args.memory_gib) * 2**30)
     ms = 1e3
     print("assumptions (" + notes[0] + "):")
     for line in notes[1:]:

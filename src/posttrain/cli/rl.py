@@ -24,6 +24,10 @@ def _run(args: argparse.Namespace) -> int:
 
         task = args.task_dir
         if not os.path.isfile(os.path.join(task, "model", "config.json")):
+            from posttrain.train.core import under_torchrun
+
+            if under_torchrun():  # every rank would write it at once
+                raise ValueError(f"no chat task in {task}: make it first (posttrain chat-task {task}) or give --model-path")
             make_chat_task(task)
         print(f"no --model-path: the embedded chat task's model in {task}/model (posttrain chat-task). From random "
               f"weights no answer is right and every group is skipped; train it first (README: post-train a "
@@ -31,6 +35,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, model_path=os.path.join(task, "model"), prompts=cfg.prompts or os.path.join(task, "train.jsonl"))
     check_output_path("--plot", args.plot, directory=False)
     results = run_rl(cfg, world_size=args.world_size)
+    if results is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
     if not results:  # the checkpoint already holds every step
         if cfg.output_dir or args.plot:
             print(f"(nothing trained, so --output-dir/--plot not written; posttrain export {cfg.checkpoint_dir} OUT_DIR "

@@ -130,6 +130,11 @@ def dp_inputs(args: argparse.Namespace):
     for name, flag in (("sequences_per_gpu", "--sequences-per-gpu"), ("minibatches", "--minibatches")):
         if getattr(lengths, name) < 1:
             raise ValueError(f"{flag}={getattr(lengths, name)} must be at least 1")
+    # (in the units the flags take: the library checks its own in bytes/s and FLOP/s)
+    for value, flag in ((c.intra_gbps, "--intra-gbps"), (c.inter_gbps, "--inter-gbps"),
+                        (cost.achieved_tflops, "--achieved-tflops")):
+        if not value > 0:
+            raise ValueError(f"{flag}={value} must be positive")
     cluster = Cluster(num_gpus=c.gpus, gpus_per_node=c.gpus_per_node, intra_bandwidth=c.intra_gbps * 1e9,
                       inter_bandwidth=c.inter_gbps * 1e9)
     model = SimModel.preset(cost.cost_model, achieved_flops=cost.achieved_tflops * 1e12)

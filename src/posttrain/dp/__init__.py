@@ -3,8 +3,11 @@
     engine = posttrain.dp.build_engine(model, EngineConfig("odc", precision="bf16"))
     optimizer = torch.optim.AdamW(engine.parameters())
     with engine.minibatch(local_tokens) as mb:
-        for micro in my_microbatches:                 # counts may differ per rank unless
-            (loss_sum(micro) / mb.loss_divisor).backward()   # engine.equal_microbatches
+        for micro in engine.pad(my_microbatches, busiest):   # + None up to the busiest rank's count
+            if micro is None:                                 # where the engine needs equal counts
+                engine.run_dummy()
+                continue
+            (loss_sum(micro) / mb.loss_divisor).backward()
     optimizer.step()
 
 Engines: ``fsdp`` (FSDP2, the baseline), ``odc`` (flat ODC, :func:`posttrain.odc.flat_shard`),

@@ -111,7 +111,9 @@ def config_value(config: Any, path: str) -> Any:
     or its :func:`dataclasses.asdict` (``None`` where a dict lacks the key)."""
     value = config
     for part in path.split("."):
-        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part)
+        if value is None:
+            return None
+        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part, None)
     return value
 
 

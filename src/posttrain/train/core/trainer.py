@@ -63,7 +63,7 @@ class Trainer(ABC):
 
     def export(self) -> None:
         """Write ``cfg.output_dir`` from the current parameters (a collective)."""
-        raise NotImplementedError(f"{type(self).__name__} does not write --output-dir")
+        raise NotImplementedError(f"{type(self).__name__} does not write `output_dir`")
 
     def progress_line(self, step: int, row: dict[str, Any]) -> str | None:
         """What rank 0 prints after step ``step`` (``None``: nothing)."""

@@ -15,10 +15,11 @@ from .loop import load_prompts, rl_worker
 __all__ = ["run_rl"]
 
 
-def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[dict]:
+def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[dict] | None:
     """Check ``cfg`` (model, prompts, reward, output paths) in this process, then run it on
     ``world_size`` forked CPU processes (or this process's rank under ``torchrun``); every rank's
-    result (``{"metrics": [...]}``; ``[]`` on torchrun ranks other than 0)."""
+    result (``{"metrics": [...]}``; ``[]`` when the checkpoint already holds every step; ``None`` on
+    torchrun ranks other than 0)."""
     world_size, lead = launch_world(world_size)
     if cfg.model_path is None or cfg.prompts is None:
         raise ValueError("posttrain rl needs `model_path` (a transformers model directory) and `prompts` (a JSONL file)")
@@ -42,11 +43,11 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
             say(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {meta['steps_done']} steps")
             return []
         say(f"resuming from {cfg.checkpoint_dir} after step {meta['steps_done']}")
-    elif cfg.record and os.path.exists(cfg.record):
+    elif cfg.record and lead and os.path.exists(cfg.record):
         os.remove(cfg.record)  # a fresh record per run (a resumed run appends)
     results = launch(rl_worker, world_size, cfg)
     if results is None:  # a torchrun rank other than 0
-        return []
+        return None
     m = results[0]["metrics"]
     say(f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}; rollout "
         f"{sum(r['rollout_tokens_per_s'] for r in m) / len(m):.0f} tokens/s, update "

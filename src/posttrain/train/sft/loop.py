@@ -85,8 +85,8 @@ def _sample(s: Sample | torch.Tensor) -> Sample:
 
 
 def loss_units(seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], loss_agg: str = "token-mean") -> int:
-    """What the loss of ``seqs[ids]`` is averaged over: trained tokens (``token``), or sequences
-    with a trained token (``sequence``)."""
+    """What the loss of ``seqs[ids]`` is averaged over: trained tokens (``token-mean``), or
+    sequences with a trained token (``seq-mean-token-mean``)."""
     samples = [_sample(seqs[i]) for i in ids]
     if loss_agg == "seq-mean-token-mean":
         return sum(1 for s in samples if s.trained)
@@ -96,7 +96,8 @@ def loss_units(seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], loss_a
 def microbatch_loss(model: nn.Module, seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], scale: float,
                     loss_agg: str = "token-mean") -> torch.Tensor:
     """The packed microbatch of ``seqs[ids]``: its summed loss times ``scale``, where a trained
-    token's loss counts once (``token``) or one over its sequence's trained tokens (``sequence``)."""
+    token's loss counts once (``token-mean``) or one over its sequence's trained tokens
+    (``seq-mean-token-mean``)."""
     samples = [_sample(seqs[i]) for i in ids]
     packed = pack_sequences([s.input_ids for s in samples], [s.labels for s in samples])
     logits = model(packed.inputs, document_lengths=packed.document_lengths)

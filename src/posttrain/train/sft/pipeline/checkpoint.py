@@ -5,7 +5,7 @@ Each rank saves the parameters of the stages it holds and their optimizer state 
 rank positions, so a checkpoint loads into any split of the same model: another number of
 ranks, chunks or another schedule. A tied embedding held by two ranks is saved once (the copies
 are equal). Directory layout, the ``latest`` pointer and the refusal of mismatched runs are those
-of the data-parallel trainer's checkpoints (:mod:`posttrain.train.sft.checkpoint`).
+of the data-parallel trainer's checkpoints (:mod:`posttrain.train.core.checkpoint`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = ["PipelineState"]
 class PipelineState:
     """The checkpointable state of one pipeline rank: ``params`` (its stages' parameters, named as
     in ``model``) and the optimizer that steps them. Stands in for a data-parallel engine in
-    :func:`posttrain.train.sft.checkpoint.save_checkpoint` / ``resume``."""
+    the trainer core's :func:`~posttrain.train.core.save_checkpoint` / ``resume``."""
 
     checkpoint_format = "pipeline"
 

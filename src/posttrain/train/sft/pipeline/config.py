@@ -43,7 +43,7 @@ class PipelineConfig(RunConfig):
             built-in model; its blocks are spread over the stages by cost.
         data: train on this data (the formats, masks and loss aggregation of ``posttrain
             train``; needs ``model_path``) instead of the synthetic task: each step takes
-            ``sequences`` records and packs them into ``microbatches`` microbatches of at most
+            ``sequences`` records and packs them into ``num_microbatches`` microbatches of at most
             ``max_tokens`` tokens, balanced by cost; the loss is normalized over the step's trained
             tokens (or sequences).
         tokenizer: tokenizer directory for ``data`` (default: ``model_path``'s).

@@ -49,7 +49,7 @@ class PipelineGrid:
     Attributes:
         pp_rank, dp_rank: positions in the pipeline and among the replicas.
         pp_group: the ranks of this pipeline (for :class:`~posttrain.pipeline.PipelineRunner`).
-        dp_mesh: the 1-D mesh of the ranks holding the same stages (for ODC).
+        dp_mesh: the 1-D mesh of the ranks holding the same stages (for the column's engine).
     """
 
     def __init__(self, pp: int, dp: int) -> None:
@@ -97,7 +97,8 @@ def shard_stages(stages: dict[int, nn.Module], mesh, config: EngineConfig) -> Da
 
 
 class TiedEmbedding:
-    """Tied input and output embeddings under pipeline x ODC: the first stage's rank and the
+    """Tied input and output embeddings under pipeline x data parallelism (any engine): the first
+    stage's rank and the
     last stage's rank of each replica hold a copy, sharded alike over their columns; after each
     step's gradients are final, the two gradient shards are summed (one all-reduce per replica
     between those two ranks), so both copies take the same step and stay equal. Built on every

@@ -200,10 +200,13 @@ class PipelineDPTrainer(Trainer):
         layout = cfg.build().layout
         self.mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
         self.skip = tied_names(model)  # tied aliases, written once on export
-        tied = _tied_weight(model, stages) is not None  # before sharding takes the parameters off the stages
+        tied_weight = _tied_weight(model, stages)  # before sharding takes the parameters off the stages
+        tied = tied_weight is not None
         self.names = {id(p): n for n, p in model.named_parameters()}  # likewise (a tied weight: its first name)
-        # the engine's full parameters are named in its container of the stages: their names in the model
-        self.model_names = {n: self.names[id(p)] for n, p in RankStages(self.mine).named_parameters()}
+        # the engine's full parameters are named in its container of the stages: their names in the model; a
+        # tied weight is written by the rank of the first stage only (elsewhere it is the LM head's copy)
+        self.model_names = {n: self.names[id(p)] for n, p in RankStages(self.mine).named_parameters()
+                            if not (p is tied_weight and 0 not in self.mine)}
         self.engine = engine = shard_stages(self.mine, grid.dp_mesh, cfg.engine)
         try:
             first, last = layout.rank_of(0), layout.rank_of(cfg.num_stages - 1)
@@ -237,12 +240,12 @@ class PipelineDPTrainer(Trainer):
                                              weight_split=not cfg.no_weight_split, split_checked=self.checked,
                                              sharded=engine, group=grid.pp_group, static_shapes=False)
             self.runners[m].store.is_weight = engine.holds
+        batch = self.data.pack(samples, sets, 0.0)  # (the divisor comes from the minibatch below)
         dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
         t0 = time.perf_counter()
         with engine.minibatch(loss_units(samples, [i for s_ in sets if s_ for i in s_], cfg.loss_agg)) as mb:
             if mb.global_tokens == 0:
                 raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
-            batch = self.data.pack(samples, sets, mb.loss_divisor)
             result = self.runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=mb.loss_divisor)
         if self.tie is not None:
             self.tie.sync()
@@ -260,7 +263,6 @@ class PipelineDPTrainer(Trainer):
         for part in self.engine.iter_full_state():  # a collective over the column
             own.update({self.model_names[n]: v for n, v in part.items() if n in self.model_names})
         if self.grid.dp_rank == 0:  # one replica writes: the full parameters over its pipeline
-            own = {n: v for n, v in own.items() if n.removeprefix("hf.") not in self.skip}
             _export(self.cfg, self.model, own, self.grid.pp_rank, self.cfg.num_ranks, group=self.grid.pp_group,
                     skip=self.skip)
         dist.barrier()
@@ -298,9 +300,9 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
         ValueError: bad configuration, or a rank rejected its input.
     """
     cfg.build()  # schedule errors surface here, before any process starts
+    meta = check_run(cfg)  # unwritable outputs, a mismatched checkpoint: one line, before any data is read
     if cfg.model_path:
         check_model_and_data(cfg)
-    meta = check_run(cfg)  # unwritable outputs, a mismatched checkpoint: one line, before any rank starts
     if meta is not None and meta["steps_done"] >= cfg.steps:
         return []  # nothing left to do
     if cfg.dp_size > 1:
@@ -313,9 +315,9 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
 
 def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     """Refuse, in this process and before any rank starts, what would fail later: a model
-    directory that does not load as a causal LM or has fewer decoder layers than stages, an
-    output path that cannot be written, unreadable data, or a step whose records do not fit in
-    the microbatches. Tokenizes the data into its cache once, so the ranks only read it."""
+    directory that does not load as a causal LM or has fewer decoder layers than stages,
+    unreadable data, or a step whose records do not fit in the microbatches (output paths:
+    :func:`posttrain.train.core.check_run`). Tokenizes the data into its cache once, so the ranks only read it."""
     from transformers import AutoConfig
 
     try:

@@ -9,7 +9,7 @@ __all__ = ["format_dp_report", "format_report", "measured_weight_keep"]
 
 def measured_weight_keep(results: list[dict]) -> dict[int, float]:
     """Per stage, the fraction of a chunk-microbatch ``W`` kept in a run (``run_pipeline``'s
-    results, or a ``--metrics`` file's ranks: each rank's last step)."""
+    results, or a ``--calibration-out`` file's ranks: each rank's last step)."""
     return {int(s): f for r in results for s, f in r["result"].get("weight_keep", {}).items()}
 
 
