@@ -41,7 +41,7 @@ def check_torch_version() -> None:
 
 def profiler_enabled() -> bool:
     """Whether a torch profiler is recording (``torch.autograd._profiler_enabled``): ODC's labels
-    of its gathers and pushes are entered only then, since each costs about 15 us even unrecorded."""
+    of its gathers and pushes are entered only then, since each costs time even unrecorded."""
     return torch.autograd._profiler_enabled()
 
 

@@ -2,8 +2,7 @@
 
 Used by the demo, the benchmarks and the multi-process tests. Ranks are started with the
 ``fork`` start method after ``torch.set_num_threads(1)`` and rendezvous through a file, so
-a 2-4 rank job starts in well under a second on a 2-core machine (``spawn`` would re-import
-torch in every child, tens of seconds).
+ranks start quickly: no child re-imports torch (``spawn`` would, in every child).
 
 Results travel back serialized with ``torch.save``; a rank that raises sends its traceback,
 and :func:`run_ranks` raises one error naming every failed rank. Ranks that are still alive

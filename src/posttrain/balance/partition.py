@@ -18,8 +18,8 @@ sum of squares falls strictly and the search ends.
 
 1. Sweeps (at most ``_SWEEPS``): pair the i-th heaviest set with the i-th lightest and make each
    pair's best move or swap, all pairs at once (they are disjoint). Cheap vectorized passes that
-   do most of the work when ``k`` is large: a KK start over 1,024 sets needs ~1,500 single
-   transfers without them and ~1,000 with, and those are cheaper (narrower gaps).
+   do most of the work when ``k`` is large: they leave fewer single transfers, and cheaper ones
+   (narrower gaps).
 2. Rounds: the transfer with the largest drop among (a) the heaviest set against every other
    set and (b) every set against the lightest, each a single move or a one-for-one swap.
 3. When no round transfer exists, an exchange of up to two items of the heaviest set for up to
@@ -398,8 +398,8 @@ def refined_starts(weights: Sequence[float], k: int, *, good_enough: float | Non
         weights: weight per item.
         k: number of sets.
         good_enough: skip the second start when ``max / mean - 1`` of the set sums is at most
-            this (None: always try it). A second start mostly trims the tail: over 60 minibatches
-            of 256 sequences on 32 ranks the worst case fell from 0.09% to 0.06%.
+            this (None: always try it). A second start mostly trims the tail (the worst of many
+            minibatches).
     """
     transfers = refine_transfers(len(weights), k)
     kk_start = karmarkar_karp(weights, k)

@@ -10,8 +10,8 @@
   The partition is LPT under the token budget (costliest sequence first into the cheapest
   microbatch with room); ``count`` starts at a lower bound (total tokens, and sequences over
   half the budget, which cannot share a microbatch) and grows while that fails. There is no
-  local search on top: measured on the simulator's length profiles it shortens FSDP's step by
-  at most ~0.5% and costs more than the rest of the plan (seconds at 1,024 ranks).
+  local search on top: on the simulator's length profiles it barely shortens FSDP's step and
+  costs more than the rest of the plan.
 - ``diff_micro``: ODC. Ranks meet only at the end of the minibatch, so only each rank's *total*
   cost matters: sequences are partitioned over ranks by cost (Karmarkar-Karp, refined by local
   search: see [Note: refine] in ``partition.py``) and each rank packs its own share into as
@@ -252,8 +252,8 @@ def plan_minibatch(
     elif method == "same_micro":
         per_rank = _same_micro(lengths, costs, world_size, max_tokens)
     else:
-        # A second start (LPT) costs ~1.7x the plan time; it is tried only where KK's refined
-        # split leaves the worst rank more than _GOOD_ENOUGH above the mean.
+        # A second start (LPT) adds a whole refinement to the plan time; it is tried only where
+        # KK's refined split leaves the worst rank more than _GOOD_ENOUGH above the mean.
         starts = refined_starts(costs, world_size, good_enough=_GOOD_ENOUGH)
         same = [[i for mb in mbs for i in mb] for mbs in _same_micro(lengths, costs, world_size, max_tokens)]
         # same_micro's split last: it wins only if strictly lighter, so diff_micro is never worse

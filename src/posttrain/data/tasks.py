@@ -3,7 +3,7 @@ made on the spot (nothing downloaded).
 
 The task: the user gives three digits, the assistant answers with them reversed
 (``"reverse 3 1 4"`` -> ``"4 1 3"``), graded by exact match. A 2-layer, 64-wide Llama learns it
-from random weights in about 300 steps of 32 conversations (``tests/test_chat_task.py``);
+from random weights within 400 steps of 32 conversations (``tests/test_chat_task.py`` checks it);
 variable lengths (``min_digits < max_digits``) take many more. The tokenizer is a byte-level BPE
 trained on the task's own text, with ChatML turns (``<|im_start|>role\\n...<|im_end|>\\n``) as
 its chat template and ``<|im_end|>`` as end of sequence.

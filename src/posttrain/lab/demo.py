@@ -14,8 +14,8 @@ Four runs, each computing the same gradients (their loss curves match):
 
 The table shows tokens/s, utilization (compute share of step time), waiting and the speedups;
 the timeline PNG shows one step of the first, third and fourth run per rank: compute,
-communication, and waiting. On this machine most of the total comes from the transport and the
-engine; ``posttrain bench odc`` measures the same factors with bounds, over rounds.
+communication, and waiting. docs/results.md has the measured factors; ``posttrain bench odc``
+measures the same factors with bounds, over rounds.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from posttrain.train.sft import TrainConfig, run_training, summarize
 
 __all__ = ["DEMO", "VARIANTS", "run_demo"]
 
-#: The embedded default: a few seconds per run on 2 CPU cores.
+#: The embedded default: small enough for a short run of every variant on 2 CPU processes.
 DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=30, sequences=12, max_len=192, max_tokens=192,
                    dim=64, num_layers=4, optim=OptimConfig(lr=3e-3), progress=True)
 

@@ -67,7 +67,8 @@ def design_copy_peak(res: SimResult, offload_chunks: int, *, copy: float = 1.0, 
 
 def pipeoffload_table(*, num_ranks: int = 8, num_microbatches: int = 32) -> list[dict]:
     """Our group-interleaved constructions on the paper's unit clock next to the paper's figures
-    (see :func:`_pipeoffload_table`); computed once per process (about 15 s), a copy each call."""
+    (see :func:`_pipeoffload_table`); computed once per process (the simulations are
+    slow), a copy each call."""
     return copy.deepcopy(_cached_table(num_ranks, num_microbatches))
 
 

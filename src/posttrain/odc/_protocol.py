@@ -47,7 +47,7 @@ _UNTRACED = nullcontext()
 
 def traced(name: str) -> AbstractContextManager:
     """``record_function(name)`` while a torch profiler records, else a no-op: the label costs
-    about 15 us per use even with no profiler, and the engines use it on every gather and push."""
+    time on every use even with no profiler, and the engines use it on every gather and push."""
     return record_function(name) if profiler_enabled() else _UNTRACED
 
 

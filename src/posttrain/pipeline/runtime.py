@@ -17,10 +17,10 @@ issued when the compute action in front of it in the list starts, so a ``RELOAD`
 *before* that compute action (a prefetch) and an ``OFFLOAD`` right after its forward. Sends are
 asynchronous (waited at the end of the step). The first tensor crossing each stage boundary is
 preceded by a small header (shape, dtype); after that, receives are posted two compute actions
-early (torch's runtime posts them early too; posting them only when needed cost about 10% on the
-interleaved benchmark). Microbatches of different shapes need ``static_shapes=False`` (a header
-with every message, each received when needed); a shape change without it is a clear error. Any
-failure is raised as :class:`PipelineActionError` naming rank, stage, action and microbatch.
+early so that the data lands while this rank computes (torch's runtime posts them early too).
+Microbatches of different shapes need ``static_shapes=False`` (a header with every message, each
+received when needed); a shape change without it is a clear error. Any failure is raised as
+:class:`PipelineActionError` naming rank, stage, action and microbatch.
 
 Loss: the last stage computes ``loss_fn(logits, target) / num_microbatches`` per microbatch, so
 the gradients equal one backward of the mean microbatch loss on the whole model; or, with

@@ -37,8 +37,8 @@ class OptimConfig:
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """The optimizer over ``params``."""
         # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
-        # step on the benchmark's model takes 4-8x as long that way as fused (posttrain bench
-        # overhead). DTensor has no sharding rule for fused SGD: SGD takes foreach.
+        # step is many times slower that way than fused (docs/results.md: posttrain bench overhead).
+        # DTensor has no sharding rule for fused SGD: SGD takes foreach.
         if self.name == "adamw":
             return torch.optim.AdamW(params, lr=self.lr, fused=True)
         return torch.optim.SGD(params, lr=self.lr, foreach=True)

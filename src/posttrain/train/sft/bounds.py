@@ -7,7 +7,7 @@
   assignment of whole sequences to ranks under their measured compute times, each rank running
   its share packed into microbatches back to back, no communication; the step lasts as long as
   its slowest rank. What any scheduling of whole sequences could still win over a run is its
-  distance to this bound. A sequence's time measured alone is noisy (+-10% a run here) and
+  distance to this bound. A sequence's time measured alone is noisy (docs/results.md) and
   includes per-microbatch overhead that packing amortizes, so an assignment optimal for those
   times need not be the fastest when run: three candidate assignments are run per step (the
   optimum for the measured times, the optimum for a least-squares fit ``a + b*n + c*n^2`` of
