@@ -34,7 +34,10 @@ def cli(capsys):
 
     def run(*args: str) -> tuple[int, str, str]:
         capsys.readouterr()
-        rc = main(list(args))
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # a usage error, reported by argparse
+            rc = e.code
         captured = capsys.readouterr()
         return rc, captured.out, captured.err
 

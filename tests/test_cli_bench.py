@@ -1,18 +1,17 @@
-"""`posttrain bench ...`: every benchmark runs on a tiny config and reports what it promises.
+"""`posttrain bench ...`: every benchmark runs on a tiny config and its results file holds what it
+promises (checked on the JSON, not on the printed table).
 
-A failure pinpoints a benchmark's wiring or its report, not a speed.
+A failure pinpoints a benchmark's wiring or its results, not a speed.
 """
 
 from __future__ import annotations
 
-import re
+import json
 
 import pytest
 
 
 def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cli, tmp_path):
-    import json
-
     out = tmp_path / "b.json"
     proc = run_cli("bench", "odc", "--steps", "2", "--sequences", "4", "--max-len", "64", "--dim", "32",
                 "--layers", "1", "--repeats", "2", "--json", str(out))
@@ -55,14 +54,9 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
         pytest.approx(fac["odc_vs_partition"][0], rel=0.5)
     for r in got["rounds"]:  # whole sequences never divide more evenly than all compute does
         assert r["partition"]["tokens_per_s"] <= 1.25 * r["even"]["tokens_per_s"]
-    for line in ("transport", "engine", "mechanism", "headroom", "captured"):
-        assert f"  {line}" in proc.stdout
-    assert "partition bound" in proc.stdout and "even bound" in proc.stdout
 
 
 def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path, cli):
-    import json
-
     out = tmp_path / "s.json"
     proc = run_cli("bench", "odc", "--sweep", "--sequences-per-rank", "1,2", "--sweep-max-tokens", "64,128", "--steps",
                 "2", "--max-len", "64", "--dim", "32", "--layers", "1", "--repeats", "1", "--json", str(out))
@@ -75,15 +69,11 @@ def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path,
     for p in points:
         assert p["headroom"][0] > 0 and p["mechanism"][0] > 0
         assert p["predicted"]["headroom"] > 0 and p["predicted"]["mechanism"] > 0
-    assert "pred head" in proc.stdout
     for p in points:  # where odc/part goes, point by point
         assert 0 < p["odc_critical_share"][0] <= 1 and p["plan_vs_partition"][0] > 0
         assert p["captured_of_reachable"] is None or p["reachable_headroom"][0] > 1
-    split = proc.stdout.split("where odc+diff_micro loses to the partition bound")[1].splitlines()
-    assert "x compute" in split[1] and len([ln for ln in split[2:6] if ln.split()[:2] in (["1", "64"], ["1", "128"],
-                                                                                      ["2", "64"], ["2", "128"])]) == 4
     rc, _, err = cli("bench", "odc", "--sweep", "--sweep-max-tokens", "32", "--max-len", "64")
-    assert rc == 2 and "is below --max-len=64" in err
+    assert rc == 2 and "--sweep-max-tokens=32 is below --max-len=64" in err
 
 
 def test_bench_odc_rounds_rotate_their_order_bounds_included(monkeypatch):
@@ -105,32 +95,27 @@ def test_bench_odc_rounds_rotate_their_order_bounds_included(monkeypatch):
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])
-def test_odc_overhead_benchmark_reports_every_rank(run_cli, world_size):
-    proc = run_cli("bench", "overhead", "--dim", "32", "--world-size", world_size)
+def test_odc_overhead_benchmark_reports_every_rank(run_cli, tmp_path, world_size):
+    out = tmp_path / "o.json"
+    proc = run_cli("bench", "overhead", "--dim", "32", "--world-size", world_size, "--repeats", "3", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    for rank in range(int(world_size)):
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank {rank}:")]
-        assert len(lines) == 3, proc.stdout
-        assert "FSDP2" in lines[0] and "flat ODC" in lines[1] and "AdamW step" in lines[2]
-        assert all("Python calls" in ln and "/ plain:" in ln for ln in lines[:2])
-        for ln in lines[:2]:  # the excess over plain is the sum of its phases
-            m = re.search(r"beyond plain ([-+.\d]+) ms = entry ([-+.\d]+) \+ forward ([-+.\d]+) \+ "
-                          r"backward ([-+.\d]+) \+ exit ([-+.\d]+)", ln)
-            assert m, ln
-            total, *parts = map(float, m.groups())
-            assert abs(total - sum(parts)) < 0.03, ln
+    got = json.loads(out.read_text())
+    assert got["world_size"] == int(world_size) and len(got["ranks"]) == int(world_size)
+    for r in got["ranks"]:
+        assert set(r["phases_ms"]) == {"plain", "fsdp", "flat"}
+        assert all(len(v) == 4 and min(v) >= 0 for v in r["phases_ms"].values())  # entry, forward, backward, exit
         # flat ODC's hook counts what it does: 4 blocks gathered for forward and again for
         # backward, the root once; one push each
-        assert "9.0 gathers of" in lines[1] and "5.0 gradient reductions of" in lines[1], lines[1]
+        assert r["comm"]["flat"]["gather"][0] == 9.0 and r["comm"]["flat"]["reduce"][0] == 5.0
+        assert set(r["optimizer_ms"]) == {"default", "foreach", "fused"} and min(r["optimizer_ms"].values()) > 0
+        assert min(r["python_calls"].values()) > 0
 
 
 def test_bench_pipeline_tiny(run_cli, tmp_path, cli):
     out = tmp_path / "b.json"
-    proc = run_cli("bench", "pipeline", "--ranks", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
+    proc = run_cli("bench", "pipeline", "--pp-sizes", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
                 "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    import json
-
     res = json.loads(out.read_text())
     assert {r["schedule"] for r in res["memory"]} == {"1f1b", "interleaved_1f1b", "group_interleaved",
                                                       "group_interleaved_zb", "interleaved_zb"}
@@ -138,15 +123,22 @@ def test_bench_pipeline_tiny(run_cli, tmp_path, cli):
     assert all(r["peak_units"] == r["predicted_units"] for r in res["memory"])
     assert [r["schedule"] for r in res["timing"]] == ["1f1b", "interleaved_1f1b"]
     assert all(r["max_grad_diff"] == 0.0 and r["ratio"] > 0 for r in res["timing"])
-    rc, _, err = cli("bench", "pipeline", "--ranks", "two")
-    assert rc == 2 and "comma-separated" in err
+    rc, _, err = cli("bench", "pipeline", "--pp-sizes", "two")
+    assert rc == 2 and "--pp-sizes: invalid comma-separated int list value" in err
+    rc, _, err = cli("bench", "pipeline", "--pp-sizes", "1,2")
+    assert rc == 2 and "--pp-sizes=1,2: a pipeline needs at least 2 ranks" in err
 
 
 def test_bench_transport_prints_both_ratios(run_cli, tmp_path, cli):
     out = tmp_path / "t.json"
     proc = run_cli("bench", "transport", "--sizes-mib", "0.25", "--iters", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "shm gather" in proc.stdout and out.exists()
+    got = json.loads(out.read_text())
+    assert [r["shard_mib"] for r in got["rows"]] == [0.25] and got["iters"] == 2
+    for r in got["rows"]:
+        for key in ("gloo_gather_gib_s", "shm_gather_gib_s", "gather_ratio", "gloo_reduce_gib_s", "shm_reduce_gib_s",
+                    "reduce_ratio"):
+            assert r[key] > 0, key
     rc, _, err = cli("bench", "transport", "--iters", "0")
     assert rc == 2 and "--iters=0" in err
 
@@ -155,29 +147,29 @@ def test_bench_balance_prints_every_method_and_the_targets(run_cli, tmp_path, cl
     out = tmp_path / "b.json"
     proc = run_cli("bench", "balance", "--world-sizes", "2,4", "--seeds", "1", "--profiles", "long_tail", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    for method in ("round_robin", "local_sort", "same_micro", "diff_micro"):
-        assert f" {method} " in proc.stdout
-    assert "targets" in proc.stdout and out.exists()
+    got = json.loads(out.read_text())
+    assert {(r["world_size"], r["method"]) for r in got["rows"]} == {
+        (n, m) for n in (2, 4) for m in ("round_robin", "local_sort", "same_micro", "diff_micro")}
+    assert got["targets"] and all(t["met"] is None for t in got["targets"])  # no 32 or 1024 ranks in this run
     rc, _, err = cli("bench", "balance", "--world-sizes", "2,x")
     assert rc == 2 and "--world-sizes" in err and "Traceback" not in err
+    rc, _, err = cli("bench", "balance", "--profiles", "long_tail,nope")
+    assert rc == 2 and "unknown length profile 'nope'" in err
 
 
 def test_bench_rl_replays_the_same_rollouts_under_three_engines(cli, tmp_path):
     out = tmp_path / "rl.json"
-    rc, stdout, err = cli("bench", "rl", "--steps", "3", "--samples", "8", "--max-new-tokens", "64", "--dim", "32",
+    rc, _, err = cli("bench", "rl", "--steps", "3", "--samples", "8", "--max-new-tokens", "64", "--dim", "32",
                           "--layers", "1", "--repeats", "2", "--json", str(out))
     assert rc == 0, err
-    import json
-
     got = json.loads(out.read_text())
     assert set(got["tokens_per_s"]) == {"fsdp+same_micro", "odc-collective+same_micro", "odc+diff_micro"}
     assert len(got["rounds"]) == 2 and got["response_lengths"]["max"] <= 64
     for key in ("total", "mechanism", "transport_and_engine"):
         median, lo, hi = got[key]
         assert 0 < lo <= median <= hi
-    assert "mechanism" in stdout and "ODC's own" in stdout
     pred = got["predicted"]  # the simulator for the same plans, beside the measurement
-    assert pred["mechanism"] > 0 and pred["headroom"] > 0 and "simulator" in stdout
+    assert pred["mechanism"] > 0 and pred["headroom"] > 0
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"x": 1}\n')
     rc, _, err = cli("bench", "rl", "--rollouts", str(bad))
@@ -189,7 +181,6 @@ def test_bench_pipeline_dp_runs_three_engines_and_says_when_it_measures_nothing(
     rc, stdout, err = cli("bench", "pipeline-dp", "--steps", "2", "--repeats", "1", "--sequences", "8",
                           "--layers", "2", "--dim", "64", "--json", str(out))
     assert rc == 0, err
-    import json
     import os
 
     got = json.loads(out.read_text())

@@ -126,12 +126,12 @@ def test_bad_pipeline_data_flags_are_named(deep_model, chat_data):
 
 def test_the_pipeline_command_trains_a_model_directory_on_chat_data(cli, deep_model, chat_data, tmp_path):
     out = tmp_path / "trained"
-    rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--ranks", "2",
+    rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--pp-size", "2",
                           "--microbatches", "4", "--sequences", "8", "--max-tokens", "128", "--steps", "1",
                           "--offload", "full", "--output-dir", str(out), "--plot", "")
     assert rc == 0, err
     assert f"wrote {out}" in stdout and (out / "config.json").exists()
-    rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--ranks", "2",
+    rc, _, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", chat_data, "--pp-size", "2",
                      "--chunks", "4", "--schedule", "interleaved_1f1b", "--microbatches", "4")
     assert rc == 2 and "has 4 decoder layers, fewer than the 8 stages" in err
 
@@ -177,7 +177,7 @@ def long_tail_data(tmp_path_factory):
 @pytest.mark.parametrize("family, schedule, chunks, offload, dp, mode, balance", [
     ("llama", "1f1b", 1, "none", "odc", "one-sided", "diff_micro"),
     ("llama", "interleaved_1f1b", 2, "1", "odc", "one-sided", "diff_micro"),
-    ("qwen2", "1f1b", 1, "full", "odc", "one-sided", "diff_micro"),  # tied: copies on each replica's first and last rank
+    ("qwen2", "1f1b", 1, "full", "odc", "one-sided", "diff_micro"),  # tied: copies on each pipeline's first and last rank
     ("llama", "1f1b", 1, "full", "odc", "collective", "same_micro"),
     ("qwen2", "1f1b", 1, "full", "fsdp", "one-sided", "same_micro"),
     ("llama", "1f1b", 1, "1", "odc-fsdp2", "one-sided", "diff_micro"),  # every registered engine runs a column
@@ -190,7 +190,7 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
     from posttrain.models import load_pretrained as load
     from posttrain.models import tied_names
     from posttrain.train.sft.loop import loss_units
-    from posttrain.train.sft.pipeline.dp import SPLIT_BACKWARD, replica_plans, runnable
+    from posttrain.train.sft.pipeline.dp import SPLIT_BACKWARD, pipeline_plans, runnable
 
     cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, dp_size=2, model_path=deep_model(family),
                          data=long_tail_data, sequences=16, max_tokens=64, steps=1, optim=OptimConfig("sgd", lr=0.5),
@@ -204,7 +204,7 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
         assert micro[0] == micro[1], micro
     # The first split of a split backward is checked (what it drops stays resident until W): as unsplit.
     bound = replace(cfg, no_weight_split=True) if schedule in SPLIT_BACKWARD else cfg
-    for r in results:  # resident saved activations within each replica's predicted peak (in units of a stage's
+    for r in results:  # resident saved activations within each pipeline's predicted peak (in units of a stage's
         # largest microbatch, so smaller microbatches count less than one)
         predicted = predicted_peaks(bound, r["microbatches"][0])[r["pp_rank"]]
         assert 0 < r["result"]["peak_units"] <= predicted + 1e-9, (r["rank"], predicted)
@@ -212,12 +212,12 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
             assert all(k < 0.5 for k in r["result"]["weight_keep"].values()), r["result"]["weight_keep"]
             if 0 not in r["stages"]:  # weights gathered for F, again for I, freed, again for W: 3 per unit
                 assert r["odc"]["gathers"] == 3 * r["odc"]["units"] * r["microbatches"][0], (r["odc"], r["microbatches"])
-    # One process: the unsplit model on every replica's microbatches, the loss over all trained tokens.
+    # One process: the unsplit model on every pipeline's microbatches, the loss over all trained tokens.
     model = load(cfg.model_path)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = PipelineData(cfg, model.config)
     samples = data.data.minibatch(0)
-    plans = replica_plans([len(x) - 1 for x in samples], replicas=2, max_tokens=64, method=balance,
+    plans = pipeline_plans([len(x) - 1 for x in samples], pipelines=2, max_tokens=64, method=balance,
                           model_config=model.config, runnable=runnable(cfg))
     total = loss_units(samples, range(len(samples)), "token-mean")
     for sets in plans:
@@ -234,7 +234,7 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
             torch.testing.assert_close(value, want[name].detach(), atol=2e-5, rtol=1e-4, msg=f"rank {r['rank']}: {name}")
             seen.add(name)
     assert seen == set(want) and any(not torch.equal(want[n].detach(), start[n]) for n in want)
-    got = load(str(tmp_path / "out"))  # the export: one replica's stages, tied weights written once
+    got = load(str(tmp_path / "out"))  # the export: one pipeline's stages, tied weights written once
     from safetensors import safe_open
 
     written = [k for f in sorted((tmp_path / "out").glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()]
@@ -267,17 +267,17 @@ def test_a_pipeline_x_odc_checkpoint_resumes_as_one_pipeline_on_another_split_an
     assert {r["resumed_from"] for r in back} == {2} and curve(back) == pytest.approx(whole[2:], rel=1e-5)
 
 
-def test_the_pipeline_command_runs_data_parallel_replicas(cli, deep_model, long_tail_data, tmp_path):
+def test_the_pipeline_command_runs_data_parallel_pipelines(cli, deep_model, long_tail_data, tmp_path):
     """Besides the report: the trainer core's metrics file (every rank's row of every step, the
     step's loss on each) and an export after step 1 (--save-every) as well as after the last."""
     from transformers import AutoModelForCausalLM
 
     metrics, out = tmp_path / "m.csv", tmp_path / "out"
-    rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--ranks", "2",
+    rc, stdout, err = cli("pipeline", "--model-path", deep_model("llama"), "--data", long_tail_data, "--pp-size", "2",
                           "--dp-size", "2", "--sequences", "16", "--max-tokens", "64", "--steps", "2", "--plot", "",
                           "--metrics", str(metrics), "--output-dir", str(out), "--save-every", "1")
     assert rc == 0, err
-    assert "2 data-parallel replicas (odc, diff_micro)" in stdout and "microbatches per replica and step" in stdout
+    assert "2 data-parallel pipelines (odc, diff_micro)" in stdout and "microbatches per pipeline and step" in stdout
     assert len([line for line in stdout.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]) == 4
     import csv
 
@@ -311,8 +311,8 @@ def long_records(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dp, mode", [("fsdp", "one-sided"), ("odc", "collective")])
-def test_replicas_with_a_rendezvous_per_layer_run_equal_counts(deep_model, long_records, dp, mode):
-    # same_micro may leave a replica an empty bin; it runs a dummy microbatch instead of hanging.
+def test_pipelines_with_a_rendezvous_per_layer_run_equal_counts(deep_model, long_records, dp, mode):
+    # same_micro may leave a pipeline an empty bin; it runs a dummy microbatch instead of hanging.
     cfg = PipelineConfig(schedule="1f1b", num_ranks=2, chunks=1, dp_size=2, model_path=deep_model("llama"),
                          data=long_records, sequences=3, max_tokens=64, steps=1, balance="same_micro",
                          engine=EngineConfig(dp, mode=mode))

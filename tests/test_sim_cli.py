@@ -14,7 +14,7 @@ from posttrain.cli import main
 
 def test_simulate_odc_prints_both_and_writes_trace_and_png(tmp_path, capsys):
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
-    assert main(["simulate", "odc", "--gpus", "16", "--sequences-per-gpu", "4", "--minibatches", "1",
+    assert main(["simulate", "odc", "--world-size", "16", "--sequences-per-rank", "4", "--minibatches", "1",
                  "--cost-model", "1.5b", "--trace", str(trace), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "fsdp+same_micro" in out and "odc+diff_micro" in out and "speedup" in out
@@ -23,13 +23,13 @@ def test_simulate_odc_prints_both_and_writes_trace_and_png(tmp_path, capsys):
 
 def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
     chart = tmp_path / "p.png"
-    assert main(["simulate", "pipeline", "--ranks", "4", "--microbatches", "8", "--chunks", "2",
+    assert main(["simulate", "pipeline", "--pp-size", "4", "--microbatches", "8", "--chunks", "2",
                  "--offload-chunks", "1", "--plot", str(chart)]) == 0
     out = capsys.readouterr().out
     assert "makespan" in out and "k = (D2H + H2D)" in out and chart.read_bytes()[:4] == b"\x89PNG"
     # zbv and the one-chunk schedules run with their own chunk count when --chunks is not given
     for name in ("zbv", "1f1b", "zb_h1"):
-        assert main(["simulate", "pipeline", "--schedule", name, "--ranks", "4", "--microbatches", "8", "--plot", ""]) == 0
+        assert main(["simulate", "pipeline", "--schedule", name, "--pp-size", "4", "--microbatches", "8", "--plot", ""]) == 0
     assert "zbv: 4 ranks x 2 chunks" in capsys.readouterr().out.split("1f1b:")[0]
     assert main(["simulate", "pipeline", "--paper-table"]) == 0
     assert "group_interleaved_zb  2  1  13,5,2" in capsys.readouterr().out
@@ -37,8 +37,8 @@ def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
 
 def test_simulate_table_small(tmp_path, capsys):
     out_json = tmp_path / "t.json"
-    assert main(["simulate", "table", "--gpus", "8", "--cost-models", "1.5b", "--profiles", "longalign",
-                 "--sequences-per-gpu", "4", "--minibatches", "1", "--json", str(out_json)]) == 0
+    assert main(["simulate", "table", "--world-sizes", "8", "--cost-models", "1.5b", "--profiles", "longalign",
+                 "--sequences-per-rank", "4", "--minibatches", "1", "--json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())
     assert len(rows) == 1 and rows[0]["diff_micro"] > 1.0
 
@@ -50,10 +50,10 @@ def _plan_rows(out):
 
 
 def test_plan_odc_and_pipeline(capsys):
-    assert main(["plan", "odc", "--gpus", "8", "--sequences-per-gpu", "4", "--minibatches", "1"]) == 0
+    assert main(["plan", "odc", "--world-size", "8", "--sequences-per-rank", "4", "--minibatches", "1"]) == 0
     out = capsys.readouterr().out
     assert "recommended: " in out
-    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "1.5"]) == 0
+    assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "1.5"]) == 0
     out = capsys.readouterr().out
     # the assumptions it used, from the workload flags' defaults
     assert "assumptions (from the workload flags)" in out
@@ -62,7 +62,7 @@ def test_plan_odc_and_pipeline(capsys):
     rows = _plan_rows(out)
     assert rows and all(float(r[7]) <= 1.5 for _, r in rows)  # peak GiB within the budget
     assert sum(star for star, _ in rows) == 1 and out.count("recommended: ") == 1
-    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "0.01"]) == 1
+    assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "0.01"]) == 1
 
 
 def test_plan_pipeline_recommends_no_offload_when_that_fits_as_fast_and_the_least_offload_otherwise(capsys):
@@ -70,12 +70,12 @@ def test_plan_pipeline_recommends_no_offload_when_that_fits_as_fast_and_the_leas
     once ranked "offload 3 of 4 chunks" first). In 0.3 GiB nothing fits without offload: the pick
     offloads the least among the fastest and states its predicted cost; the printed simulate
     command reproduces its step time."""
-    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "4", "--top", "8"]) == 0
+    assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "4", "--top", "8"]) == 0
     out = capsys.readouterr().out
     [(star, first), *_] = _plan_rows(out)
     assert star and first[4] == "0" and "offload 0 chunk(s) per rank" in out and "why: fits without offload" in out
     assert any(r[4] != "0" and r[5] == first[5] for _, r in _plan_rows(out))  # an offloading tie, not picked
-    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "0.3", "--top", "1"]) == 0
+    assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "0.3", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "why: nothing fits without offload; this offloads the least" in out and "predicted cost of its offload" in out
     [best] = [r for star, r in _plan_rows(out) if star]
@@ -145,7 +145,7 @@ def test_pipeline_workload_is_calibrated_from_a_runs_metrics(tmp_path):
 
 def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_path, capsys):
     path = _metrics(tmp_path / "m.json")
-    assert main(["plan", "pipeline", "--ranks", "4", "--microbatches", "8", "--memory-gib", "1", "--calibrate", path]) == 0
+    assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "1", "--calibrate", path]) == 0
     out = capsys.readouterr().out
     assert f"assumptions (calibrated from {path}" in out and "F 10.25 ms, I 15.00 ms, W 6.25 ms" in out
     assert "host link: the median of the run's 2 copies" in out and "host link 5.00 GB/s" in out
@@ -155,18 +155,17 @@ def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_p
     bad.write_text("{}")
     for f in (str(bad), str(tmp_path / "missing.json")):
         assert main(["plan", "pipeline", "--memory-gib", "1", "--calibrate", f]) == 2
-        assert f"--calibrate {f}" in capsys.readouterr().err
+        assert f"--calibrate={f}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["simulate", "odc", "--gpus", "0"], "at least 1 GPU"),
+    (["simulate", "odc", "--world-size", "0"], "at least 1 GPU"),
     (["simulate", "odc", "--inter-gbps", "-5"], "--inter-gbps"),
     (["simulate", "pipeline", "--host-gbps", "-1"], "--host-gbps"),
     (["simulate", "odc", "--lengths-file", "/nonexistent"], "does not exist"),
     (["plan", "pipeline", "--memory-gib", "-1"], "--memory-gib"),
-    (["simulate", "table", "--gpus", "8,x"], "comma-separated"),
     # flags a schedule would ignore, and counts and costs out of range, named by flag
-    (["simulate", "pipeline", "--ranks", "0"], "--ranks=0 must be at least 1"),
+    (["simulate", "pipeline", "--pp-size", "0"], "--pp-size=0 must be at least 1"),
     (["simulate", "pipeline", "--microbatches", "0"], "--microbatches=0 must be at least 1"),
     (["simulate", "pipeline", "--host-gbps", "0"], "--host-gbps=0.0 must be a positive"),
     (["simulate", "pipeline", "--forward-ms", "-1"], "--forward-ms=-1.0 must be a non-negative"),
@@ -176,10 +175,10 @@ def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_p
     (["simulate", "pipeline", "--schedule", "1f1b", "--chunks", "2"], "got --chunks=2: drop it"),
     (["simulate", "pipeline", "--schedule", "zb_h1", "--group-size", "2"], "got --group-size=2: drop it"),
     (["simulate", "pipeline", "--schedule", "interleaved_1f1b", "--group-size", "8"], "got --group-size=8: drop it"),
-    (["simulate", "pipeline", "--group-size", "9"], "--group-size=9 must be in [1, --ranks=8]"),
+    (["simulate", "pipeline", "--group-size", "9"], "--group-size=9 must be in [1, --pp-size=8]"),
     (["simulate", "pipeline", "--offload-chunks", "3"], "--offload-chunks=3 must be between 0 and the 2 chunks"),
     (["simulate", "pipeline", "--offload-chunks", "-1"], "--offload-chunks=-1 must be between 0"),
-    (["plan", "pipeline", "--ranks", "0", "--memory-gib", "4"], "--ranks=0 must be at least 1"),
+    (["plan", "pipeline", "--pp-size", "0", "--memory-gib", "4"], "--pp-size=0 must be at least 1"),
     (["plan", "pipeline", "--microbatches", "0", "--memory-gib", "4"], "--microbatches=0 must be at least 1"),
     (["plan", "pipeline", "--host-gbps", "0", "--memory-gib", "4"], "--host-gbps"),
     (["plan", "pipeline", "--backward-ms", "-1", "--memory-gib", "4"], "--backward-ms"),
@@ -201,9 +200,9 @@ def test_unknown_profile_is_rejected_by_the_parser(capsys):
 
 @pytest.mark.parametrize("old", [["--model", "1.5b"], ["--stages", "4"]])
 def test_dropped_spellings_are_refused(old, capsys):
-    """One word per concept: --cost-model and --ranks have no second spelling."""
+    """One word per concept: --cost-model and --pp-size have no second spelling."""
     with pytest.raises(SystemExit) as e:
-        main(["plan", "odc", "--gpus", "8", "--sequences-per-gpu", "2", "--minibatches", "1", *old])
+        main(["plan", "odc", "--world-size", "8", "--sequences-per-rank", "2", "--minibatches", "1", *old])
     assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
@@ -225,7 +224,7 @@ def test_calibration_plumbing_on_a_tiny_config(capsys):
 def test_simulate_pipeline_takes_what_w_keeps(capsys):
     """zbv at p=8, m=32, full offload: 3 chunk-microbatches at most when W keeps everything (its
     part offloaded on its own), 2.44 when W keeps the 0.44 a GPT block's linear inputs take."""
-    base = ["simulate", "pipeline", "--schedule", "zbv", "--ranks", "8", "--microbatches", "32", "--forward-ms", "1",
+    base = ["simulate", "pipeline", "--schedule", "zbv", "--pp-size", "8", "--microbatches", "32", "--forward-ms", "1",
             "--backward-ms", "1", "--weight-ms", "1", "--offload-chunks", "2", "--host-gbps", "1000", "--plot", ""]
     peaks = {}
     for keep in ("1", "0.44"):
@@ -235,3 +234,10 @@ def test_simulate_pipeline_takes_what_w_keeps(capsys):
     assert peaks == {"1": 3.0, "0.44": 2.44}
     assert main([*base, "--weight-keep", "1.5"]) == 2
     assert "--weight-keep=1.5 must be between 0 and 1" in capsys.readouterr().err
+
+
+def test_a_list_option_that_is_not_a_list_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "table", "--world-sizes", "8,x"])
+    assert e.value.code == 2
+    assert "--world-sizes: invalid comma-separated int list value: '8,x'" in capsys.readouterr().err

@@ -10,19 +10,19 @@
     posttrain rl --model-path out/model --prompts out/chat/eval.jsonl --samples-per-prompt 8   # GRPO
     posttrain export out/ckpt out/model      # a training checkpoint as a transformers model directory
     torchrun --nproc-per-node 2 -m posttrain train --dp odc     # one rank per torchrun process
-    posttrain pipeline --schedule group_interleaved --ranks 2 --chunks 2 --microbatches 8 --offload 1
+    posttrain pipeline --schedule group_interleaved --pp-size 2 --chunks 2 --microbatches 8 --offload 1
     posttrain bench odc --profile long_tail --repeats 5
     posttrain bench odc --profile longalign --max-len 4096 --sweep --sequences-per-rank 2,4,8
     posttrain bench balance --world-sizes 2,32,1024     # plan time and imbalance per balancing method
     posttrain bench transport                           # shared-memory transport vs gloo
     posttrain bench overhead                            # one microbatch: FSDP2 and flat ODC vs the plain model
-    posttrain bench pipeline --ranks 2,4
-    posttrain simulate odc --gpus 32 --profile longalign --cost-model 7b    # FSDP vs ODC at cluster scale
-    posttrain simulate pipeline --schedule group_interleaved --ranks 8 --chunks 2 --offload-chunks 1
+    posttrain bench pipeline --pp-sizes 2,4
+    posttrain simulate odc --world-size 32 --profile longalign --cost-model 7b    # FSDP vs ODC at cluster scale
+    posttrain simulate pipeline --schedule group_interleaved --pp-size 8 --chunks 2 --offload-chunks 1
     posttrain simulate table                # ODC/FSDP speedup, 8-256 GPUs x LongAlign/SWE-smith x 1.5B/7B
     posttrain simulate calibrate            # simulator vs the real 2-rank benchmark and pipeline runner
-    posttrain plan odc --gpus 64 --profile swe_smith
-    posttrain plan pipeline --ranks 8 --memory-gib 8
+    posttrain plan odc --world-size 64 --profile swe_smith
+    posttrain plan pipeline --pp-size 8 --memory-gib 8
     posttrain results                       # rerun what docs/results.md reports and rewrite it
     python -m posttrain demo                # the same without the console script
 
@@ -72,8 +72,8 @@ def _log_failure(e: Exception) -> str:
 
 
 def _command_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
-    """Parameter -> flag for every option of the command ``argv`` runs (a section's option under
-    its own field name, unless two options share it)."""
+    """Parameter -> flag for every option of the command ``argv`` runs (a section's option also
+    under its dotted path's every tail, ``engine.name`` and ``name``, unless two options share it)."""
     actions = list(parser._actions)
     for word in argv:  # descend into the subcommands argv names
         sub = next((a for a in actions if isinstance(a, argparse._SubParsersAction)), None)
@@ -88,11 +88,12 @@ def _command_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str
         longs = [o for o in a.option_strings if o.startswith("--")]
         if not longs or a.dest in (None, argparse.SUPPRESS, "help"):
             continue
-        out[a.dest] = longs[0]
-        name = a.dest.rsplit(".", 1)[-1]
-        if name in out and out[name] != longs[0]:
-            shared.add(name)
-        out.setdefault(name, longs[0])
+        parts = a.dest.split(".")
+        for k in range(len(parts)):  # run.engine.name, engine.name, name: each names this option
+            name = ".".join(parts[k:])
+            if name in out and out[name] != longs[0]:
+                shared.add(name)
+            out.setdefault(name, longs[0])
     taken = set(out.values())  # library parameters the command's options stand for under another name
     out.update({k: v for k, v in FLAGS.items() if "." not in k and v in taken and k not in out})
     return {k: v for k, v in out.items() if k not in shared}
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Under torchrun, a process that used FSDP2 on gloo sometimes aborts during interpreter
         # teardown ("terminate called without an active exception"; torch 2.13 CPU, reproduced
-        # without posttrain in a few of 15 runs). Everything is written and flushed by now.
+        # without posttrain). Everything is written and flushed by now.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)

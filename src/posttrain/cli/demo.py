@@ -2,32 +2,39 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 
-from .options import add_config_arguments
+from posttrain.lab.demo import DEMO
+from posttrain.train.sft import TrainConfig
 
-__all__ = ["add_parser"]
+from .options import add_command
+
+__all__ = ["DemoCommand", "add_parser"]
 
 
-def _run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+@dataclass(frozen=True)
+class DemoCommand:
+    """``posttrain demo``: the run every variant trains, its processes and its picture.
 
-    from posttrain.lab.demo import DEMO, run_demo
+    Attributes:
+        run: the run every variant trains (its engine and balancing method are the variants').
+        world_size: CPU processes.
+        plot: timeline PNG ('' for none).
+    """
 
-    cfg = replace(DEMO, steps=args.steps, sequences=args.sequences, max_len=args.max_len, max_tokens=args.max_len,
-                  optim=replace(DEMO.optim, lr=getattr(args, "optim.lr")), seed=args.seed)
-    run_demo(cfg, world_size=args.world_size, timeline_path=args.plot or None)
+    run: TrainConfig = field(default_factory=lambda: DEMO,
+                             metadata={"fields": ("steps", "sequences", "max_len", "optim.lr", "seed")})
+    world_size: int = 2
+    plot: str = "out/demo_timeline.png"
+
+
+def _run(c: DemoCommand) -> int:
+    from posttrain.lab.demo import run_demo
+
+    run_demo(c.run, world_size=c.world_size, timeline_path=c.plot or None)
     return 0
 
 
 def add_parser(sub) -> None:
-    from posttrain.lab.demo import DEMO
-    from posttrain.train.core import config_value
-    from posttrain.train.sft import TrainConfig
-
-    p = sub.add_parser("demo", help="FSDP2 and ODC on a tiny GPT, 2 CPU processes: table, factors, timeline")
-    add_config_arguments(p, TrainConfig, fields=("steps", "sequences", "max_len", "optim.lr", "seed"),
-                         defaults={k: config_value(DEMO, k) for k in ("steps", "sequences", "max_len", "optim.lr", "seed")})
-    p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2)")
-    p.add_argument("--plot", default="out/demo_timeline.png", help="timeline PNG ('' for none)")
-    p.set_defaults(func=_run)
+    add_command(sub, "demo", DemoCommand, _run,
+                help="FSDP2 and ODC on a tiny GPT, 2 CPU processes: table, factors, timeline")

@@ -63,10 +63,19 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     return {k: " ".join(v.split()) for k, v in out.items()}
 
 
-def _help(text: str, flags: Mapping[str, str]) -> str:
+def _help(text: str, flags: Mapping[str, str], absent: set[str] = frozenset()) -> str:
     """A field's docstring entry as help: a ``literal`` that names a parameter becomes its flag,
-    other ``literals`` lose their quotes, a :role:`target` shows the target."""
+    other ``literals`` lose their quotes, a :role:`target` shows the target. A parameter in
+    ``absent`` (one the command does not offer) takes its clause with it: the parenthesis or
+    the ``;``-separated part that names it."""
     text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    for name in absent:
+        lit = re.escape(f"``{name}``")
+        text = re.sub(rf"\s*\([^()]*{lit}[^()]*\)", "", text)
+        parts = text.split("; ")
+        if len(parts) > 1:
+            kept = [parts[0], *(p for p in parts[1:] if f"``{name}``" not in p)]
+            text = "; ".join(kept) + ("." if text.endswith(".") and not kept[-1].endswith(".") else "")
     return re.sub(r"``([^`]+)``", lambda m: flags.get(m.group(1), m.group(1)), text)
 
 
@@ -76,7 +85,8 @@ def _resolve(cls: type, name: str) -> Any:
 
 
 def _parse_type(annotation: Any) -> tuple[Any, tuple | None, bool]:
-    """(python type to convert with, choices or None, whether None is allowed)."""
+    """(python type to convert with, choices or None, whether None is allowed); a
+    ``tuple[X, ...]`` converts a comma-separated list (:func:`_list_of`)."""
     origin = typing.get_origin(annotation)
     optional = False
     if origin in (typing.Union, types.UnionType):
@@ -87,9 +97,27 @@ def _parse_type(annotation: Any) -> tuple[Any, tuple | None, bool]:
     if origin is typing.Literal:
         values = typing.get_args(annotation)
         return type(values[0]), tuple(values), optional
+    if origin is tuple:
+        item = typing.get_args(annotation)[0]
+        return _list_of(item if item in (int, float, str) else str), None, optional
     if annotation in (int, float, str, bool):
         return annotation, None, optional
     return str, None, optional
+
+
+def _list_of(kind: type):
+    """A converter of ``"2,4,8"`` to a tuple of ``kind`` (argparse reports its ValueError as
+    an invalid value of the flag)."""
+
+    def convert(text: str) -> tuple:
+        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+
+    convert.__name__ = f"comma-separated {kind.__name__} list"
+    return convert
+
+
+def _shown(value: Any) -> Any:
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
 
 
 #: Flags that are not ``--`` + the parameter's name with dashes, by ``Class.field`` or by field
@@ -99,12 +127,12 @@ FLAGS = {
     "EngineConfig.mode": "--odc-mode",
     "OptimConfig.name": "--optimizer",
     "num_layers": "--layers",
-    "num_ranks": "--ranks",
+    "num_ranks": "--pp-size",
     "num_microbatches": "--microbatches",
     "num_heads": "--heads",
     # library parameters the command line takes under another name (in the same units)
     "num_chunks": "--chunks",
-    "num_gpus": "--gpus",
+    "num_gpus": "--world-size",
 }
 
 
@@ -162,26 +190,42 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     """One option per field of dataclass ``cls`` (those in ``fields``, if given, but not in
     ``exclude``); ``defaults`` overrides a field's default for this command. A field that is
     itself a dataclass (a section: ``engine``, ``optim``) adds its fields' options, named by
-    their dotted path in ``fields``, ``exclude`` and ``defaults`` (``"optim.lr"``)."""
+    their dotted path in ``fields``, ``exclude`` and ``defaults`` (``"optim.lr"``); the
+    section's own default instance gives their defaults, and ``metadata={"fields": (...)}`` on
+    the section's field limits them to those names. A field with ``metadata={"cli": False}``
+    has no option, one with ``metadata={"required": True}`` must be given, one with
+    ``metadata={"positional": "METAVAR"}`` is a positional argument; one with
+    ``metadata={"derived": True}`` (a default computed from other
+    fields when it is None) defaults to None."""
     docs = field_docs(cls)
     flags = field_flags(cls)
     wanted = set(fields) if fields is not None else None
     skip = set(exclude)
     defaults = dict(defaults or {})
+    absent = {f.name for f in dataclasses.fields(cls) if not _is_section(cls, f)
+              and (f.metadata.get("cli") is False or _prefix + f.name in skip
+                   or (wanted is not None and _prefix + f.name not in wanted))}
     for f in dataclasses.fields(cls):
         path = _prefix + f.name
         if f.metadata.get("cli") is False or path in skip:
             continue
         if _is_section(cls, f):
             inner = getattr(_instance, f.name) if _instance is not None else _default(f)
-            add_config_arguments(parser, _resolve(cls, f.name), fields=fields, exclude=exclude, defaults=defaults,
-                                 _prefix=path + ".", _instance=inner)
+            inner_fields = fields
+            if "fields" in f.metadata:
+                own = {path + "." + name for name in f.metadata["fields"]}
+                inner_fields = own if fields is None else own & set(fields)
+            group = parser.add_argument_group(path) if isinstance(parser, argparse.ArgumentParser) else parser
+            add_config_arguments(group, _resolve(cls, f.name), fields=inner_fields, exclude=exclude,
+                                 defaults=defaults, _prefix=path + ".", _instance=inner)
             continue
         if wanted is not None and path not in wanted:
             continue
         flag = _flag(cls, f)
         if path in defaults:
             default = defaults[path]
+        elif f.metadata.get("derived"):
+            default = None
         elif _instance is not None:
             default = getattr(_instance, f.name)
         else:
@@ -189,8 +233,13 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         kind, choices, _ = _parse_type(_resolve(cls, f.name))
         if "choices" in f.metadata:
             choices = tuple(f.metadata["choices"]())
-        help_text = _help(docs.get(f.name, ""), flags)
+        help_text = _help(docs.get(f.name, ""), flags, absent)
         kwargs: dict[str, Any] = {"dest": path, "default": default}
+        if f.metadata.get("positional"):
+            parser.add_argument(path, type=kind, metavar=f.metadata["positional"], help=help_text.replace("%", "%%"))
+            continue
+        if f.metadata.get("required"):
+            kwargs["required"] = True
         if kind is bool:
             kwargs["action"] = "store_true"
             text = help_text
@@ -199,35 +248,62 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             kwargs["metavar"] = flag.lstrip("-").upper().replace("-", "_")
             if choices:
                 kwargs["choices"] = choices
-            text = f"{help_text.rstrip('.')} (default {default})" if default is not None else help_text
+            shown = _shown(default)
+            if default is None or shown == "":
+                text = help_text
+            else:
+                text = f"{help_text.rstrip('.')} (default {shown})"
         kwargs["help"] = text.replace("%", "%%")
         parser.add_argument(flag, **kwargs)
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
-    """An instance of dataclass ``cls`` from the parsed options of its fields (sections built
-    the same way, from their own options), with ``overrides`` (by field name)."""
+    """An instance of dataclass ``cls`` from the parsed options of its fields, with
+    ``overrides`` (by field name). A section starts from its field's default instance and takes
+    the options the command offers for it, so a command offering only some of its options keeps
+    the rest of that default."""
+    return _from_args(cls, args, "", None, overrides)
+
+
+def _from_args(cls: type, args: argparse.Namespace, prefix: str, base: Any, overrides: Mapping[str, Any]) -> Any:
     values = {}
     for f in dataclasses.fields(cls):
-        path = f.name
+        path = prefix + f.name
         if f.name in overrides:
             values[f.name] = overrides[f.name]
         elif _is_section(cls, f):
-            # a section starts from the field's default, so that a command offering only some of
-            # its options keeps the rest of that default
-            section = _resolve(cls, f.name)
-            given = {g.name: getattr(args, f"{path}.{g.name}") for g in dataclasses.fields(section)
-                     if hasattr(args, f"{path}.{g.name}")}
-            try:
-                values[f.name] = dataclasses.replace(_default(f), **given)
-            except ValueError as e:
-                raise ValueError(name_flags(str(e), field_flags(section))) from None
+            inner = getattr(base, f.name) if base is not None else _default(f)
+            values[f.name] = _from_args(_resolve(cls, f.name), args, path + ".", inner, {})
         elif hasattr(args, path):
             values[f.name] = getattr(args, path)
+        elif f.metadata.get("derived"):
+            values[f.name] = None  # derived again from the fields the command sets
     try:
-        return cls(**values)
+        return dataclasses.replace(base, **values) if base is not None else cls(**values)
     except ValueError as e:
         raise ValueError(name_flags(str(e), field_flags(cls))) from None
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, cls: type, run: Any, *, help: str,
+                config_file: bool = False) -> argparse.ArgumentParser:
+    """Subcommand ``name`` whose options are the fields of dataclass ``cls``
+    (:func:`add_config_arguments`); it runs ``run(config)`` on the instance the parsed options
+    make (:func:`config_from_args`) and exits with its return value if that is an int, else 0.
+    ``config_file``: also take ``--config FILE.toml``."""
+    p = sub.add_parser(name, help=help, description=help)
+    add_config_arguments(p, cls)
+    if config_file:
+        add_config_file_argument(p)
+
+    def func(args: argparse.Namespace) -> int:
+        rc = run(config_from_args(cls, args))
+        return rc if isinstance(rc, int) else 0
+
+    p.set_defaults(func=func)
+    return p
+
+
+__all__ += ["add_command"]
 
 
 def int_list(text: str, flag: str) -> list[int]:

@@ -2,22 +2,45 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 
-from .options import add_config_arguments, config_from_args
+from posttrain.train.sft.pipeline import PipelineConfig
 
-__all__ = ["add_parser"]
+from .options import add_command
+
+__all__ = ["PipelineCommand", "add_parser"]
 
 
-def _run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class PipelineCommand:
+    """``posttrain pipeline``: one run, its chart and its calibration record.
+
+    Attributes:
+        run: the pipeline run.
+        plot: schedule chart PNG ('' for none; with ``dp_size`` 1).
+        calibration_out: write every rank's last step (action times, saved bytes, peaks) as
+            JSON, for posttrain plan pipeline --calibrate (with ``dp_size`` 1).
+    """
+
+    run: PipelineConfig = field(default_factory=lambda: PipelineConfig(num_microbatches=8, dim=128, num_layers=8,
+                                                                       seq_len=256, steps=5))
+    plot: str = "out/pipeline_chart.png"
+    calibration_out: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.calibration_out and self.run.dp_size > 1:
+            raise ValueError("`calibration_out` (a pipeline run to calibrate the planner from) is for `dp_size` 1")
+
+
+def _run(c: PipelineCommand) -> int:
+    from dataclasses import replace
+
     from posttrain.lab.plots import plot_pipeline
-    from posttrain.train.sft.pipeline import PipelineConfig, format_report, measured_weight_keep, predicted_peaks, run_pipeline
+    from posttrain.train.sft.pipeline import format_report, measured_weight_keep, predicted_peaks, run_pipeline
 
-    cfg = config_from_args(PipelineConfig, args)
+    cfg = replace(c.run, progress=True)
     if cfg.dp_size > 1:
-        if args.calibration_out:
-            raise ValueError("--calibration-out (a pipeline run to calibrate the planner from) is for --dp-size 1")
-        print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.dp_size} data-parallel replicas "
+        print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.dp_size} data-parallel pipelines "
               f"({cfg.engine.label}, "
               f"{cfg.balance}), offload {cfg.offload}; {cfg.steps} steps on "
               f"{cfg.num_ranks * cfg.dp_size} CPU processes", flush=True)
@@ -30,8 +53,6 @@ def _run(args: argparse.Namespace) -> int:
               + (f" (--output-dir not written; posttrain export {cfg.checkpoint_dir} OUT_DIR writes the model)"
                  if cfg.output_dir else ""))
         return 0
-    if results[0]["resumed_from"]:
-        print(f"resumed from {cfg.checkpoint_dir} after step {results[0]['resumed_from']}")
     if cfg.dp_size > 1:
         from posttrain.train.sft.pipeline.report import format_dp_report
 
@@ -42,26 +63,18 @@ def _run(args: argparse.Namespace) -> int:
         print(format_report(results, predicted_peaks(cfg, weight_keep=measured_weight_keep(results))))
     if cfg.output_dir:
         print(f"wrote {cfg.output_dir}")
-    if args.calibration_out:
+    if c.calibration_out:
         from posttrain.lab.calibrate import write_pipeline_metrics
 
-        write_pipeline_metrics(cfg, results, args.calibration_out)
-        print(f"wrote {args.calibration_out} (posttrain plan pipeline --calibrate {args.calibration_out} plans from it)")
-    if args.plot and cfg.dp_size == 1:
-        path = plot_pipeline(results, args.plot, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
+        write_pipeline_metrics(cfg, results, c.calibration_out)
+        print(f"wrote {c.calibration_out} (posttrain plan pipeline --calibrate {c.calibration_out} plans from it)")
+    if c.plot and cfg.dp_size == 1:
+        path = plot_pipeline(results, c.plot, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
                              f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")
         print(f"wrote {path}")
     return 0
 
 
 def add_parser(sub) -> None:
-    from posttrain.train.sft.pipeline import PipelineConfig
-
-    p = sub.add_parser("pipeline", help="pipeline-parallel training with activation offload, CPU processes")
-    add_config_arguments(p, PipelineConfig, defaults={"num_microbatches": 8, "dim": 128, "num_layers": 8,
-                                                      "seq_len": 256, "steps": 5})
-    p.add_argument("--plot", default="out/pipeline_chart.png", help="schedule chart PNG ('' for none)")
-    p.add_argument("--calibration-out", default=None, metavar="FILE",
-                   help="write every rank's last step (action times, saved bytes, peaks) as JSON, for "
-                        "posttrain plan pipeline --calibrate")
-    p.set_defaults(func=_run)
+    add_command(sub, "pipeline", PipelineCommand, _run,
+                help="pipeline-parallel training with activation offload, CPU processes")

@@ -2,36 +2,82 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 
 from posttrain.pipeline import GROUPED_SCHEDULES
 
-from .simulate import add_dp_arguments, add_pipeline_arguments, dp_inputs, workload
+from .options import add_command
+from .simulate import DPSetting, ScheduleOptions, WorkloadOptions
 
-__all__ = ["add_parser"]
-
-
-def _positive_gib(value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"--memory-gib={value} must be positive")
-    return value
+__all__ = ["PlanODC", "PlanPipeline", "add_parser"]
 
 
-def _odc(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class PlanODC(DPSetting):
+    """``posttrain plan odc``: the balancing method and microbatch budget for a dataset and cluster.
+
+    Attributes:
+        max_tokens: microbatch budgets to choose from, up to what activation memory fits
+            (default: the longest sequence rounded up to a power of 2, and twice that).
+        top: rows shown.
+    """
+
+    max_tokens: tuple[int, ...] | None = None
+    top: int = 8
+
+    def __post_init__(self) -> None:
+        if self.top < 1:
+            raise ValueError(f"top={self.top} must be at least 1")
+        if self.max_tokens is not None and (not self.max_tokens or min(self.max_tokens) < 1):
+            raise ValueError(f"max_tokens={','.join(map(str, self.max_tokens))} needs positive budgets")
+
+
+@dataclass(frozen=True)
+class PlanPipeline:
+    """``posttrain plan pipeline``: one schedule, group size and offload for a memory budget, and why.
+
+    Attributes:
+        schedule: the pipeline's ranks and microbatches (the schedule and chunks are what the
+            planner chooses).
+        workload: the costs of one chunk-microbatch.
+        memory_gib: activation memory budget per device, GiB.
+        top: rows shown.
+        calibrate: take F, I, W, saved bytes and (if it offloaded) the host link from a run written
+            by posttrain pipeline --calibration-out FILE, in place of the workload's costs.
+    """
+
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions,
+                                      metadata={"fields": ("num_ranks", "num_microbatches")})
+    workload: WorkloadOptions = field(default_factory=WorkloadOptions)
+    memory_gib: float = field(default=0.0, metadata={"required": True})
+    top: int = 5
+    calibrate: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.memory_gib > 0:
+            raise ValueError(f"memory_gib={self.memory_gib} must be positive (the activation budget to plan for)")
+        if self.top < 1:
+            raise ValueError(f"top={self.top} must be at least 1")
+        if self.calibrate:
+            given = [f"`{f}`" for f in ("forward_ms", "backward_ms", "weight_ms", "activation_mib")
+                     if getattr(self.workload, f) != getattr(WorkloadOptions, f)]
+            if given:
+                raise ValueError(f"`calibrate` measures what {', '.join(given)} would set: drop one or the other")
+
+
+def _odc(o: PlanODC) -> int:
     from posttrain.sim.planner import plan_odc
 
-    if args.top < 1:
-        raise ValueError(f"--top={args.top} must be at least 1")
-    cluster, model, batches, _ = dp_inputs(args)
+    cluster, model, batches, _ = o.inputs()
     longest = max(max(b) for b in batches)  # what was drawn, not the profile's bound
-    if args.max_tokens:
-        options = [int(x) for x in args.max_tokens.split(",")]
+    if o.max_tokens:
+        options = list(o.max_tokens)
     else:
         base = 1 << (longest - 1).bit_length()
         options = [base, 2 * base]
-    rows = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=options, hsdp=args.hsdp)
+    rows = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=options, hsdp=o.cluster.hsdp)
     print(f"{'#':>2} {'engine':6} {'balance':12} {'max_tokens':>10} {'tokens/s':>12} {'bubble':>7} {'vs fsdp+same':>12}")
-    for i, r in enumerate(rows[:args.top], 1):
+    for i, r in enumerate(rows[:o.top], 1):
         print(f"{i:>2} {r['strategy']:6} {r['method']:12} {r['max_tokens']:>10} {r['throughput']:12,.0f} "
               f"{r['bubble']:7.2f} {r['vs_fsdp']:12.2f}")
     best = rows[0]
@@ -40,26 +86,18 @@ def _odc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pipeline(args: argparse.Namespace) -> int:
+def _pipeline(o: PlanPipeline) -> int:
     from posttrain.sim.planner import plan_pipeline, recommend_pipeline
 
-    from .simulate import WorkloadOptions
-
-    if args.top < 1:
-        raise ValueError(f"--top={args.top} must be at least 1")
-    w = workload(args)
+    num_ranks, num_microbatches = o.schedule.num_ranks, o.schedule.num_microbatches
+    w = o.workload.build()
     notes = ["from the workload flags"]
-    if args.calibrate:
+    if o.calibrate:
         from posttrain.lab.calibrate import pipeline_workload_from_metrics
 
-        given = [f"--{f.replace('_', '-')}" for f in ("forward_ms", "backward_ms", "weight_ms", "activation_mib")
-                 if getattr(args, f) != getattr(WorkloadOptions, f)]
-        if given:
-            raise ValueError(f"--calibrate measures what {', '.join(given)} would set: drop one or the other")
-        w, notes = pipeline_workload_from_metrics(args.calibrate, num_ranks=args.num_ranks,
-                                                  host_bandwidth=w.host_bandwidth)
-    fits, tried = plan_pipeline(num_ranks=args.num_ranks, num_microbatches=args.num_microbatches, workload=w,
-                                memory_budget=_positive_gib(args.memory_gib) * 2**30)
+        w, notes = pipeline_workload_from_metrics(o.calibrate, num_ranks=num_ranks, host_bandwidth=w.host_bandwidth)
+    fits, tried = plan_pipeline(num_ranks=num_ranks, num_microbatches=num_microbatches, workload=w,
+                                memory_budget=o.memory_gib * 2**30)
     ms = 1e3
     print("assumptions (" + notes[0] + "):")
     for line in notes[1:]:
@@ -69,7 +107,7 @@ def _pipeline(args: argparse.Namespace) -> int:
           f"{w.activation_bytes / 2**20:.2f} MiB, of which W keeps {w.weight_keep:.2f} after I under a split backward")
     print(f"  host link {w.host_bandwidth / 1e9:.2f} GB/s per direction, one copy of a direction at a time: "
           f"{w.copy_s * ms:.2f} ms per chunk-microbatch; k = (D2H + H2D) / (F + I + W) = {w.k:.2f}")
-    print(f"  {args.num_ranks} ranks, {args.num_microbatches} microbatches per step, {args.memory_gib} GiB of saved "
+    print(f"  {num_ranks} ranks, {num_microbatches} microbatches per step, {o.memory_gib} GiB of saved "
           "activations per device")
     print(f"{tried} configurations simulated; {len(fits)} fit")
     if not fits:
@@ -77,9 +115,9 @@ def _pipeline(args: argparse.Namespace) -> int:
         return 1
     best, why = recommend_pipeline(fits)
     bw = best.workload  # per chunk-microbatch at the recommended chunk count
-    flags = (f"--schedule {best.schedule} --ranks {args.num_ranks} --chunks {best.num_chunks}"
+    flags = (f"--schedule {best.schedule} --pp-size {num_ranks} --chunks {best.num_chunks}"
              + (f" --group-size {best.group_size}" if best.schedule in GROUPED_SCHEDULES else "")
-             + f" --microbatches {args.num_microbatches} --offload-chunks {best.offload_chunks}"
+             + f" --microbatches {num_microbatches} --offload-chunks {best.offload_chunks}"
              f" --forward-ms {bw.forward_s * ms:.6g} --backward-ms {bw.input_grad_s * ms:.6g}"
              f" --weight-ms {bw.weight_grad_s * ms:.6g} --activation-mib {bw.activation_bytes / 2**20:.6g}"
              f" --host-gbps {bw.host_bandwidth / 1e9:.6g}"
@@ -94,11 +132,11 @@ def _pipeline(args: argparse.Namespace) -> int:
     print(f"{'#':>3} {'schedule':20} {'v':>2} {'g':>3} {'offload':>7} {'step ms':>9} {'microbatches/s':>14} "
           f"{'peak GiB':>9} {'to host GiB':>11} {'bubble':>7}")
     at = next(i for i, r in enumerate(fits) if r is best)
-    for i in [*range(min(args.top, len(fits))), *([at] if at >= args.top else [])]:
+    for i in [*range(min(o.top, len(fits))), *([at] if at >= o.top else [])]:
         r = fits[i]
         print(f"{('*' if r is best else '') + str(i + 1):>3} {r.schedule:20} {r.num_chunks:>2} "
               f"{r.group_size if r.schedule in GROUPED_SCHEDULES else '-'!s:>3} {r.offload_chunks:>7} "
-              f"{r.makespan * ms:9.2f} {args.num_microbatches / r.makespan:14.1f} {r.peak_bytes / 2**30:9.2f} "
+              f"{r.makespan * ms:9.2f} {num_microbatches / r.makespan:14.1f} {r.peak_bytes / 2**30:9.2f} "
               f"{r.offloaded_bytes / 2**30:11.2f} {r.bubble_fraction:7.1%}")
     return 0
 
@@ -106,18 +144,6 @@ def _pipeline(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     plan = sub.add_parser("plan", help="recommendations from the simulator")
     ps = plan.add_subparsers(dest="plan", required=True)
-    po = ps.add_parser("odc", help="balancing method and max_tokens for a dataset and cluster")
-    add_dp_arguments(po)
-    po.add_argument("--max-tokens", default=None,
-                    help="comma-separated candidates, up to what activation memory fits (default: the longest "
-                         "sequence rounded up to a power of 2, and twice that)")
-    po.add_argument("--top", type=int, default=8, help="rows shown (default 8)")
-    po.set_defaults(func=_odc)
-    pp = ps.add_parser("pipeline", help="one schedule, group size and offload for a memory budget, and why")
-    add_pipeline_arguments(pp)
-    pp.add_argument("--memory-gib", type=float, required=True, help="activation memory budget per device, GiB")
-    pp.add_argument("--top", type=int, default=5, help="rows shown (default 5)")
-    pp.add_argument("--calibrate", default=None, metavar="FILE",
-                    help="take F, I, W, saved bytes and (if it offloaded) the host link from a run written by "
-                         "posttrain pipeline --calibration-out FILE, in place of the workload flags")
-    pp.set_defaults(func=_pipeline)
+    add_command(ps, "odc", PlanODC, _odc, help="balancing method and max_tokens for a dataset and cluster")
+    add_command(ps, "pipeline", PlanPipeline, _pipeline,
+                help="one schedule, group size and offload for a memory budget, and why")

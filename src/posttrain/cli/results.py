@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-__all__ = ["add_parser"]
+from .options import add_command
+
+__all__ = ["ResultsCommand", "add_parser"]
 
 
-def _run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class ResultsCommand:
+    """``posttrain results``: the file to rewrite and what to rerun.
+
+    Attributes:
+        path: the file to rewrite.
+        only: sections to rerun, keeping the rest (demo, profiles, ...: the section names of
+            docs/results.md); profiles:NAME reruns one profile of the profiles section.
+    """
+
+    path: str = "docs/results.md"
+    only: tuple[str, ...] | None = None
+
+
+def _run(c: ResultsCommand) -> int:
     from posttrain.lab.results import run_results
 
-    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    run_results(args.path, only=only)
+    run_results(c.path, only=list(c.only) if c.only else None)
     return 0
 
 
 def add_parser(sub) -> None:
-    from posttrain.lab.results import SECTIONS
-
-    p = sub.add_parser("results", help="rerun every measurement of docs/results.md and rewrite it (hours)")
-    p.add_argument("--path", default="docs/results.md", help="the file to rewrite (default docs/results.md)")
-    p.add_argument("--only", default=None,
-                   help=f"comma-separated sections to rerun, keeping the rest ({', '.join(s.name for s in SECTIONS)}); "
-                        "profiles:NAME reruns one profile of the profiles section")
-    p.set_defaults(func=_run)
+    add_command(sub, "results", ResultsCommand, _run,
+                help="rerun every measurement of docs/results.md and rewrite it (hours)")

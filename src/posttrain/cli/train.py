@@ -2,50 +2,54 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 
-from .options import add_config_arguments, add_config_file_argument, config_from_args
+from posttrain.train.sft import TrainConfig
 
-__all__ = ["add_parser", "train_config"]
+from .options import add_command
 
-
-def train_config(args: argparse.Namespace, **overrides):
-    """The :class:`~posttrain.train.sft.TrainConfig` of parsed ``TrainConfig`` options; ``--max-tokens``
-    defaults to ``--max-len``."""
-    from posttrain.train.sft import TrainConfig
-
-    overrides.setdefault("max_tokens", getattr(args, "max_tokens", None) or args.max_len)
-    return config_from_args(TrainConfig, args, **overrides)
+__all__ = ["TrainCommand", "add_parser"]
 
 
-def _run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class TrainCommand:
+    """``posttrain train``: one run, its processes and its pictures.
+
+    Attributes:
+        run: the training run.
+        world_size: CPU processes (torchrun sets its own).
+        plot: a per-rank timeline PNG of the last step.
+        trace: the last step as a Chrome trace JSON (Perfetto).
+    """
+
+    run: TrainConfig = field(default_factory=lambda: TrainConfig(steps=20))
+    world_size: int = 2
+    plot: str | None = None
+    trace: str | None = None
+
+
+def _run(c: TrainCommand) -> int:
+    from dataclasses import replace
+
     from posttrain.lab.plots import plot_timelines
     from posttrain.spans import write_chrome_trace
     from posttrain.train.sft import run_training
 
-    cfg = train_config(args, progress=True)
-    results = run_training(cfg, world_size=args.world_size,
-                           outputs={"--plot": args.plot, "--trace": args.trace})
+    cfg = replace(c.run, progress=True)
+    results = run_training(cfg, world_size=c.world_size, outputs={"--plot": c.plot, "--trace": c.trace})
     if results is None or not results[0]["metrics"]:
         return 0
     spans = {f"{cfg.engine.label}+{cfg.balance}": [s for r in results for s in r["spans"]]}
-    if args.plot:
+    if c.plot:
         last = results[0]["metrics"][-1]["step"]
-        plot_timelines(spans, args.plot, title=f"step {last}: per-rank compute, communication and waiting")
-        print(f"wrote {args.plot}")
-    if args.trace:
-        write_chrome_trace(spans, args.trace)
-        print(f"wrote {args.trace} (chrome://tracing or ui.perfetto.dev; the simulator's traces open beside it)")
+        plot_timelines(spans, c.plot, title=f"step {last}: per-rank compute, communication and waiting")
+        print(f"wrote {c.plot}")
+    if c.trace:
+        write_chrome_trace(spans, c.trace)
+        print(f"wrote {c.trace} (chrome://tracing or ui.perfetto.dev; the simulator's traces open beside it)")
     return 0
 
 
 def add_parser(sub) -> None:
-    from posttrain.train.sft import TrainConfig
-
-    p = sub.add_parser("train", help="data-parallel training with FSDP2 or ODC on CPU processes (or under torchrun)")
-    add_config_arguments(p, TrainConfig, defaults={"steps": 20, "max_tokens": None})
-    p.add_argument("--world-size", type=int, default=2, help="CPU processes (default 2; torchrun sets its own)")
-    add_config_file_argument(p)
-    p.add_argument("--plot", default=None, help="write a per-rank timeline PNG of the last step")
-    p.add_argument("--trace", default=None, help="write the last step as a Chrome trace JSON (Perfetto)")
-    p.set_defaults(func=_run)
+    add_command(sub, "train", TrainCommand, _run, config_file=True,
+                help="data-parallel training with FSDP2 or ODC on CPU processes (or under torchrun)")

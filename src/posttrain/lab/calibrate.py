@@ -6,7 +6,7 @@
    and each engine's cost per layer and microbatch (communication, copies, hooks): FSDP2 and
    ODC train on *equal-length* sequences, where no rank waits for another, and their step time
    minus the compute alone is spread over layers and microbatches. (A gloo all-gather timed on
-   its own misses FSDP2's copies and hooks and predicted 1.14 against a measured 1.38.)
+   its own misses FSDP2's copies and hooks, so it underestimates what FSDP2 costs.)
    Flat ODC's two modes (``bench odc --sweep``, ``bench rl``) are calibrated more tightly by
    :func:`flat_odc_costs`: each run is its own reference, and the collective mode's excess over
    ODC's copies is fitted as compute jitter (:func:`fit_jitter`).
@@ -229,17 +229,17 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     a rank).
 
     Each run is its own reference: per step, its time beyond the slowest rank's compute (timed
-    around each microbatch, communication excluded) and the optimizer and exit sync. (Taking the
-    compute from a separate run of the same work on a plain model, as before, left 0-25 ms per
-    layer and microbatch inside a run-to-run noise of +-10%.)
+    around each microbatch, communication excluded) and the optimizer and exit sync. (Compute taken
+    from a separate run of the same work on a plain model would leave the per-layer cost inside
+    the noise between the two runs.)
 
     - ``engine[mode]``: ``per_layer_microbatch`` (ODC: the copies and adds; the simulator's
       operation cost for both modes, since both move the same bytes through the same transport),
       ``per_step`` (optimizer and exit) and ``measured_compute_factor``: the collective mode's
       compute (communication excluded) over ODC's on the same equal work, the median of the
       rounds' paired ratios (printed with each round's). It is recorded, not applied: its
-      readings on this machine moved between calibrations by more than it, and applied it
-      mispredicted the sweep (docs/simulator.md). Both modes' compute is taken as the plain
+      readings vary between calibrations by more than its own size, and applying it mispredicts
+      the sweep (docs/simulator.md). Both modes' compute is taken as the plain
       model's (``bench odc``'s compute factor compares ODC's with it).
     - ``jitter``: the coefficient of variation of a layer's compute time with which the
       simulated collective run (per-layer rendezvous, ODC's operation cost) loses what the
@@ -407,7 +407,7 @@ def calibrate_odc(cfg: TrainConfig, *, world_size: int = 2, repeats: int = 3, me
     """
     cfg = replace(cfg, progress=False, checkpoint_dir=None)
     if cfg.steps < 2:
-        raise ValueError(f"--steps={cfg.steps} must be at least 2 (the first step is warm-up)")
+        raise ValueError(f"steps={cfg.steps} must be at least 2 (the first step is warm-up)")
     log(f"measuring per-layer compute and communication on {world_size} processes ...", flush=True)
     machine = measure_machine(cfg, world_size=world_size, iters=iters, log=log)
     c = machine["layer_cost"]
@@ -491,9 +491,9 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
                    for r in ranks for a, t0, t1 in r["result"]["actions"]]
         kept = measured_weight_keep(ranks)
     except OSError as e:
-        raise ValueError(f"--calibrate {path}: {e.strerror}") from None
+        raise ValueError(f"calibrate={path}: {e.strerror}") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError):
-        raise ValueError(f"--calibrate {path}: not a metrics file of posttrain pipeline (write one with "
+        raise ValueError(f"calibrate={path}: not a metrics file of posttrain pipeline (write one with "
                          "posttrain pipeline --calibration-out FILE)") from None
     times: dict[tuple[str, int], list[float]] = {}
     copies, stage_bytes = [], {}
@@ -504,7 +504,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
         elif a.kind in ("OFFLOAD", "RELOAD") and t1 > t0 and chunk_bytes.get(a.stage):  # (whole entries only)
             copies.append(chunk_bytes[a.stage] / (t1 - t0))
     if not any(kind == "F" for kind, _ in times):
-        raise ValueError(f"--calibrate {path}: the run recorded no forward")
+        raise ValueError(f"calibrate={path}: the run recorded no forward")
 
     def total(kind: str) -> float:
         return sum(statistics.median(v) for (k, _), v in times.items() if k == kind)

@@ -192,12 +192,12 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
                 sections.append(name)
             if profile:
                 if profile not in _PROFILES:
-                    raise ValueError(f"--only: unknown profile {profile!r} in {item!r}; choose from {', '.join(_PROFILES)}")
+                    raise ValueError(f"`only`: unknown profile {profile!r} in {item!r}; choose from {', '.join(_PROFILES)}")
                 profiles.setdefault(name, []).append(profile)
         only = sections
         unknown = sorted(set(only) - set(names))
         if unknown:
-            raise ValueError(f"--only: unknown section(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+            raise ValueError(f"`only`: unknown section(s) {', '.join(unknown)}; choose from {', '.join(names)}")
     old = {}
     if os.path.exists(path):
         with open(path) as f:

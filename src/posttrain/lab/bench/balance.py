@@ -1,7 +1,7 @@
 """Benchmark of the load balancer: plan time and balance of every method, per length profile
 and world size, and whether the balancer's targets are met.
 
-    python -m posttrain.lab.bench.balance --world-sizes 2,8,32 --seeds 5 --json out/balance.json
+    posttrain bench balance --world-sizes 2,8,32 --seeds 5 --json out/balance.json
 
 Each (profile, world size, seed) draws ``sequences_per_rank * world_size`` lengths with
 :func:`posttrain.sim.draw_lengths` (the scalable profiles ``long_tail``, ``uniform`` and
@@ -23,11 +23,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from posttrain.balance import METHODS, QuadraticCost, plan_minibatch
 from posttrain.sim.lengths import LENGTH_PROFILES, draw_lengths, profile_max_len
 
-__all__ = ["DEFAULT_PROFILES", "SCALABLE_MAX_LEN", "bench_balance"]
+__all__ = ["DEFAULT_PROFILES", "SCALABLE_MAX_LEN", "BalanceBench", "bench_balance"]
 
 DEFAULT_PROFILES = ("longalign", "swe_smith", "long_tail", "uniform", "bimodal")
 # long_tail / uniform / bimodal scale to max_len; 32K is a realistic post-training context and
@@ -36,6 +37,45 @@ SCALABLE_MAX_LEN = 32768
 IMBALANCE_TARGET = 1.001
 IMBALANCE_PROFILES = ("long_tail", "longalign", "swe_smith", "uniform")
 TIME_TARGETS_MS = {32: 20.0, 1024: 1000.0}  # world size -> most median ms per plan
+
+
+@dataclass(frozen=True)
+class BalanceBench:
+    """``posttrain bench balance``: what to plan, and where the result goes.
+
+    Attributes:
+        world_sizes: ranks to plan for.
+        sequences_per_rank: sequences per rank in each minibatch.
+        profiles: length profiles to draw from.
+        seeds: minibatches (seeds ``0..seeds-1``) per profile and world size; times and
+            imbalances are medians over them.
+        json: results file ('' for none).
+    """
+
+    world_sizes: tuple[int, ...] = (2, 8, 32, 128, 1024)
+    sequences_per_rank: int = 8
+    profiles: tuple[str, ...] = DEFAULT_PROFILES
+    seeds: int = 5
+    json: str = "out/bench_balance.json"
+
+    def __post_init__(self) -> None:
+        for p in self.profiles:
+            if p not in LENGTH_PROFILES:
+                raise ValueError(f"profiles: unknown length profile {p!r}; choose from {', '.join(LENGTH_PROFILES)}")
+        if not self.profiles:
+            raise ValueError("`profiles` is empty")
+        if min(self.world_sizes, default=0) < 1 or self.sequences_per_rank < 1 or self.seeds < 1:
+            raise ValueError(f"world_sizes={','.join(map(str, self.world_sizes))}, "
+                             f"sequences_per_rank={self.sequences_per_rank} and seeds={self.seeds} must all be at "
+                             "least 1 (and world_sizes non-empty)")
+
+    def run(self, log: Callable[[str], None] | None = print) -> dict:
+        """:func:`bench_balance` of these options, written to ``json``."""
+        from .split import write_result
+
+        result = bench_balance(self.world_sizes, self.sequences_per_rank, self.profiles, self.seeds, log=log)
+        write_result(result, self.json, log or (lambda _line: None))
+        return result
 
 
 def _max_len(profile: str) -> int | None:
@@ -64,12 +104,7 @@ def bench_balance(world_sizes: Sequence[int] = (2, 8, 32, 128, 1024), sequences_
     Raises:
         ValueError: an unknown profile or a non-positive size.
     """
-    for p in profiles:
-        if p not in LENGTH_PROFILES:
-            raise ValueError(f"unknown length profile {p!r}; choose from {', '.join(LENGTH_PROFILES)}")
-    if min(world_sizes, default=0) < 1 or sequences_per_rank < 1 or seeds < 1:
-        raise ValueError(f"world_sizes={list(world_sizes)}, sequences_per_rank={sequences_per_rank} and "
-                         f"seeds={seeds} must all be at least 1 (and world_sizes non-empty)")
+    BalanceBench(tuple(world_sizes), sequences_per_rank, tuple(profiles), seeds, json="")  # checks them
     say = log or (lambda _line: None)
     cost = QuadraticCost()
     plan_minibatch([100, 200, 300], world_size=2, max_tokens=1000, method="diff_micro", cost=cost)  # warm-up

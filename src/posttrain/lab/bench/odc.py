@@ -15,9 +15,8 @@ whole sequences to ranks under their measured compute times, each rank running i
 back: per step the fastest of three candidate assignments, chosen on one run and timed on
 another). Every figure is a throughput (tokens/s over the steps after the first); variants run
 interleaved for ``repeats`` rounds (each round's order rotated by one, the bounds included, so a
-drifting machine does not always favour the same variant: one run here slowed by 17% from its first round to its last) and
-ratios are medians of the per-round ratios, with their
-range (this machine's noise is about +-10% a run).
+machine whose speed drifts over a run does not always favour the same variant) and ratios are
+medians of the per-round ratios, with their range (docs/results.md says how noisy this machine is).
 
 [Note: where ODC's gain comes from]
 ``odc+diff_micro / fsdp+same_micro`` multiplies three factors, each measured with the other two
@@ -44,7 +43,7 @@ ODC run's busiest-rank compute) and **critical** (the ODC run's busiest-rank com
 **Reachable headroom** = headroom x compute x critical: what scheduling could win once the engine's
 costs are counted; the mechanism's capture of it is reported beside the plain capture.
 
-``sweep_odc`` repeats the mechanism measurement over sequences per rank and ``--max-tokens`` and
+``sweep_odc`` repeats the mechanism measurement over sequences per rank and ``max_tokens`` and
 puts the calibrated simulator's predictions beside it (:mod:`posttrain.lab.calibrate`).
 """
 
@@ -55,7 +54,7 @@ import json
 import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from posttrain.launch import run_ranks
 from posttrain.train.sft import (
@@ -68,7 +67,7 @@ from posttrain.train.sft import (
     train_worker,
 )
 
-__all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "bench_odc", "factors", "measure_bounds", "split_odc_vs_partition",
+__all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "ODCBench", "bench_odc", "factors", "measure_bounds", "split_odc_vs_partition",
            "sweep_odc"]
 
 #: (engine, odc mode, balancing method); named ``<dp label>+<method>`` (e.g. ``odc-collective+same_micro``).
@@ -87,6 +86,65 @@ _REF = "fsdp+same_micro"
 _COLL, _ODC = "odc-collective+same_micro", "odc+diff_micro"
 
 
+@dataclass(frozen=True)
+class ODCBench:
+    """``posttrain bench odc``: the run every variant trains, the ranks, the sweep, and where the
+    result goes.
+
+    Attributes:
+        train: the model, data and steps every variant shares (its engine and balancing method
+            are the variants').
+        world_size: CPU processes.
+        repeats: interleaved rounds; ratios are medians, with the range over rounds.
+        sweep: measure ODC's mechanism and its headroom at every ``sequences_per_rank`` x
+            ``sweep_max_tokens`` point, beside the calibrated simulator's predictions.
+        sequences_per_rank: sweep points.
+        sweep_max_tokens: sweep points, each at least ``max_len`` (default: ``max_tokens``).
+        no_predict: sweep without the simulator's predictions.
+        json: results file ('' for none; default out/bench_odc.json, with ``sweep``
+            out/bench_odc_sweep.json).
+    """
+
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(steps=8, sequences=16, max_len=1024),
+        metadata={"fields": ("profile", "data", "model", "engine.precision", "steps", "sequences", "max_len",
+                             "max_tokens", "dim", "num_layers", "optim.lr", "seed")})
+    world_size: int = 2
+    repeats: int = 5
+    sweep: bool = False
+    sequences_per_rank: tuple[int, ...] = (2, 4, 8, 16)
+    sweep_max_tokens: tuple[int, ...] | None = None
+    no_predict: bool = False
+    json: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be at least 1")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} must be at least 1")
+        if self.train.steps < 2:
+            raise ValueError(f"steps={self.train.steps} must be at least 2 (the first step is warm-up)")
+        if self.sweep:
+            if not self.sequences_per_rank or min(self.sequences_per_rank) < 1:
+                raise ValueError("`sequences_per_rank` needs positive values")
+            if self.sweep_max_tokens is not None and (not self.sweep_max_tokens
+                                                      or min(self.sweep_max_tokens) < self.train.max_len):
+                raise ValueError(f"sweep_max_tokens={','.join(map(str, self.sweep_max_tokens))} is below "
+                                 f"max_len={self.train.max_len}: every point trains the same sequences, so every "
+                                 "max_tokens must fit the longest")
+
+    def run(self, log=print) -> dict:
+        """:func:`sweep_odc` with ``sweep``, else :func:`bench_odc`; written to ``json``."""
+        json_path = self.json if self.json is not None else (
+            "out/bench_odc_sweep.json" if self.sweep else "out/bench_odc.json")
+        if self.sweep:
+            return sweep_odc(self.train, sequences_per_rank=self.sequences_per_rank,
+                             max_tokens=self.sweep_max_tokens or (self.train.max_tokens,), world_size=self.world_size,
+                             repeats=self.repeats, predict=not self.no_predict, json_path=json_path or None, log=log)
+        return bench_odc(self.train, world_size=self.world_size, repeats=self.repeats, json_path=json_path or None,
+                         log=log)
+
+
 def _steady_tokens(cfg: TrainConfig, world_size: int) -> int:
     data = TrainData(cfg, world_size)
     return sum(sum(len(s) - 1 for s in data.minibatch(k)) for k in range(1, cfg.steps))
@@ -103,8 +161,7 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
         times.update(part)
     candidates, exact = partition_candidates(cfg, world_size, times)
     # Per step each candidate lasts as long as its slowest rank. The fastest is chosen on one run and
-    # timed on another: taking the minimum of noisy runs as the bound would favour noise (about +2.5%
-    # over the best single candidate here).
+    # timed on another: taking the minimum of noisy runs as the bound would favour noise.
     steps = cfg.steps - 1
     per_rank = run_ranks(partition_bound_worker, world_size, cfg, candidates, timeout_s=3600)
     by_candidate = {name: [max(r[name][k] for r in per_rank) for k in range(steps)] for name in candidates}
@@ -116,8 +173,8 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     partition_s = sum(max(r["chosen"][k] for r in per_rank) for k in range(steps))
     plan_s = sum(max(r["diff_micro"][k] for r in per_rank) for k in range(steps))
     # The even bound divides the same measured compute evenly over the ranks, so the two bounds
-    # differ only in how whole sequences divide (a separate run of every microbatch on every rank
-    # measured up to 7% slower than the ranks' own shares under the same contention).
+    # differ only in how whole sequences divide (not in contention: a separate run of every
+    # microbatch on every rank would time them under other contention than the ranks' own shares).
     even_s = sum(sum(r["chosen"][k] for r in per_rank) / world_size for k in range(steps))
     # compute_s as summarize() reports it: seconds of compute per step, summed over the ranks
     compute_s = sum(sum(r["chosen"]) for r in per_rank) / steps
@@ -225,10 +282,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         "compute_vs_even"}}, "spread": {variant: {ratio: [lowest, highest]}}, "factors": {name:
         [median, lowest, highest]}}``.
     """
-    if repeats < 1:
-        raise ValueError(f"--repeats={repeats} must be at least 1")
-    if base.steps < 2:
-        raise ValueError(f"--steps={base.steps} must be at least 2 (the first step is warm-up)")
+    ODCBench(base, world_size, repeats, json="")  # checks them
     base = replace(base, progress=False, checkpoint_dir=None)
     TrainData(base, world_size)
     rounds = [_round(base, world_size, ODC_VARIANTS, log, f"round {k + 1}/{repeats}  ", k) for k in range(repeats)]
@@ -334,15 +388,8 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
         :func:`split_odc_vs_partition` (each [median, lowest, highest]), "captured",
         "captured_of_reachable", "predicted": {...} or None, "predicted_at": {world size: {...}}}]}``.
     """
-    if repeats < 1:
-        raise ValueError(f"--repeats={repeats} must be at least 1")
-    if base.steps < 2:
-        raise ValueError(f"--steps={base.steps} must be at least 2 (the first step is warm-up)")
-    if not sequences_per_rank or not max_tokens or min(sequences_per_rank) < 1:
-        raise ValueError("--sweep needs positive sequences per rank and max_tokens values")
-    if min(max_tokens) < base.max_len:
-        raise ValueError(f"--sweep max_tokens {min(max_tokens)} is below --max-len={base.max_len}: every point trains "
-                         "the same sequences, so every max_tokens must fit the longest")
+    ODCBench(base, world_size, repeats, sweep=True, sequences_per_rank=tuple(sequences_per_rank),
+             sweep_max_tokens=tuple(max_tokens), json="")  # checks them
     base = replace(base, progress=False, checkpoint_dir=None)
     points = []
     for spr, mt in itertools.product(sequences_per_rank, max_tokens):

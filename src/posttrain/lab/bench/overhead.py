@@ -2,13 +2,13 @@
 
     posttrain bench overhead                   # the bench's model (GPT 4x128, fp32), 2 ranks
     posttrain bench overhead --world-size 1    # one rank: FSDP2 with no peer; flat ODC alone
-    posttrain bench overhead --dim 256
+    posttrain bench overhead --dim 256 --json out/bench_overhead.json
 
 Part 1 runs one microbatch (the first sequence of 300-700 tokens of the long-tail profile) forward
 and backward on a plain unsharded model and, interleaved with it iteration by iteration, on the
 same model under FSDP2 (inside an ODC minibatch on 2 ranks, or with FSDP2's own collectives, local
 copies, on 1 rank) and under flat ODC (:func:`posttrain.odc.flat_shard`), each engine's microbatch
-in a minibatch of its own; medians over ``--repeats`` iterations of the minibatch entry, forward,
+in a minibatch of its own; medians over ``repeats`` iterations of the minibatch entry, forward,
 backward and exit, the engine's time beyond the plain model split into those phases, and the
 median gather and push (scatter-accumulate) as the engine's communication hook times them; then,
 untimed, the Python function calls (cProfile) and minor page faults per microbatch of each. Part 2
@@ -24,7 +24,7 @@ import pstats
 import resource
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -141,15 +141,44 @@ def describe(rank: int, r: dict, key: str, label: str) -> str:
             f"(plain {f['plain']:.0f})")
 
 
+@dataclass(frozen=True)
+class OverheadBench:
+    """``posttrain bench overhead``: the model, the ranks, and where the result goes.
+
+    Attributes:
+        dim: the built-in GPT's width (4 blocks, fp32).
+        world_size: 2: FSDP2 with ODC; 1: FSDP2 alone, and flat ODC with no peer.
+        repeats: interleaved iterations of each engine; times are medians.
+        json: results file, every rank's figures ('' for none).
+    """
+
+    dim: int = 128
+    world_size: int = 2
+    repeats: int = 30
+    json: str = "out/bench_overhead.json"
+
+    def __post_init__(self) -> None:
+        if self.world_size not in (1, 2):
+            raise ValueError(f"world_size={self.world_size} must be 1 or 2")
+        if self.dim < 8:
+            raise ValueError(f"dim={self.dim} must be at least 8")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} must be at least 1")
+
+    def run(self, log=print) -> list[dict]:
+        """:func:`bench_overhead` of these options, written to ``json``."""
+        from .split import write_result
+
+        results = bench_overhead(dim=self.dim, world_size=self.world_size, repeats=self.repeats, log=log)
+        write_result({"dim": self.dim, "world_size": self.world_size, "repeats": self.repeats, "ranks": results},
+                     self.json, log)
+        return results
+
+
 def bench_overhead(*, dim: int = 128, world_size: int = 2, repeats: int = 30, log=print) -> list[dict]:
     """Run the measurement on ``world_size`` ranks (1: FSDP2 alone, no peer; 2: FSDP2 with ODC);
     print one line per rank and engine and one for the optimizer; return every rank's figures."""
-    if world_size not in (1, 2):
-        raise ValueError(f"--world-size={world_size} must be 1 or 2")
-    if dim < 8:
-        raise ValueError(f"--dim={dim} must be at least 8")
-    if repeats < 1:
-        raise ValueError(f"--repeats={repeats} must be at least 1")
+    OverheadBench(dim, world_size, repeats, json="")  # checks them
     what = "FSDP2+ODC" if world_size > 1 else "FSDP2 (1 rank)"
     results = run_ranks(_worker, world_size, dim, repeats, timeout_s=600)
     for rank, r in enumerate(results):

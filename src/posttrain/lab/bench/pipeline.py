@@ -15,11 +15,9 @@ the median step-time ratio torch / ours (>= 1 means ours is at least as fast).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -37,7 +35,7 @@ from posttrain.train.sft.pipeline import (
     step_batch,
 )
 
-__all__ = ["bench_pipeline"]
+__all__ = ["PipelineBench", "bench_pipeline"]
 
 # (schedule, chunks, group size): None is the stage count
 MEMORY_SCHEDULES = (("1f1b", 1, None), ("interleaved_1f1b", 2, None), ("group_interleaved", 2, 1),
@@ -115,11 +113,44 @@ def _timing_worker(rank: int, world: int, cfg: PipelineConfig, repeats: int) -> 
     return {"times": times, "max_grad_diff": max_diff}
 
 
-def bench_pipeline(base: PipelineConfig, *, rank_counts=(2, 4), repeats: int = 7,
-                   json_path: str | None = "out/bench_pipeline.json", out=print) -> dict:
-    """Run both parts (see the module docstring); returns and optionally writes the results."""
-    if repeats < 1:
-        raise ValueError(f"--repeats={repeats} must be at least 1")
+@dataclass(frozen=True)
+class PipelineBench:
+    """``posttrain bench pipeline``: the model, the pipeline sizes, and where the result goes.
+
+    Attributes:
+        pipeline: the model and batch every run shares (its schedule, sizes and offload are the
+            benchmark's).
+        pp_sizes: pipeline sizes (ranks) to run, each at least 2.
+        repeats: timed steps per runtime, alternating.
+        json: results file ('' for none).
+    """
+
+    pipeline: PipelineConfig = field(
+        default_factory=lambda: PipelineConfig(dim=128, num_layers=8, seq_len=256),
+        metadata={"fields": ("model", "dim", "num_layers", "seq_len", "batch", "seed")})
+    pp_sizes: tuple[int, ...] = (2, 4)
+    repeats: int = 7
+    json: str = "out/bench_pipeline.json"
+
+    def __post_init__(self) -> None:
+        if not self.pp_sizes or min(self.pp_sizes) < 2:
+            raise ValueError(f"pp_sizes={','.join(map(str, self.pp_sizes))}: a pipeline needs at least 2 ranks")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} must be at least 1")
+
+    def run(self, log=print) -> dict:
+        """:func:`bench_pipeline` of these options, written to ``json``."""
+        from .split import write_result
+
+        result = bench_pipeline(self.pipeline, rank_counts=self.pp_sizes, repeats=self.repeats, out=log)
+        write_result(result, self.json, log)
+        return result
+
+
+def bench_pipeline(base: PipelineConfig, *, rank_counts=(2, 4), repeats: int = 7, out=print) -> dict:
+    """Run both parts (see the module docstring) on pipelines of ``rank_counts`` ranks; returns
+    the results."""
+    PipelineBench(base, tuple(rank_counts), repeats, json="")  # checks them
     out("Saved-activation peak per rank (largest rank), measured by the hooks; vs_none: MiB ratio to no offload")
     out(f"{'ranks':>6} {'schedule':>20} {'offload':>7} {'peak MiB':>9} {'units':>6} {'predicted':>9} {'vs_none':>7}")
     memory = _memory_rows(base, rank_counts, out)
@@ -141,9 +172,4 @@ def bench_pipeline(base: PipelineConfig, *, rank_counts=(2, 4), repeats: int = 7
                    "ratio": med["torch"] / med["ours"], "max_grad_diff": diff}
             timing.append(row)
             out(f"{p:>6} {name:>18} {med['torch']:>8.3f} {med['ours']:>8.3f} {row['ratio']:>10.3f} {diff:>15.2e}")
-    result = {"config": asdict(base), "memory": memory, "timing": timing}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
-        out(f"wrote {json_path}")
-    return result
+    return {"config": asdict(base), "memory": memory, "timing": timing}

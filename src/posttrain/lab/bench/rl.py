@@ -2,7 +2,7 @@
 
 RL makes its own imbalance: responses to the same prompts range from a few tokens to the length
 limit. This benchmark replays one set of rollouts (recorded by ``posttrain rl --record`` or drawn
-here with that shape: a share of responses cut at ``--max-new-tokens``, the rest log-normal) through
+here with that shape: a share of responses cut at ``max_new_tokens``, the rest log-normal) through
 :func:`posttrain.train.rl.update_minibatch` under
 
 - ``fsdp+same_micro``: FSDP2, every rank the same number of microbatches;
@@ -22,11 +22,12 @@ ODC's engine costs measured on equal-length sequences of the same model shape.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from posttrain.train.rl import RLConfig, update_minibatch
 
 from .split import interleaved_rounds, log_split, split_ratios, write_result
 
-__all__ = ["VARIANTS", "bench_rl", "draw_rollouts", "predict_rl"]
+__all__ = ["VARIANTS", "RLBench", "bench_rl", "draw_rollouts", "predict_rl"]
 
 VARIANTS = (("fsdp", "one-sided", "same_micro"), ("odc", "collective", "same_micro"), ("odc", "one-sided", "diff_micro"))
 
@@ -180,3 +181,72 @@ def bench_rl(steps: list[list[dict]], *, model_cfg: GPTConfig, max_tokens: int, 
             f"(headroom {predicted['headroom']:.2f}x: collective+same_micro over the best whole-sequence partition)")
     write_result(result, json_path, log)
     return result
+
+
+@dataclass(frozen=True)
+class RLBench:
+    """``posttrain bench rl``: the rollouts replayed, the model, and where the result goes.
+
+    Attributes:
+        rollouts: a ``posttrain rl --record`` file to replay (default: rollouts drawn with RL's
+            shape).
+        steps: drawn rollouts: update steps, the first a warm-up.
+        samples: drawn rollouts: rollouts a step.
+        max_new_tokens: drawn rollouts: the response length limit.
+        max_tokens: microbatch token budget (default: the longest rollout).
+        dim: the built-in GPT's width.
+        num_layers: the built-in GPT's blocks.
+        seed: drawn rollouts: their seed.
+        world_size: CPU processes.
+        repeats: interleaved rounds.
+        no_predict: skip the calibrated simulator's prediction.
+        json: results file ('' for none).
+    """
+
+    rollouts: str | None = None
+    steps: int = 6
+    samples: int = 32
+    max_new_tokens: int = 1024
+    max_tokens: int | None = None
+    dim: int = 128
+    num_layers: int = 4
+    seed: int = 0
+    world_size: int = 2
+    repeats: int = 5
+    no_predict: bool = False
+    json: str = "out/bench_rl.json"
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "max_new_tokens", "dim", "num_layers", "world_size", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.steps < 2:
+            raise ValueError(f"steps={self.steps} must be at least 2 (the first warms up)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
+
+    def load(self) -> list[list[dict]]:
+        """The rollouts of every step: read from ``rollouts``, or drawn."""
+        if not self.rollouts:
+            return draw_rollouts(self.steps, self.samples, max_new_tokens=self.max_new_tokens, seed=self.seed)
+        try:
+            with open(self.rollouts) as f:
+                steps = [json.loads(line)["samples"] for line in f if line.strip()]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"rollouts={self.rollouts}: not a posttrain rl --record file ({e})") from None
+        if len(steps) < 2:
+            raise ValueError(f"rollouts={self.rollouts}: needs 2 or more steps (the first warms up)")
+        return steps
+
+    def run(self, log=print) -> dict:
+        """:func:`bench_rl` on :meth:`load`'s rollouts, written to ``json``."""
+        steps = self.load()
+        longest = max(len(s["ids"]) for step in steps for s in step)
+        max_tokens = self.max_tokens or longest
+        if longest - 1 > max_tokens:
+            raise ValueError(f"max_tokens={max_tokens} is below the longest rollout ({longest} tokens)")
+        vocab = max(max(s["ids"]) for step in steps for s in step) + 1
+        model_cfg = GPTConfig(vocab_size=max(vocab, 2), dim=self.dim, num_layers=self.num_layers,
+                              num_heads=max(1, self.dim // 32), max_seq_len=max_tokens)
+        return bench_rl(steps, model_cfg=model_cfg, max_tokens=max_tokens, world_size=self.world_size,
+                        repeats=self.repeats, predict=not self.no_predict, json_path=self.json or None, log=log)

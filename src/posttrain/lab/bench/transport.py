@@ -1,23 +1,22 @@
 """Bandwidth of ODC's shared-memory transport against gloo collectives, 2 ranks, side by side.
 
     posttrain bench transport                 # sizes 1, 4, 16, 64 MiB per rank shard
-    posttrain bench transport --sizes-mib 8,32 --iters 10 --json out/odc_transport.json
+    posttrain bench transport --sizes-mib 8,32 --iters 10 --json out/bench_transport.json
 
 For each shard size S (fp32, per rank), one run measures on the same processes:
   gather:  gloo ``all_gather_single`` (= all_gather_into_tensor) (S in, 2S out)  vs  ODC gather (copy the peer's
            exposed shard out of its shm segment into the output);
   reduce:  gloo ``reduce_scatter_single`` (= reduce_scatter_tensor) (2S in, S out)   vs  ODC scatter-accumulate (add each
            owner's slice into its shm accumulator under stripe locks).
-Each timing is the slowest rank's median over ``--iters`` calls, ranks aligned by a barrier before
+Each timing is the slowest rank's median over ``iters`` calls, ranks aligned by a barrier before
 every call. Printed ratios are gloo time / shm time (higher is better for ODC).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from posttrain.launch import run_ranks
 from posttrain.odc import ShmTransport
 
-__all__ = ["bench_transport"]
+__all__ = ["TransportBench", "bench_transport"]
 
 
 def _time(fn, iters: int, group) -> float:
@@ -87,17 +86,43 @@ def _worker(rank: int, world_size: int, sizes_mib: list[float], iters: int) -> l
     return rows
 
 
-def bench_transport(*, sizes_mib=(1, 4, 16, 64), iters: int = 10, json_path: str | None = "out/odc_transport.json",
-                    log=print) -> list[dict]:
+@dataclass(frozen=True)
+class TransportBench:
+    """``posttrain bench transport``: the sizes measured, and where the result goes.
+
+    Attributes:
+        sizes_mib: per-rank shard sizes in MiB (fp32).
+        iters: timed calls per measurement.
+        json: results file ('' for none).
+    """
+
+    sizes_mib: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
+    iters: int = 10
+    json: str = "out/bench_transport.json"
+
+    def __post_init__(self) -> None:
+        if self.iters < 1:
+            raise ValueError(f"iters={self.iters} must be at least 1")
+        if not self.sizes_mib or not all(s > 0 for s in self.sizes_mib):
+            raise ValueError(f"sizes_mib={','.join(map(str, self.sizes_mib))} needs positive sizes")
+
+    def run(self, log=print) -> dict:
+        """:func:`bench_transport` of these options, written to ``json``."""
+        from .split import write_result
+
+        result = {"world_size": 2, "iters": self.iters, "rows": bench_transport(self.sizes_mib, self.iters, log=log)}
+        write_result(result, self.json, log)
+        return result
+
+
+def bench_transport(sizes_mib=(1, 4, 16, 64), iters: int = 10, *, log=print) -> list[dict]:
     """Run the measurement on 2 ranks; print a table of bandwidths and ratios; return its rows.
 
     Args:
         sizes_mib: per-rank shard sizes (fp32).
         iters: timed calls per measurement.
-        json_path: where to write the rows (None: nowhere).
     """
-    if iters < 1 or any(s <= 0 for s in sizes_mib):
-        raise ValueError(f"--iters={iters} and --sizes-mib={list(sizes_mib)} must be positive")
+    TransportBench(tuple(sizes_mib), iters, json="")  # checks them
     rows = run_ranks(_worker, 2, list(sizes_mib), iters, timeout_s=900)[0]
     log("ODC shm transport vs gloo, 2 ranks, fp32; GiB/s = bytes from/to the peer per rank")
     log(f"{'shard MiB':>9} | {'gloo AG':>8} {'shm gather':>10} {'ratio':>6} | {'gloo RS':>8} {'shm s-acc':>9} {'ratio':>6}")
@@ -105,9 +130,4 @@ def bench_transport(*, sizes_mib=(1, 4, 16, 64), iters: int = 10, json_path: str
         log(f"{r['shard_mib']:>9g} | {r['gloo_gather_gib_s']:>8.2f} {r['shm_gather_gib_s']:>10.2f} "
             f"{r['gather_ratio']:>5.1f}x | {r['gloo_reduce_gib_s']:>8.2f} {r['shm_reduce_gib_s']:>9.2f} "
             f"{r['reduce_ratio']:>5.1f}x")
-    if json_path:
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump({"world_size": 2, "iters": iters, "rows": rows}, f, indent=2)
-        log(f"wrote {json_path}")
     return rows

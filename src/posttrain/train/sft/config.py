@@ -43,7 +43,7 @@ class TrainConfig(RunConfig):
         eval_every: evaluate every this many steps (0: after the last step only).
         sequences: sequences per minibatch, over all ranks.
         max_len: longest synthetic sequence.
-        max_tokens: most tokens in one microbatch (at least ``max_len``).
+        max_tokens: most tokens in one microbatch (at least ``max_len``; default ``max_len``).
         dim: model hidden size.
         num_layers: transformer blocks.
     """
@@ -61,7 +61,7 @@ class TrainConfig(RunConfig):
     vocab_size: int | None = None
     sequences: int = 16
     max_len: int = 512
-    max_tokens: int = 512
+    max_tokens: int | None = field(default=None, metadata={"derived": True})
     dim: int = 128
     num_layers: int = 4
     eval_data: str | None = None
@@ -79,6 +79,8 @@ class TrainConfig(RunConfig):
         return self.sequences
 
     def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            object.__setattr__(self, "max_tokens", self.max_len)
         super().__post_init__()
         for name, choices in (("balance", METHODS), ("profile", PROFILES), ("model", MODELS)):
             if getattr(self, name) not in choices:

@@ -70,7 +70,7 @@ class ColumnState:
     """The checkpointable state of one rank of a pipeline x data-parallel run (``--dp-size``),
     written in :class:`PipelineState`'s format: whole parameters and their optimizer state under
     the model's names (the engine's ``whole_state_dict``, a collective over the column). A
-    checkpoint therefore resumes on any split, any number of replicas, or none (and a single
+    checkpoint therefore resumes on any split, any number of pipelines, or none (and a single
     pipeline's checkpoint resumes here).
 
     Args:

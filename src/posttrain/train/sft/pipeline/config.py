@@ -17,8 +17,8 @@ __all__ = ["PipelineConfig"]
 @dataclass(frozen=True)
 class PipelineConfig(RunConfig):
     """One pipeline run (the engine, optimizer, checkpoint and output fields:
-    :class:`~posttrain.train.core.RunConfig`; the engine shards each stage over its replicas with
-    ``dp_size`` > 1, and is not used otherwise).
+    :class:`~posttrain.train.core.RunConfig`; with ``dp_size`` > 1 the engine shards each stage
+    over the ranks that run it, and is not used otherwise).
 
     Attributes:
         schedule: the schedule (one of posttrain.pipeline.SCHEDULES).
@@ -57,11 +57,11 @@ class PipelineConfig(RunConfig):
         checkpoint_dir: save checkpoints here and resume from the newest one found there (on any
             number of ranks, chunks or schedule: parameters are saved under the model's names).
         steps: optimizer steps.
-        dp_size: data-parallel replicas of the pipeline (``num_ranks`` x ``dp_size`` processes):
-            each stage's parameters sharded over its replicas by the run's engine (needs ``data``;
-            docs/pipeline.md).
-        balance: with ``dp_size`` > 1, how a step's records are balanced over the replicas
-            (``diff_micro``: each replica its own microbatch count; ``same_micro``: equal counts).
+        dp_size: data-parallel pipelines, each on its share of a step's records (``num_ranks`` x
+            ``dp_size`` processes); each stage's parameters are sharded over the ``dp_size`` ranks
+            that run it, by the run's engine (needs ``data``; docs/pipeline.md).
+        balance: with ``dp_size`` > 1, how a step's records are balanced over the pipelines
+            (``diff_micro``: each pipeline its own microbatch count; ``same_micro``: equal counts).
     """
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3))
@@ -139,7 +139,7 @@ class PipelineConfig(RunConfig):
             from .dp import SPLIT_BACKWARD
 
             if not self.data:
-                raise ValueError("`dp_size` needs `data` (and `model_path`): replicas balance a step's records")
+                raise ValueError("`dp_size` needs `data` (and `model_path`): pipelines balance a step's records")
             if self.balance not in METHODS:
                 raise ValueError(f"balance={self.balance!r} is not one of {', '.join(METHODS)}")
             engine = engine_class(self.engine.name)
@@ -151,7 +151,7 @@ class PipelineConfig(RunConfig):
                 raise ValueError(f"`checkpoint_dir` with `dp_size`: engine.name={self.engine.name!r} does not write "
                                  "the pipeline's checkpoints yet; use `engine.name` odc")
             if engine.needs_equal_microbatches(self.engine) and self.balance != "same_micro":
-                raise ValueError(f"the engine {self.engine.label} has a rendezvous per layer, so every replica must "
+                raise ValueError(f"the engine {self.engine.label} has a rendezvous per layer, so every pipeline must "
                                  "run the same number of microbatches: give `balance` same_micro")
         elif self.data and self.sequences < self.num_microbatches:
             raise ValueError(f"sequences={self.sequences} is fewer than num_microbatches={self.num_microbatches}: "
@@ -174,7 +174,7 @@ class PipelineConfig(RunConfig):
 
     def build(self, num_microbatches: int | None = None):
         """The :class:`~posttrain.pipeline.Schedule` of this run (for ``num_microbatches`` instead
-        of ``--microbatches``: a data-parallel replica's own count)."""
+        of ``--microbatches``: a data-parallel pipeline's own count)."""
         return build_schedule(self.schedule, num_ranks=self.num_ranks,
                               num_microbatches=num_microbatches or self.num_microbatches,
                               num_chunks=self.num_chunks, group_size=self.group_size)

@@ -1,17 +1,17 @@
 """Pipeline x data parallelism: any data-parallel engine (:mod:`posttrain.dp`) as the data-parallel axis.
 
 ``world = pp x dp`` processes form a ``(dp, pp)`` grid: the ``pp`` ranks of one row are one
-pipeline (a *replica*), the ``dp`` ranks of one column hold the same stages and shard their
+pipeline (one *data-parallel pipeline*), the ``dp`` ranks of one column hold the same stages and shard their
 parameters with the engine ``engine`` names over that column's 1-D mesh
 (:func:`shard_stages`: one unit per transformer block plus one per stage for its embedding or
 norm and head).
 
-Each step, the step's records are balanced over the replicas at the minibatch level
-(``balance``, default ``diff_micro``). Under ODC the replicas may run *different numbers of
+Each step, the step's records are balanced over the pipelines at the minibatch level
+(``balance``, default ``diff_micro``). Under ODC the pipelines may run *different numbers of
 microbatches* in a step, since a stage gathers its peers' shards one-sidedly and its column
-synchronizes once, when the step ends, never per layer; each replica runs the schedule built for
+synchronizes once, when the step ends, never per layer; each pipeline runs the schedule built for
 its own microbatch count. An engine with a rendezvous per layer (FSDP2, ODC's collective mode:
-``equal_microbatches``) pads every replica to the busiest one's count with dummy microbatches,
+``equal_microbatches``) pads every pipeline to the busiest one's count with dummy microbatches,
 which needs ``same_micro`` so the real ones line up. The loss of every microbatch is its summed
 token loss divided by the engine's loss divisor for the step (see [Note: data-parallel engines]):
 the gradient of the step's mean token loss, whatever the placement. Tied input and output
@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from posttrain.balance import FlopsCost, plan_minibatch
 from posttrain.dp import DataParallelEngine, EngineConfig, build_engine
 
-__all__ = ["SPLIT_BACKWARD", "PipelineGrid", "RankStages", "replica_plans", "shard_stages", "stage_units"]
+__all__ = ["SPLIT_BACKWARD", "PipelineGrid", "RankStages", "pipeline_plans", "shard_stages", "stage_units"]
 
 #: Schedules whose backward is split into input (I) and weight (W) parts.
 SPLIT_BACKWARD = ("zb_h1", "zb_h1_tight", "zbv", "interleaved_zb", "group_interleaved_zb")
@@ -47,7 +47,7 @@ class PipelineGrid:
     """This process's place in the ``(dp, pp)`` grid and its two groups (a collective to build).
 
     Attributes:
-        pp_rank, dp_rank: positions in the pipeline and among the replicas.
+        pp_rank, dp_rank: positions in the pipeline and among the pipelines.
         pp_group: the ranks of this pipeline (for :class:`~posttrain.pipeline.PipelineRunner`).
         dp_mesh: the 1-D mesh of the ranks holding the same stages (for the column's engine).
     """
@@ -99,10 +99,10 @@ def shard_stages(stages: dict[int, nn.Module], mesh, config: EngineConfig) -> Da
 class TiedEmbedding:
     """Tied input and output embeddings under pipeline x data parallelism (any engine): the first
     stage's rank and the
-    last stage's rank of each replica hold a copy, sharded alike over their columns; after each
-    step's gradients are final, the two gradient shards are summed (one all-reduce per replica
+    last stage's rank of each pipeline hold a copy, sharded alike over their columns; after each
+    step's gradients are final, the two gradient shards are summed (one all-reduce per pipeline
     between those two ranks), so both copies take the same step and stay equal. Built on every
-    rank (a collective: it creates one group per replica)."""
+    rank (a collective: it creates one group per pipeline)."""
 
     def __init__(self, grid: PipelineGrid, engine: DataParallelEngine, first_rank: int, last_rank: int) -> None:
         self.group = None
@@ -127,23 +127,23 @@ class TiedEmbedding:
 __all__.append("TiedEmbedding")
 
 
-def replica_plans(lengths: list[int], *, replicas: int, max_tokens: int, method: str, model_config,
+def pipeline_plans(lengths: list[int], *, pipelines: int, max_tokens: int, method: str, model_config,
                   runnable=None) -> list[list[list[int]]]:
-    """Per replica, its microbatches (record positions): the step balanced over the replicas.
+    """Per pipeline, its microbatches (record positions): the step balanced over the pipelines.
 
     ``runnable(m)``: whether the schedule runs ``m`` microbatches (some need a multiple of their
     group size). Where it does not, the microbatch with the most records is split in two (halves of
-    equal cost) until it does; a replica that cannot get there is an error."""
+    equal cost) until it does; a pipeline that cannot get there is an error."""
     cost = FlopsCost.from_config(model_config)
-    plan = plan_minibatch(lengths, world_size=replicas, max_tokens=max_tokens, method=method, cost=cost)
-    out = [[list(m.sequence_ids) for m in plan.microbatches_for(d) if m.sequence_ids] for d in range(replicas)]
+    plan = plan_minibatch(lengths, world_size=pipelines, max_tokens=max_tokens, method=method, cost=cost)
+    out = [[list(m.sequence_ids) for m in plan.microbatches_for(d) if m.sequence_ids] for d in range(pipelines)]
     if runnable is None:
         return out
     for d, sets in enumerate(out):
         while not runnable(len(sets)):
             widest = max(range(len(sets)), key=lambda j: len(sets[j])) if sets else None
             if widest is None or len(sets[widest]) < 2:
-                raise ValueError(f"replica {d} gets {len(sets)} microbatches, which the schedule cannot run, and none "
+                raise ValueError(f"pipeline {d} gets {len(sets)} microbatches, which the schedule cannot run, and none "
                                  "can be split further; raise `sequences` or lower `max_tokens`")
             ids = sorted(sets.pop(widest), key=lambda i: -cost(lengths[i]))
             halves: list[list[int]] = [[], []]

@@ -72,7 +72,7 @@ def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None, *,
                     weight_keep: float | dict[int, float] = 1.0) -> list[float]:
     """Peak resident chunk-microbatches per rank that the schedule predicts, lowered as the runner
     runs it (offload, then sends and receives); ``num_microbatches``: instead of ``cfg``'s (a
-    data-parallel replica's own count); ``weight_keep``: what a split backward keeps for ``W``
+    data-parallel pipeline's own count); ``weight_keep``: what a split backward keeps for ``W``
     (per stage: :func:`~posttrain.train.sft.pipeline.report.measured_weight_keep` of a run; 1, the
     default, assumes everything)."""
     m = num_microbatches or cfg.num_microbatches
@@ -129,12 +129,23 @@ class PipelineTrainer(Trainer):
         return {"step": step, "rank": self.rank, "loss": _step_loss(result.loss), "stage_loss": result.loss,
                 "step_time_s": result.step_time_s}
 
+    def progress_line(self, step: int, row: dict) -> str | None:
+        return _progress_line(self.cfg, step, row)
+
     def export(self) -> None:
         # the tied weight's copy on the last stage's rank is not written twice
         skip = self.tied if self.tied is not None and self.rank != self.sched.layout.rank_of(0) else None
         mine = {id(p) for p in self.params if p is not skip}
         own = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
         _export(self.cfg, self.model, own, self.rank, self.world_size)
+
+
+def _progress_line(cfg: PipelineConfig, step: int, row: dict) -> str | None:
+    """Every tenth of the run and the last step: the step's loss and time (both pipeline trainers)."""
+    if not (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps):
+        return None
+    extra = f"  microbatches {row['microbatches']}" if "microbatches" in row else ""
+    return f"step {step:4d}  loss {row['loss']:.4f}  step {row['step_time_s']:.3f}s{extra}"
 
 
 def _step_loss(part: float | None, scale: float = 1.0) -> float:
@@ -227,11 +238,11 @@ class PipelineDPTrainer(Trainer):
     def train_step(self, step: int) -> dict:
         from posttrain.train.sft.loop import loss_units
 
-        from .dp import replica_plans
+        from .dp import pipeline_plans
 
         cfg, engine, grid = self.cfg, self.engine, self.grid
         samples = self.data.data.minibatch(step)
-        plans = replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
+        plans = pipeline_plans([len(x) - 1 for x in samples], pipelines=cfg.dp_size, max_tokens=cfg.max_tokens,
                               method=cfg.balance, model_config=self.model_config, runnable=self.fits)
         sets = engine.pad(plans[grid.dp_rank], max(map(len, plans)))  # None: a dummy microbatch
         m = len(sets)
@@ -241,7 +252,7 @@ class PipelineDPTrainer(Trainer):
                                              sharded=engine, group=grid.pp_group, static_shapes=False)
             self.runners[m].store.is_weight = engine.holds
         batch = self.data.pack(samples, sets, 0.0)  # (the divisor comes from the minibatch below)
-        dist.barrier()  # every replica starts the step together (timing: the slowest replica paces the step)
+        dist.barrier()  # every pipeline starts the step together (timing: the slowest pipeline paces the step)
         t0 = time.perf_counter()
         with engine.minibatch(loss_units(samples, [i for s_ in sets if s_ for i in s_], cfg.loss_agg)) as mb:
             if mb.global_tokens == 0:
@@ -253,16 +264,19 @@ class PipelineDPTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         wall = time.perf_counter() - t0
         self.result = result
-        # each replica's last stage holds its share of the summed loss over the divisor
+        # each pipeline's last stage holds its share of the summed loss over the divisor
         loss = _step_loss(result.loss, mb.loss_divisor / mb.global_tokens)
         return {"step": step, "rank": self.rank, "loss": loss, "step_time_s": result.step_time_s, "wall_time_s": wall,
                 "microbatches": m, "tokens": sum(len(x) - 1 for x in samples)}
+
+    def progress_line(self, step: int, row: dict) -> str | None:
+        return _progress_line(self.cfg, step, row)
 
     def export(self) -> None:
         own = {}
         for part in self.engine.iter_full_state():  # a collective over the column
             own.update({self.model_names[n]: v for n, v in part.items() if n in self.model_names})
-        if self.grid.dp_rank == 0:  # one replica writes: the full parameters over its pipeline
+        if self.grid.dp_rank == 0:  # one pipeline writes: the full parameters over its pipeline
             _export(self.cfg, self.model, own, self.grid.pp_rank, self.cfg.num_ranks, group=self.grid.pp_group,
                     skip=self.skip)
         dist.barrier()
@@ -345,14 +359,14 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
                 continue
             from posttrain.train.sft.loop import loss_units
 
-            from .dp import replica_plans, runnable
+            from .dp import pipeline_plans, runnable
 
             fits = fits or runnable(cfg)
             samples = data.data.minibatch(step)
             if loss_units(samples, range(len(samples)), cfg.loss_agg) == 0:
                 raise ValueError(f"step {step}: no trained token in its {len(samples)} records (all masked)")
             try:
-                replica_plans([len(x) - 1 for x in samples], replicas=cfg.dp_size, max_tokens=cfg.max_tokens,
+                pipeline_plans([len(x) - 1 for x in samples], pipelines=cfg.dp_size, max_tokens=cfg.max_tokens,
                               method=cfg.balance, model_config=config, runnable=fits)
             except ValueError as e:
                 raise ValueError(f"step {step}: {e}") from None

@@ -42,21 +42,21 @@ def format_report(results: list[dict], predicted: list[float]) -> str:
 
 
 def format_dp_report(results: list[dict], predicted: dict[tuple[int, int], float]) -> str:
-    """Per process of a pipeline x data-parallel run: its replica, stages, microbatches in the last
-    step, peak saved activations (``predicted``: by ``(replica, pipeline rank)`` for the replica's
+    """Per process of a pipeline x data-parallel run: its pipeline, stages, microbatches in the last
+    step, peak saved activations (``predicted``: by ``(pipeline, pipeline rank)`` for the pipeline's
     own microbatch count), offloaded MiB and median step time after the first step."""
-    lines = [f"{'rank':>4} {'replica':>7} {'stages':>8} {'microbatches':>12} {'peak MiB':>9} {'peak units':>10} "
+    lines = [f"{'rank':>4} {'pipeline':>8} {'stages':>8} {'microbatches':>12} {'peak MiB':>9} {'peak units':>10} "
              f"{'predicted':>9} {'offloaded MiB':>13} {'step s':>7}"]
     for res in results:
         last = res["result"]
         times = res["step_times"][1:] or res["step_times"]
-        lines.append(f"{res['rank']:>4} {res['dp_rank']:>7} {','.join(map(str, res['stages'])):>8} "
+        lines.append(f"{res['rank']:>4} {res['dp_rank']:>8} {','.join(map(str, res['stages'])):>8} "
                      f"{res['microbatches'][-1]:>12} {last['rank_peak_bytes'] / 2**20:>9.2f} {last['peak_units']:>10.2f} "
                      f"{predicted[(res['dp_rank'], res['pp_rank'])]:>9.2f} {last['offloaded_bytes'] / 2**20:>13.2f} "
                      f"{statistics.median(times):>7.3f}")
     losses = results[0]["losses"]
     counts = ", ".join("/".join(str(m) for m in step) for step in zip(*(
         r["microbatches"] for r in results if r["pp_rank"] == 0)))
-    lines.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; microbatches per replica and "
-                 f"step: {counts}; peak units are of the replica's largest microbatch (last step)")
+    lines.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; microbatches per pipeline and "
+                 f"step: {counts}; peak units are of the pipeline's largest microbatch (last step)")
     return "\n".join(lines)
