@@ -49,7 +49,7 @@ def train_flat(rank: int, world_size: int, counts: list[int], *, make_model=make
         from posttrain.models import find_blocks
 
         checkpoint_blocks(find_blocks(model))
-    handle = odc_mod.flat_shard(model, units(model) if units else None, mesh=mesh, **kw)
+    handle = odc_mod.flat_shard(model, units(model) if units else None, mesh=mesh, **kw).odc
     opt = torch.optim.SGD(handle.parameters(), lr=LR, momentum=0.9)
     for step in range(steps):
         data, total = step_data(step, counts)
@@ -148,7 +148,7 @@ def _tied_roundtrip(rank, world_size, tmp):
     from transformers import AutoModelForCausalLM
 
     model = tiny_qwen2_tied()
-    handle = odc_mod.flat_shard(model)
+    handle = odc_mod.flat_shard(model).odc
     opt = torch.optim.SGD(handle.parameters(), lr=0.5)
     x = step_data(0, [1, 1])[0][rank][0]
     with handle.minibatch(num_tokens=x.shape[1] - 1) as mb:
@@ -242,7 +242,7 @@ def _peak_bytes(rank, world_size, ac):
     model = GPT(GPTConfig(vocab_size=64, dim=64, num_layers=4, num_heads=2, max_seq_len=2048))
     if ac:
         checkpoint_blocks(model.layers)
-    handle = odc_mod.flat_shard(model)
+    handle = odc_mod.flat_shard(model).odc
     x = torch.randint(0, 64, (1, 2049), generator=torch.Generator().manual_seed(rank))
     with handle.minibatch(num_tokens=2048):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -267,29 +267,104 @@ def test_flat_activation_checkpointing_lowers_peak_memory_on_a_long_sequence():
 
 def _state_dict_before_and_after_close(rank, world_size):
     model = make_gpt()
-    handle = odc_mod.flat_shard(model)
+    plain = type(model)
+    block = model.layers[0]
+    sharded = odc_mod.flat_shard(model)
+    assert sharded is model and isinstance(model, plain) and isinstance(model, odc_mod.FlatODCModule)
+    keys = sorted(model.state_dict())  # the sharded state (DTensors per unit)
     try:
-        model.state_dict()
-        before = "no error"
+        block.state_dict()
+        inner = "no error"
     except RuntimeError as e:
-        before = str(e)
-    full = handle.full_state_dict()
-    handle.close()
+        inner = str(e)
+    full = model.full_state_dict()
+    model.odc.close()
     after = model.state_dict()
     same = after.keys() == full.keys() and all(torch.equal(after[k], full[k]) for k in full)
     trainable = all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
-    return before, same, trainable, len(list(model.parameters()))
+    return keys, inner, same, trainable, len(list(model.parameters())), type(model) is plain, hasattr(model, "odc")
 
 
-def test_flat_model_state_dict_is_a_clear_error_until_close_puts_the_parameters_back():
-    for before, same, trainable, count in run_ranks(_state_dict_before_and_after_close, 2):
-        assert "sharded by flat ODC" in before and "handle.close()" in before
+def test_flat_model_state_dict_is_sharded_until_close_puts_the_parameters_back():
+    for keys, inner, same, trainable, count, plain, handle in run_ranks(_state_dict_before_and_after_close, 2):
+        assert keys and all(k.endswith((".flat", ".flat_frozen")) for k in keys), keys
+        assert "sharded by flat ODC" in inner and "close()" in inner  # a unit inside holds no parameters
         assert same and trainable and count == len(list(make_gpt().parameters()))
+        assert plain and not handle  # its own class again
+
+
+MAX_NORM = 0.05
+# The key bias's gradient is zero up to rounding (softmax ignores a shift shared by every key),
+# and Adam with a tiny eps turns rounding into whole steps; a larger eps keeps the comparison exact.
+ADAM = {"lr": LR, "eps": 1e-3}
+
+
+def _clipped_reference(counts, mesh_shape=None):
+    """One process: AdamW on the whole model with torch's clip_grad_norm_; the norms before clipping."""
+    model = make_gpt()
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    norms = []
+    for step in range(STEPS):
+        data, total = step_data(step, counts)
+        for r in range(len(counts)):
+            for x in data[r]:
+                (loss_of(model, x) / total).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _drop_in_loop(rank, world_size, counts, mesh_shape=None):
+    """The loop a user writes for FSDP2's fully_shard, on flat ODC: the model's parameters for
+    the optimizer, torch's clip_grad_norm_, its state_dict; plus the minibatch block."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = None
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    model = odc_mod.flat_shard(make_gpt(), mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    shard_rank = rank % (mesh_shape[1] if mesh_shape else world_size)
+    norms = []
+    for step in range(STEPS):
+        data, _ = step_data(step, counts)
+        mine = data[rank]
+        with model.minibatch(num_tokens=sum(x.shape[1] - 1 for x in mine)) as mb:
+            for x in mine:
+                (loss_of(model, x) / mb.global_tokens).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        opt.step()
+        opt.zero_grad()
+    sd = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    for p in model.parameters():
+        p.data.zero_()
+    model.load_state_dict({k: v for k, v in model.state_dict().items()} | {
+        k: type(v).from_local(sd[k], v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
+        for k, v in model.state_dict().items()})
+    full = model.full_state_dict()
+    model.odc.close()
+    return full, norms, shard_rank
+
+
+@pytest.mark.parametrize("counts, mesh_shape", [([3, 1], None), ([2, 1, 0, 2], (2, 2))], ids=["ws2-3-1", "hsdp-2x2"])
+def test_flat_shard_drops_into_a_fully_shard_loop_with_clipping_and_state_dict(counts, mesh_shape):
+    """Unequal microbatch counts: torch's clip_grad_norm_ on the model's parameters gives the
+    global norm of a single process (every rank the same), the clipped AdamW steps give its
+    parameters, and the state_dict round trip keeps them."""
+    want, want_norms = _clipped_reference(counts)
+    assert min(want_norms) > MAX_NORM  # clipping was on at every step
+    for full, norms, _ in run_ranks(_drop_in_loop, len(counts), counts, mesh_shape):
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        assert_states_close(full, want, **FP32)
 
 
 def _sharded_roundtrip(rank, world_size):
     model = make_gpt()
-    handle = odc_mod.flat_shard(model)
+    handle = odc_mod.flat_shard(model).odc
     sd = {k: v.clone() for k, v in handle.sharded_state_dict().items()}  # the values are views of the shards
     shapes = {k: (tuple(v.shape), tuple(v.to_local().shape)) for k, v in sd.items()}
     before = [p.detach().clone() for p in handle.parameters()]
@@ -319,7 +394,7 @@ def test_flat_frees_block_weights_after_forward_and_evaluates_outside_a_minibatc
 
 def _frees_after_forward(rank, world_size):
     model = make_gpt()
-    handle = odc_mod.flat_shard(model)
+    handle = odc_mod.flat_shard(model).odc
     x = step_data(0, [1, 1])[0][rank][0]
     with handle.minibatch():
         loss = loss_of(model, x)
@@ -342,7 +417,7 @@ def test_flat_labels_its_gathers_and_pushes_for_the_torch_profiler():
 
 def _profiled_microbatch(rank, world_size):
     model = make_gpt()
-    handle = odc_mod.flat_shard(model)
+    handle = odc_mod.flat_shard(model).odc
     x = step_data(0, [1, 1])[0][rank][0]
     with handle.minibatch():  # not recorded: warm-up
         loss_of(model, x).backward()
@@ -357,7 +432,7 @@ def _profiled_microbatch(rank, world_size):
 
 def _backward_outside(rank, world_size):
     model = make_gpt()
-    handle = odc_mod.flat_shard(model)
+    handle = odc_mod.flat_shard(model).odc
     x = step_data(0, [1, 1])[0][rank][0]
     loss = loss_of(model, x)
     try:
@@ -436,7 +511,7 @@ def _weight_pass(rank, world_size, push):
     from odc_helpers import batches
 
     model = make_gpt()
-    h = odc_mod.flat_shard(model)
+    h = odc_mod.flat_shard(model).odc
     seq = batches(0, rank, 1)[0]
     out = {}
     for mode in ("backward", "weight pass"):

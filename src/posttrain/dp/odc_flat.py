@@ -33,8 +33,10 @@ class FlatODCEngine(DataParallelEngine):
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:
         super().__init__(model, config, mesh=mesh, units=units)
-        self.handle = odc.flat_shard(model, self.units, mesh=self.mesh, mp_policy=mixed_precision(config),
-                                     mode=config.mode, deterministic=config.deterministic)
+        # the handle alone: the trainers keep the model plain (its shards through the engine)
+        self.handle = odc.FlatODC(model, self.units, None,
+                                  odc.ODCConfig(mode=config.mode, deterministic=config.deterministic),
+                                  mesh=self.mesh, mp_policy=mixed_precision(config))
 
     @classmethod
     def needs_equal_microbatches(cls, config: EngineConfig) -> bool:

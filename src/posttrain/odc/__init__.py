@@ -4,22 +4,26 @@ Gather replaces all-gather and scatter-accumulate replaces reduce-scatter; ranks
 once when entering and once when leaving a minibatch, and may run different numbers of
 microbatches. See [Note: ODC minibatch protocol] in ``_protocol.py``. Two engines:
 
-- :func:`flat_shard`: ODC on flat per-unit buffers, no FSDP2 (the fast one);
+- :func:`flat_shard`: ODC on flat per-unit buffers, no FSDP2 (the fast one); like FSDP2's
+  ``fully_shard`` it returns the model, whose ``parameters()``, ``state_dict()`` and torch's
+  ``clip_grad_norm_`` keep working;
 - :func:`enable`: ODC on a model already sharded with FSDP2's ``fully_shard``.
 
-    handle = posttrain.odc.flat_shard(model)              # collective
-    optimizer = torch.optim.AdamW(handle.parameters())
+    model = posttrain.odc.flat_shard(model)               # collective
+    optimizer = torch.optim.AdamW(model.parameters())     # this rank's shards (DTensors)
     for minibatch in loader:
-        with handle.minibatch(num_tokens=local_tokens) as mb:
+        with model.minibatch(num_tokens=local_tokens) as mb:
             for micro in minibatch:                       # counts may differ per rank
                 (token_loss_sum(model, micro) / mb.global_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the global norm
         optimizer.step()
         optimizer.zero_grad()
-    handle.close()                                        # full parameters back on the model
+    model.odc.close()                                     # full parameters back on the model
 """
 
-from ._flat import FlatODC, FlatUnit, flat_shard
+from ._flat import FlatODC, FlatUnit
 from ._fsdp import ODC, enable
+from ._module import FlatODCModule, flat_shard
 from ._protocol import Minibatch
 from ._transport import BarrierMismatchError, PeerFailedError, ShmTransport
 from .config import ODCConfig
@@ -29,6 +33,7 @@ __all__ = [
     "ODC",
     "BarrierMismatchError",
     "FlatODC",
+    "FlatODCModule",
     "FlatUnit",
     "Minibatch",
     "ODCConfig",

@@ -28,8 +28,10 @@ its gathers and pushes are plain copies and adds:
   are the minibatch protocol's (``_protocol.py``).
 
 The module's parameters are not registered on it while it is sharded: the optimizer gets
-:meth:`FlatODC.parameters`, ``model.state_dict()`` raises (use :meth:`FlatODC.full_state_dict`
-or :meth:`FlatODC.sharded_state_dict`), and :meth:`FlatODC.close` puts the full parameters back.
+:meth:`FlatODC.parameters` (or, through :func:`posttrain.odc.flat_shard`, the model's own
+``parameters()``: the same shards as DTensors, [Note: flat ODC as a module]), a plain module's
+``state_dict()`` raises (use :meth:`FlatODC.full_state_dict` or
+:meth:`FlatODC.sharded_state_dict`), and :meth:`FlatODC.close` puts the full parameters back.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -53,7 +55,7 @@ from posttrain.models.blocks import find_blocks
 from ._protocol import Minibatch, MinibatchProtocol, traced
 from .config import ODCConfig
 
-__all__ = ["FlatODC", "FlatUnit", "flat_shard"]
+__all__ = ["FlatODC", "FlatUnit"]
 
 
 @dataclass(eq=False)
@@ -94,48 +96,6 @@ class FlatUnit:
         return [p.numel() for p in self.params]
 
 
-def flat_shard(
-    model: nn.Module,
-    units: Sequence[nn.Module] | None = None,
-    group: dist.ProcessGroup | None = None,
-    config: ODCConfig | None = None,
-    /,
-    *,
-    mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    **overrides,
-) -> FlatODC:
-    """Shard a plain model over its data-parallel ranks and train it with ODC, without FSDP2.
-
-    A collective over the data-parallel ranks: every rank calls it with the same model
-    structure; the first rank's initial values are broadcast to the others. See [Note: flat ODC].
-
-    Args:
-        model: an unsharded CPU model (one floating dtype per unit; fp32 for mixed precision).
-        units: modules whose parameters are gathered and freed together, in any order; default:
-            the transformer blocks (``model.layers``, ``model.model.layers``, ... see
-            :func:`posttrain.models.find_blocks`), then ``model`` for what remains. ``model``
-            itself, if listed, keeps its parameters gathered from forward until its backward;
-            the others free theirs after forward and gather again for backward.
-        group: the data-parallel ranks, all on this host (default: the world). Ignored if
-            ``mesh`` is given.
-        config: an :class:`~posttrain.odc.ODCConfig`; keyword ``overrides`` replace its fields.
-        mesh: a 1-D mesh of the shard ranks, or a 2-D ``(replicate, shard)`` mesh for HSDP:
-            ODC inside each shard group (one host), one gradient all-reduce across replicas per
-            minibatch.
-        mp_policy: FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`: parameters
-            are exposed and gathered in ``param_dtype`` (once per minibatch: half the bytes of
-            fp32 for bf16), gradients accumulated in ``reduce_dtype`` (default: ``param_dtype``),
-            the optimizer steps the shards in the model's dtype; ``cast_forward_inputs`` casts
-            floating inputs of every unit to ``param_dtype``, ``output_dtype`` the model's output.
-
-    Returns:
-        The handle: ``with handle.minibatch(): ...`` as for :func:`posttrain.odc.enable`; build
-        the optimizer on ``handle.parameters()``.
-    """
-    return FlatODC(model, units, group, replace(config or ODCConfig(), **overrides), mesh=mesh, mp_policy=mp_policy)
-
-
 class _ModelSharded(RuntimeError):
     pass
 
@@ -155,7 +115,12 @@ class _AfterBackward(torch.autograd.Function):
 
 
 class FlatODC:
-    """ODC on flat per-unit buffers; create with :func:`flat_shard`. See [Note: flat ODC]."""
+    """ODC on flat per-unit buffers: the handle :func:`posttrain.odc.flat_shard` puts on the model
+    (``model.odc``), or made directly by an engine that keeps the model plain. See [Note: flat ODC].
+
+    Args:
+        model, units, group, config, mesh, mp_policy: as for :func:`posttrain.odc.flat_shard`.
+    """
 
     def __init__(
         self,
@@ -187,6 +152,8 @@ class FlatODC:
         self._gathered: dict[int, tuple[FlatUnit, torch.Tensor, list[torch.Tensor]]] = {}
         self._protocol: MinibatchProtocol | None = None
         self._closed = False
+        self._dparams: list[nn.Parameter] | None = None  # the shards as DTensors (dtensor_parameters)
+        self.on_close: Callable[[], None] | None = None
         self.layouts = self._build_units(model, units)  # checked before anything is taken off the model
         self._take_parameters()
         try:
@@ -344,6 +311,23 @@ class FlatODC:
         """``(unit name, shard)`` for :meth:`parameters`, in the same order."""
         return [(u.name, u.shard) for u in self.layouts if u.shard is not None]
 
+    def dtensor_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``("<unit>.flat", parameter)`` per trainable unit: :meth:`parameters` as DTensors of the
+        padded vector, sharded over the shard ranks (replicated across HSDP replicas), sharing
+        the shards' storage. An optimizer may step these instead, and torch's
+        ``clip_grad_norm_`` computes the global norm over them; their gradients are set when a
+        minibatch ends. Made on the first call; the same objects afterwards."""
+        self._check_open()
+        if self._dparams is None:
+            self._dparams = [nn.Parameter(self._padded_dtensor(u.shard.detach()))
+                             for u in self.layouts if u.shard is not None]
+        return [(f"{name}.flat", p) for (name, _), p in zip(self.named_parameters(), self._dparams)]
+
+    def _padded_dtensor(self, local: torch.Tensor) -> DTensor:
+        placements = (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
+        return DTensor.from_local(local, self._device_mesh(), placements, run_check=False,
+                                  shape=torch.Size([local.numel() * self.shard_size]), stride=(1,))
+
     @property
     def stats(self) -> dict[str, int]:
         """Counts since creation: gathers, pushes, and their bytes."""
@@ -376,6 +360,9 @@ class FlatODC:
         with self._protocol.minibatch(num_tokens=num_tokens) as mb:
             yield mb
             self._check_pushed()  # inside: a failure here is the protocol's (peers are told)
+        if self._dparams is not None:
+            for u, p in zip((u for u in self.layouts if u.shard is not None), self._dparams):
+                p.grad = None if u.shard.grad is None else self._padded_dtensor(u.shard.grad)
 
     def _check_pushed(self) -> None:
         """Refuse to end a minibatch with a gradient computed but never pushed (it would be lost)."""
@@ -468,6 +455,9 @@ class FlatODC:
         if self._closed:
             return
         self._closed = True
+        self._dparams = None
+        if self.on_close is not None:
+            self.on_close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
