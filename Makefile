@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
 BENCHES := odc rl transport overhead balance pipeline pipeline-dp
 
-.PHONY: setup test test-fast test-full lint demo results clean $(addprefix bench-,$(BENCHES))
+.PHONY: setup test test-fast test-full lint demo results gpu-check clean $(addprefix bench-,$(BENCHES))
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ $(addprefix bench-,$(BENCHES)): bench-%: setup
 
 results: setup
 	$(PY) -m posttrain results
+
+# On a GPU machine: the CUDA tests and measurements, written to out/gpu-report.md.
+gpu-check: setup
+	$(PY) -m posttrain doctor
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -47,14 +47,19 @@ def cli(capsys):
 #: The fast tier: single-process tests of pure functions (schedules, balancing, simulation, data,
 #: layout), under a minute in all. Every other module, and a test marked ``full`` in these, is the
 #: full tier (multi-process parity, command-line runs, benchmarks). ``make test`` runs both.
-FAST_MODULES = {"test_balance", "test_data", "test_data_formats", "test_layout", "test_packing",
+FAST_MODULES = {"test_balance", "test_data", "test_data_formats", "test_device", "test_layout", "test_packing",
                 "test_pipeline_schedules", "test_sim"}
 
 
 def pytest_collection_modifyitems(config, items):
+    import torch
+
+    no_cuda = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] not in FAST_MODULES:
             item.add_marker(pytest.mark.full)
+        if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture(autouse=True)

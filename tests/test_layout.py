@@ -9,7 +9,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent / "src" / "posttrain"
-LIBRARY = ("odc", "dp", "balance", "pipeline", "sim", "models", "data", "rl", "spans.py", "launch.py", "_compat.py")
+LIBRARY = ("odc", "dp", "balance", "pipeline", "sim", "models", "data", "rl", "device.py", "spans.py", "launch.py",
+           "_compat.py")
 LAYERS = {"library": LIBRARY, "train": ("train",), "lab": ("lab",)}
 FORBIDDEN = {"library": ("posttrain.train", "posttrain.lab", "posttrain.cli"),
              "train": ("posttrain.lab", "posttrain.cli"), "lab": ("posttrain.cli",)}
@@ -88,4 +89,14 @@ def test_no_trainer_tests_an_engine_name():
                          and "engine" in ast.unparse(s.value)]
                 if names and any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
                     bad.append((str(path.relative_to(ROOT)), ast.unparse(node)))
+    assert not bad, bad
+
+
+def test_device_specific_calls_live_in_the_device_module():
+    """``torch.cuda`` only in posttrain/device.py (and the pipeline's CUDA offload path, written
+    before the device module and moved to the generic stream and event API with the pipeline's
+    placement); the rest asks posttrain.device or ``torch.accelerator``."""
+    allowed = {"device.py", "pipeline/offload.py"}
+    bad = [str(p.relative_to(ROOT)) for p in _modules((*LIBRARY, "train", "lab", "cli"))
+           if str(p.relative_to(ROOT)) not in allowed and "torch.cuda" in p.read_text()]
     assert not bad, bad

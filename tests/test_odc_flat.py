@@ -350,6 +350,34 @@ def _drop_in_loop(rank, world_size, counts, mesh_shape=None):
     return full, norms, shard_rank
 
 
+def _module_state_dict_in_a_parent(rank, world_size):
+    model = odc_mod.flat_shard(make_gpt())
+    parent = torch.nn.Module()
+    parent.add_module("inner", model)
+    keys = sorted(parent.state_dict())
+    sd = model.state_dict()
+    try:
+        model.load_state_dict({**sd, "extra.flat": next(iter(sd.values()))})
+        strict = "no error"
+    except ValueError as e:
+        strict = str(e)
+    loose = model.load_state_dict({**sd, "extra.flat": next(iter(sd.values()))}, strict=False)
+    try:
+        odc_mod.flat_shard(make_gpt(), config=odc_mod.ODCConfig(), nonsense=1)
+        unknown = "no error"
+    except TypeError as e:
+        unknown = str(e)
+    model.odc.close()
+    return keys, sorted(sd), strict, list(loose.unexpected_keys), unknown
+
+
+def test_flat_model_state_dict_goes_under_a_parents_prefix_and_load_is_strict():
+    for keys, own, strict, unexpected, unknown in run_ranks(_module_state_dict_in_a_parent, 2):
+        assert keys == ["inner." + k for k in own]
+        assert "unexpected keys" in strict and "extra.flat" in strict and unexpected == ["extra.flat"]
+        assert "unexpected keyword arguments ['nonsense']" in unknown
+
+
 @pytest.mark.parametrize("counts, mesh_shape", [([3, 1], None), ([2, 1, 0, 2], (2, 2))], ids=["ws2-3-1", "hsdp-2x2"])
 def test_flat_shard_drops_into_a_fully_shard_loop_with_clipping_and_state_dict(counts, mesh_shape):
     """Unequal microbatch counts: torch's clip_grad_norm_ on the model's parameters gives the

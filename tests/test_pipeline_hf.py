@@ -211,7 +211,7 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
         if schedule in SPLIT_BACKWARD:  # W kept only its part: each parameter its own group (ODC's views)
             assert all(k < 0.5 for k in r["result"]["weight_keep"].values()), r["result"]["weight_keep"]
             if 0 not in r["stages"]:  # weights gathered for F, again for I, freed, again for W: 3 per unit
-                assert r["odc"]["gathers"] == 3 * r["odc"]["units"] * r["microbatches"][0], (r["odc"], r["microbatches"])
+                assert r["engine"]["gathers"] == 3 * r["engine"]["units"] * r["microbatches"][0], (r["engine"], r["microbatches"])
     # One process: the unsplit model on every pipeline's microbatches, the loss over all trained tokens.
     model = load(cfg.model_path)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -313,7 +313,7 @@ def test_offload_policy_parse():
         OffloadPolicy.parse("half", 2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_store_offloads_on_a_side_stream_and_round_trips():
     torch.manual_seed(0)
     lin = nn.Linear(256, 512).cuda()

@@ -24,7 +24,7 @@ def test_simulate_odc_prints_both_and_writes_trace_and_png(tmp_path, capsys):
 def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
     chart = tmp_path / "p.png"
     assert main(["simulate", "pipeline", "--pp-size", "4", "--microbatches", "8", "--chunks", "2",
-                 "--offload-chunks", "1", "--plot", str(chart)]) == 0
+                 "--offload", "1", "--plot", str(chart)]) == 0
     out = capsys.readouterr().out
     assert "makespan" in out and "k = (D2H + H2D)" in out and chart.read_bytes()[:4] == b"\x89PNG"
     # zbv and the one-chunk schedules run with their own chunk count when --chunks is not given
@@ -140,7 +140,7 @@ def test_pipeline_workload_is_calibrated_from_a_runs_metrics(tmp_path):
     # B: stage 0 median(30, 30), stage 1 median(50, 50): 80 ms, split evenly
     assert w.input_grad_s == w.weight_grad_s == pytest.approx(0.040 / 2) and w.host_bandwidth == 1e9
     assert w.weight_keep == 1.0
-    assert "split evenly" in notes[1] and "--host-gbps (the run offloaded nothing)" in notes[2]
+    assert "split evenly" in notes[1] and "`host_gbps` (the run offloaded nothing)" in notes[2]
 
 
 def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_path, capsys):
@@ -176,8 +176,8 @@ def test_plan_pipeline_calibrate_uses_the_run_and_refuses_what_it_replaces(tmp_p
     (["simulate", "pipeline", "--schedule", "zb_h1", "--group-size", "2"], "got --group-size=2: drop it"),
     (["simulate", "pipeline", "--schedule", "interleaved_1f1b", "--group-size", "8"], "got --group-size=8: drop it"),
     (["simulate", "pipeline", "--group-size", "9"], "--group-size=9 must be in [1, --pp-size=8]"),
-    (["simulate", "pipeline", "--offload-chunks", "3"], "--offload-chunks=3 must be between 0 and the 2 chunks"),
-    (["simulate", "pipeline", "--offload-chunks", "-1"], "--offload-chunks=-1 must be between 0"),
+    (["simulate", "pipeline", "--offload", "3"], "--offload=3 must be between 0 and the 2 chunks"),
+    (["simulate", "pipeline", "--offload", "-1"], "--offload=-1 must be between 0"),
     (["plan", "pipeline", "--pp-size", "0", "--memory-gib", "4"], "--pp-size=0 must be at least 1"),
     (["plan", "pipeline", "--microbatches", "0", "--memory-gib", "4"], "--microbatches=0 must be at least 1"),
     (["plan", "pipeline", "--host-gbps", "0", "--memory-gib", "4"], "--host-gbps"),
@@ -225,7 +225,7 @@ def test_simulate_pipeline_takes_what_w_keeps(capsys):
     """zbv at p=8, m=32, full offload: 3 chunk-microbatches at most when W keeps everything (its
     part offloaded on its own), 2.44 when W keeps the 0.44 a GPT block's linear inputs take."""
     base = ["simulate", "pipeline", "--schedule", "zbv", "--pp-size", "8", "--microbatches", "32", "--forward-ms", "1",
-            "--backward-ms", "1", "--weight-ms", "1", "--offload-chunks", "2", "--host-gbps", "1000", "--plot", ""]
+            "--backward-ms", "1", "--weight-ms", "1", "--offload", "2", "--host-gbps", "1000", "--plot", ""]
     peaks = {}
     for keep in ("1", "0.44"):
         assert main([*base, "--weight-keep", keep]) == 0

@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
@@ -40,6 +41,30 @@ def test_every_engine_and_method_follows_the_same_loss_curve():
                             (E("fsdp", activation_checkpointing=True), "same_micro")]:
         got, _ = _losses(replace(BASE, engine=engine, balance=balance))
         assert got == pytest.approx(want, rel=1e-4), (engine, balance)
+
+
+@pytest.mark.cuda
+def test_fsdp2_on_cuda_follows_the_cpu_loss_curve():
+    """One rank per GPU (NCCL for device tensors, gloo for the rest): the model, the batches and
+    FSDP2's mesh on the device take the CPU run's steps."""
+    world = min(2, torch.cuda.device_count())
+    cfg = replace(BASE, engine=E("fsdp"), balance="same_micro")
+    want = run_training(replace(cfg, device="cpu"), world_size=world, quiet=True)
+    got = run_training(replace(cfg, device="cuda"), world_size=world, quiet=True)
+    assert [r["loss"] for r in got[0]["metrics"]] == pytest.approx([r["loss"] for r in want[0]["metrics"]], rel=1e-3)
+
+
+@pytest.mark.cuda
+def test_fsdp2_on_cuda_checkpoints_and_resumes(tmp_path):
+    """On the GPU: a checkpoint after 2 of 4 steps resumes to the uninterrupted curve (AdamW
+    state included)."""
+    world = min(2, torch.cuda.device_count())
+    cfg = replace(BASE, engine=E("fsdp"), balance="same_micro", optim=ADAMW, steps=4, device="cuda")
+    want = [r["loss"] for r in run_training(cfg, world_size=world, quiet=True)[0]["metrics"]]
+    ckpt = str(tmp_path / "ckpt")
+    run_training(replace(cfg, steps=2, checkpoint_dir=ckpt), world_size=world, quiet=True)
+    rest = [r["loss"] for r in run_training(replace(cfg, checkpoint_dir=ckpt), world_size=world, quiet=True)[0]["metrics"]]
+    assert rest == pytest.approx(want[2:], rel=1e-5)
 
 
 def test_hsdp_replicas_follow_the_same_loss_curve():

@@ -18,12 +18,13 @@
     posttrain bench overhead                            # one microbatch: FSDP2 and flat ODC vs the plain model
     posttrain bench pipeline --pp-sizes 2,4
     posttrain simulate odc --world-size 32 --profile longalign --cost-model 7b    # FSDP vs ODC at cluster scale
-    posttrain simulate pipeline --schedule group_interleaved --pp-size 8 --chunks 2 --offload-chunks 1
+    posttrain simulate pipeline --schedule group_interleaved --pp-size 8 --chunks 2 --offload 1
     posttrain simulate table                # ODC/FSDP speedup, 8-256 GPUs x LongAlign/SWE-smith x 1.5B/7B
     posttrain simulate calibrate            # simulator vs the real 2-rank benchmark and pipeline runner
     posttrain plan odc --world-size 64 --profile swe_smith
     posttrain plan pipeline --pp-size 8 --memory-gib 8
     posttrain results                       # rerun what docs/results.md reports and rewrite it
+    posttrain doctor                        # on a GPU machine: check the CUDA paths, write out/gpu-report.md
     python -m posttrain demo                # the same without the console script
 
 Every command's options come from the configuration dataclasses of the code it runs
@@ -44,7 +45,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 #: Each command and the module of this package that adds it, in the order ``--help`` lists them.
 COMMANDS = {"demo": "demo", "train": "train", "export": "export", "chat-task": "chat", "evaluate": "chat",
             "rl": "rl", "pipeline": "pipeline", "bench": "bench", "simulate": "simulate", "plan": "plan",
-            "results": "results"}
+            "results": "results", "doctor": "doctor"}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -192,8 +192,8 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     itself a dataclass (a section: ``engine``, ``optim``) adds its fields' options, named by
     their dotted path in ``fields``, ``exclude`` and ``defaults`` (``"optim.lr"``); the
     section's own default instance gives their defaults, and ``metadata={"fields": (...)}`` on
-    the section's field limits them to those names. A field with ``metadata={"cli": False}``
-    has no option, one with ``metadata={"required": True}`` must be given, one with
+    the section's field limits them to those names (``{"exclude": (...)}`` leaves those out). A
+    field with ``metadata={"cli": False}`` has no option, one with ``metadata={"required": True}`` must be given, one with
     ``metadata={"positional": "METAVAR"}`` is a positional argument; one with
     ``metadata={"derived": True}`` (a default computed from other
     fields when it is None) defaults to None."""
@@ -215,8 +215,9 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             if "fields" in f.metadata:
                 own = {path + "." + name for name in f.metadata["fields"]}
                 inner_fields = own if fields is None else own & set(fields)
+            inner_exclude = [*exclude, *(path + "." + name for name in f.metadata.get("exclude", ()))]
             group = parser.add_argument_group(path) if isinstance(parser, argparse.ArgumentParser) else parser
-            add_config_arguments(group, _resolve(cls, f.name), fields=inner_fields, exclude=exclude,
+            add_config_arguments(group, _resolve(cls, f.name), fields=inner_fields, exclude=inner_exclude,
                                  defaults=defaults, _prefix=path + ".", _instance=inner)
             continue
         if wanted is not None and path not in wanted:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from posttrain.train.sft.pipeline import PipelineConfig
 
-from .options import add_command
+from .options import add_command, field_flags, name_flags
 
 __all__ = ["PipelineCommand", "add_parser"]
 
@@ -22,8 +22,10 @@ class PipelineCommand:
             JSON, for posttrain plan pipeline --calibrate (with ``dp_size`` 1).
     """
 
-    run: PipelineConfig = field(default_factory=lambda: PipelineConfig(num_microbatches=8, dim=128, num_layers=8,
-                                                                       seq_len=256, steps=5))
+    run: PipelineConfig = field(
+        default_factory=lambda: PipelineConfig(num_microbatches=8, dim=128, num_layers=8, seq_len=256, steps=5),
+        # the engine options the pipeline refuses so far
+        metadata={"exclude": ("engine.precision", "engine.activation_checkpointing", "engine.replicas")})
     plot: str = "out/pipeline_chart.png"
     calibration_out: str | None = None
 
@@ -60,7 +62,8 @@ def _run(c: PipelineCommand) -> int:
             cfg, r["microbatches"][-1], weight_keep=measured_weight_keep([r]))[r["pp_rank"]] for r in results}
         print(format_dp_report(results, predicted))
     else:
-        print(format_report(results, predicted_peaks(cfg, weight_keep=measured_weight_keep(results))))
+        report = format_report(results, predicted_peaks(cfg, weight_keep=measured_weight_keep(results)))
+        print(name_flags(report, field_flags(PipelineCommand)))  # (the report names parameters)
     if cfg.output_dir:
         print(f"wrote {cfg.output_dir}")
     if c.calibration_out:
@@ -76,5 +79,5 @@ def _run(c: PipelineCommand) -> int:
 
 
 def add_parser(sub) -> None:
-    add_command(sub, "pipeline", PipelineCommand, _run,
+    add_command(sub, "pipeline", PipelineCommand, _run, config_file=True,
                 help="pipeline-parallel training with activation offload, CPU processes")

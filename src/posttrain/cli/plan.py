@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from posttrain.pipeline import GROUPED_SCHEDULES
 
-from .options import add_command
+from .options import add_command, field_flags, name_flags
 from .simulate import DPSetting, ScheduleOptions, WorkloadOptions
 
 __all__ = ["PlanODC", "PlanPipeline", "add_parser"]
@@ -100,8 +100,9 @@ def _pipeline(o: PlanPipeline) -> int:
                                 memory_budget=o.memory_gib * 2**30)
     ms = 1e3
     print("assumptions (" + notes[0] + "):")
-    for line in notes[1:]:
-        print(f"  {line}")
+    as_flags = field_flags(PlanPipeline)
+    for line in notes[1:]:  # (the library names parameters; here they are flags)
+        print(f"  {name_flags(line, as_flags)}")
     print(f"  per chunk-microbatch at one chunk per rank (v chunks per rank divide each by v): F {w.forward_s * ms:.2f} ms, "
           f"I {w.input_grad_s * ms:.2f} ms, W {w.weight_grad_s * ms:.2f} ms, saved activations "
           f"{w.activation_bytes / 2**20:.2f} MiB, of which W keeps {w.weight_keep:.2f} after I under a split backward")
@@ -117,7 +118,7 @@ def _pipeline(o: PlanPipeline) -> int:
     bw = best.workload  # per chunk-microbatch at the recommended chunk count
     flags = (f"--schedule {best.schedule} --pp-size {num_ranks} --chunks {best.num_chunks}"
              + (f" --group-size {best.group_size}" if best.schedule in GROUPED_SCHEDULES else "")
-             + f" --microbatches {num_microbatches} --offload-chunks {best.offload_chunks}"
+             + f" --microbatches {num_microbatches} --offload {best.offload_chunks}"
              f" --forward-ms {bw.forward_s * ms:.6g} --backward-ms {bw.input_grad_s * ms:.6g}"
              f" --weight-ms {bw.weight_grad_s * ms:.6g} --activation-mib {bw.activation_bytes / 2**20:.6g}"
              f" --host-gbps {bw.host_bandwidth / 1e9:.6g}"
@@ -144,6 +145,6 @@ def _pipeline(o: PlanPipeline) -> int:
 def add_parser(sub) -> None:
     plan = sub.add_parser("plan", help="recommendations from the simulator")
     ps = plan.add_subparsers(dest="plan", required=True)
-    add_command(ps, "odc", PlanODC, _odc, help="balancing method and max_tokens for a dataset and cluster")
+    add_command(ps, "odc", PlanODC, _odc, help="the balancing method and microbatch token budget for a dataset and cluster")
     add_command(ps, "pipeline", PlanPipeline, _pipeline,
                 help="one schedule, group size and offload for a memory budget, and why")

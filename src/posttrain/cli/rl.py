@@ -35,6 +35,7 @@ def _run(c: RLCommand) -> int:
     from posttrain.train.rl import run_rl
 
     cfg = replace(c.run, progress=True)
+    _ = cfg.device_kind  # a device the run cannot use: one line, before the task below is made
     if cfg.model_path is None:
         import os
 
@@ -51,7 +52,7 @@ def _run(c: RLCommand) -> int:
               f"weights no answer is right and every group is skipped; train it first (README: post-train a "
               f"Hugging Face model) and give --model-path", flush=True)
         cfg = replace(cfg, model_path=os.path.join(task, "model"), prompts=cfg.prompts or os.path.join(task, "train.jsonl"))
-    check_output_path("--plot", c.plot, directory=False)
+    check_output_path("`plot`", c.plot, directory=False)
     results = run_rl(cfg, world_size=c.world_size)
     if results is None:  # a torchrun rank other than 0: rank 0 reports
         return 0

@@ -73,16 +73,25 @@ class ClusterOptions:
         gpus_per_node: GPUs per node.
         intra_gbps: GB/s per GPU inside a node.
         inter_gbps: GB/s per GPU between nodes.
-        hsdp: shard per node, all-reduce across nodes once per minibatch.
+        replicas: HSDP: 1 (shard over every rank), or the number of nodes (shard within each
+            node, all-reduce across nodes once per minibatch).
     """
 
     world_size: int = 32
     gpus_per_node: int = 8
     intra_gbps: float = 360.0
     inter_gbps: float = 40.0
-    hsdp: bool = False
+    replicas: int = 1
+
+    @property
+    def hsdp(self) -> bool:
+        return self.replicas > 1
 
     def __post_init__(self) -> None:
+        nodes = -(-self.world_size // max(1, self.gpus_per_node))
+        if self.replicas not in (1, nodes):
+            raise ValueError(f"replicas={self.replicas}: the simulated HSDP shards within a node, so `replicas` is 1 "
+                             f"or the {nodes} nodes (world_size={self.world_size} / gpus_per_node={self.gpus_per_node})")
         # in the units these options take: the library checks its own in bytes/s
         for name in ("intra_gbps", "inter_gbps"):
             if not getattr(self, name) > 0:
@@ -242,14 +251,14 @@ class SimulatePipeline:
     Attributes:
         schedule: the schedule and its shape.
         workload: the costs of one chunk-microbatch.
-        offload_chunks: offload each rank's first this many chunks.
+        offload: none, full, or the number of chunks per rank to offload (the first ones).
         plot: chart PNG ('' for none).
         paper_table: only print ours beside the PipeOffload paper's unit-cost table.
     """
 
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
     workload: WorkloadOptions = field(default_factory=WorkloadOptions)
-    offload_chunks: int = 0
+    offload: str = "none"
     plot: str = "out/sim_pipeline.png"
     paper_table: bool = False
 
@@ -357,12 +366,15 @@ def _pipeline(o: SimulatePipeline) -> int:
     if o.paper_table:
         print(format_pipeoffload_table(pipeoffload_table()))
         return 0
+    from posttrain.pipeline import OffloadPolicy, default_chunks
+
     w, s = o.workload.build(), o.schedule
+    chunks = OffloadPolicy.parse(o.offload, s.chunks or default_chunks(s.schedule)).chunks
     res = simulate_pipeline(s.schedule, num_ranks=s.num_ranks, num_microbatches=s.num_microbatches,
-                            num_chunks=s.chunks, group_size=s.group_size, offload_chunks=o.offload_chunks, workload=w)
+                            num_chunks=s.chunks, group_size=s.group_size, offload_chunks=chunks, workload=w)
     ms = 1e3
     print(f"{s.schedule}: {s.num_ranks} ranks x {res.num_chunks} chunks, {s.num_microbatches} microbatches, "
-          f"offload {o.offload_chunks} chunk(s) per rank")
+          f"offload {chunks} chunk(s) per rank")
     print(f"makespan {res.makespan * ms:.2f} ms (without offload {res.base_makespan * ms:.2f} ms, overhead "
           f"{res.overhead:+.1%}); bubble {res.bubble_fraction:.1%}")
     print(f"k = (D2H + H2D) / (F + I + W) = {w.k:.2f} "

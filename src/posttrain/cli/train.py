@@ -36,7 +36,7 @@ def _run(c: TrainCommand) -> int:
     from posttrain.train.sft import run_training
 
     cfg = replace(c.run, progress=True)
-    results = run_training(cfg, world_size=c.world_size, outputs={"--plot": c.plot, "--trace": c.trace})
+    results = run_training(cfg, world_size=c.world_size, outputs={"`plot`": c.plot, "`trace`": c.trace})
     if results is None or not results[0]["metrics"]:
         return 0
     spans = {f"{cfg.engine.label}+{cfg.balance}": [s for r in results for s in r["spans"]]}

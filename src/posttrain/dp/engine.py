@@ -93,8 +93,8 @@ class EngineConfig:
             in rank order; one unsharded gradient of memory per rank).
         activation_checkpointing: recompute each transformer block's forward in backward
             (non-reentrant ``torch.utils.checkpoint``), saving only its inputs.
-        replicas: HSDP: the data-parallel ranks form a ``(replicas, world_size / replicas)``
-            mesh; parameters are sharded within a row (one host) and replicated across rows,
+        replicas: HSDP: the data-parallel ranks form a mesh of ``replicas`` rows (the ranks over
+            ``replicas`` in each); parameters are sharded within a row (one host) and replicated across rows,
             with one gradient all-reduce across replicas per minibatch under ODC.
     """
 
@@ -148,6 +148,9 @@ class DataParallelEngine(ABC):
     #: Whether :meth:`whole_state_dict` is implemented (checkpoints under the model's parameter
     #: names, loadable into another split of the model: the pipeline trainer's format).
     whole_state: ClassVar[bool] = False
+    #: The device kinds the engine shards a model on (its parameters' device; ODC's transport
+    #: is host shared memory until its GPU transport lands).
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:
@@ -160,7 +163,12 @@ class DataParallelEngine(ABC):
         """
         self.model = model
         self.config = config
-        self.mesh = mesh if mesh is not None else data_parallel_mesh(config)
+        #: where the model's parameters (and so its inputs) live
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if self.device.type not in self.devices:
+            raise ValueError(f"the {self.name} engine shards models on {' and '.join(self.devices)} only so far; "
+                             f"this one is on {self.device.type}")
+        self.mesh = mesh if mesh is not None else data_parallel_mesh(config, self.device.type)
         if units is None:
             blocks = find_blocks(model)
             if config.activation_checkpointing:
@@ -235,7 +243,7 @@ class DataParallelEngine(ABC):
     def run_dummy(self, *, backward: bool = True) -> None:
         """A microbatch of one token whose loss weighs 0: the forward (and ``backward``) of
         :attr:`model` gathers and reduces like a real one and adds nothing to any gradient."""
-        out = self.model(_DUMMY_INPUT)
+        out = self.model(_DUMMY_INPUT.to(self.device))
         if backward:
             (out.sum() * 0.0).backward()
 
@@ -280,6 +288,10 @@ class DataParallelEngine(ABC):
         """Restore a :meth:`whole_state_dict` (as filled in place by ``dcp.load``)."""
         raise NotImplementedError(f"the {self.name} engine does not load whole-parameter checkpoints yet")
 
+    def after_forward_only(self) -> None:  # noqa: B027 - optional
+        """After forwards that no backward follows (a reference model's log-probs): free what the
+        engine keeps gathered for a backward. Nothing for engines that keep nothing."""
+
     def close(self, *, restore: bool = False) -> None:  # noqa: B027 - optional
         """Free what the engine allocated. ``restore``: first put the full parameters back on the
         model as plain tensors (a collective over the mesh). Idempotent."""
@@ -292,14 +304,16 @@ def mixed_precision(config: EngineConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def data_parallel_mesh(config: EngineConfig) -> DeviceMesh:
-    """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` for ``config.replicas > 1``."""
+def data_parallel_mesh(config: EngineConfig, device_type: str = "cpu") -> DeviceMesh:
+    """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` for ``config.replicas > 1``,
+    on ``device_type`` (the parameters')."""
     world = dist.get_world_size()
     if world % config.replicas:
         raise ValueError(f"replicas={config.replicas} does not divide the {world} data-parallel ranks")
     if config.replicas == 1:
-        return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    return init_device_mesh("cpu", (config.replicas, world // config.replicas), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (config.replicas, world // config.replicas),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

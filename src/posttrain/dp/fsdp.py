@@ -64,6 +64,7 @@ class FSDP2Engine(DataParallelEngine):
     pre-multiplied sum), so the loss divisor is the global token count over the world size."""
 
     checkpoint_format = "fsdp2"
+    devices = ("cpu", "cuda")
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:
@@ -105,6 +106,10 @@ class FSDP2Engine(DataParallelEngine):
         return any(not isinstance(p, DTensor) and p.untyped_storage().data_ptr() == ptr
                    for p in self.model.parameters())
 
+    def after_forward_only(self) -> None:
+        for m in self._modules:  # FSDP2 keeps the root unsharded after forward for a backward
+            m.reshard()
+
     def close(self, *, restore: bool = False) -> None:
         if not restore:
             return
@@ -120,8 +125,8 @@ class FSDP2Engine(DataParallelEngine):
         for key, value in self.model.state_dict().items():
             owner = max((n for n in owners if n == "" or key.startswith(n + ".")), key=len)
             parts[owner][key] = value
-        for owner in owners:
-            yield {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for owner in owners:  # (on the CPU, whatever the device: what export and comparisons take)
+            yield {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
                    for k, v in parts[owner].items()}
 
 
@@ -131,6 +136,7 @@ class ODCOnFSDP2Engine(FSDP2Engine):
     (:func:`posttrain.odc.enable`), for models a user already shards with ``fully_shard``."""
 
     one_sided = True
+    devices = ("cpu",)  # ODC's transport: host shared memory
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:

@@ -493,8 +493,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
     except OSError as e:
         raise ValueError(f"calibrate={path}: {e.strerror}") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError):
-        raise ValueError(f"calibrate={path}: not a metrics file of posttrain pipeline (write one with "
-                         "posttrain pipeline --calibration-out FILE)") from None
+        raise ValueError(f"calibrate={path}: not the `calibration_out` file of a pipeline run") from None
     times: dict[tuple[str, int], list[float]] = {}
     copies, stage_bytes = [], {}
     for a, t0, t1, chunk_bytes in actions:
@@ -526,7 +525,7 @@ def pipeline_workload_from_metrics(path: str, *, num_ranks: int, host_bandwidth:
         host_bandwidth = statistics.median(copies)
         notes.append(f"host link: the median of the run's {len(copies)} copies")
     else:
-        notes.append("host link: from --host-gbps (the run offloaded nothing)")
+        notes.append("host link: from `host_gbps` (the run offloaded nothing)")
     return PipelineWorkload(forward_s=fwd / num_ranks, input_grad_s=inp / num_ranks, weight_grad_s=wgt / num_ranks,
                             activation_bytes=bytes_ / num_ranks, host_bandwidth=host_bandwidth,
                             weight_keep=weight_keep), notes

@@ -13,8 +13,8 @@ microbatches. See [Note: ODC minibatch protocol] in ``_protocol.py``. Two engine
     optimizer = torch.optim.AdamW(model.parameters())     # this rank's shards (DTensors)
     for minibatch in loader:
         with model.minibatch(num_tokens=local_tokens) as mb:
-            for micro in minibatch:                       # counts may differ per rank
-                (token_loss_sum(model, micro) / mb.global_tokens).backward()
+            for x, y in minibatch:                        # counts may differ per rank
+                (token_loss_sum(model(x), y) / mb.global_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # the global norm
         optimizer.step()
         optimizer.zero_grad()

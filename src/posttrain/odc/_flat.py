@@ -529,9 +529,9 @@ class FlatODC:
 
     def _refuse_state_dict(self, module, prefix, keep_vars) -> None:
         raise _ModelSharded(
-            f"{type(module).__name__} is sharded by flat ODC and holds no parameters; use "
-            "handle.full_state_dict() (all ranks), handle.sharded_state_dict() (checkpoints), or "
-            "handle.close() to put the full parameters back on the model first"
+            f"{type(module).__name__} is sharded by flat ODC and holds no parameters; the model flat_shard "
+            "returned gives its shards (model.state_dict()) and its full parameters (model.full_state_dict(), "
+            "on every rank), and model.odc.close() puts them back"
         )
 
     # ------------------------------------------------- steps of the protocol

@@ -21,13 +21,16 @@ class becomes a subclass of its own and of :class:`FlatODCModule`, whose
 
 The model's forward is unchanged. Optimizer state built on these parameters is padded to the
 shard size, so it resumes on the same world size; the sharded model state does not depend on it.
+The flat-sharded model is the root of what the loop holds: ``parameters()`` and ``state_dict()``
+of a module that contains it see its shards only through ``state_dict`` (which a parent calls
+with a prefix), not through ``parameters()`` (a parent's walks its children's registrations).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -59,15 +62,25 @@ class FlatODCModule(nn.Module):
         for _, p in self.named_parameters():
             yield p
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
         """The sharded state: one unpadded DTensor per unit and kind (``"<unit>.flat"``,
-        ``"<unit>.flat_frozen"``), for ``torch.distributed.checkpoint``; a collective-free view."""
-        return self.odc.sharded_state_dict()
+        ``"<unit>.flat_frozen"``) under ``prefix``, for ``torch.distributed.checkpoint``; no
+        communication. Written into ``destination`` when given (as a parent module asks)."""
+        out = destination if destination is not None else {}
+        for key, value in self.odc.sharded_state_dict().items():
+            out[prefix + key] = value
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
-        """Copy a :meth:`state_dict` (e.g. filled by ``torch.distributed.checkpoint.load``) into the shards."""
+        """Copy a :meth:`state_dict` (e.g. filled by ``torch.distributed.checkpoint.load``) into the
+        shards. A missing key is always an error (a shard would keep stale values); an unexpected
+        one is with ``strict``, and is returned otherwise."""
+        unexpected = sorted(set(state_dict) - set(self.odc.sharded_state_dict()))
+        if strict and unexpected:
+            raise ValueError(f"unexpected keys in the state dict of a flat-ODC model: {unexpected[:5]}")
         self.odc.load_sharded_state_dict(state_dict)
-        return nn.modules.module._IncompatibleKeys([], [])
+        return nn.modules.module._IncompatibleKeys([], unexpected)
 
     def minibatch(self, *, num_tokens: int | None = None) -> AbstractContextManager[Minibatch]:
         """One optimizer step's microbatches: see :meth:`FlatODC.minibatch`."""
@@ -86,7 +99,6 @@ def flat_shard(
     units: Sequence[nn.Module] | None = None,
     group: dist.ProcessGroup | None = None,
     config: ODCConfig | None = None,
-    /,
     *,
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -121,6 +133,10 @@ def flat_shard(
         ``model``: ``model.parameters()`` for the optimizer, ``with model.minibatch(): ...``
         around each minibatch's microbatches, ``model.odc.close()`` to put the full parameters back.
     """
+    unknown = sorted(set(overrides) - {f.name for f in fields(ODCConfig)})
+    if unknown:
+        raise TypeError(f"flat_shard got unexpected keyword arguments {unknown} (ODCConfig has "
+                        f"{', '.join(f.name for f in fields(ODCConfig))})")
     if isinstance(model, FlatODCModule):
         raise ValueError(f"{type(model).__name__} is already sharded by flat ODC (model.odc.close() first)")
     handle = FlatODC(model, units, group, replace(config or ODCConfig(), **overrides), mesh=mesh, mp_policy=mp_policy)

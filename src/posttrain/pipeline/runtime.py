@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain._compat import TorchAction, TorchComputationType, stage_backward_input, stage_backward_weight
+from posttrain.device import max_memory_allocated, reset_peak_memory
 
 from ._ir import Action
 from .offload import ActivationStore
@@ -82,7 +83,7 @@ class StepResult:
             what :func:`~posttrain.pipeline.deps.simulate` takes as ``weight_keep``.
         late_reloads: backwards that found their activations still on the host (0 when every
             reload was scheduled ahead).
-        cuda_max_allocated: on CUDA, ``torch.cuda.max_memory_allocated`` during the step (all
+        cuda_max_allocated: on an accelerator, its peak allocated bytes during the step (all
             device memory, not only saved activations); ``None`` on CPU.
     """
 
@@ -368,8 +369,7 @@ class PipelineRunner:
         self._dx: dict[tuple[int, int], torch.Tensor] = {}  # input gradient waiting for SEND_B
         self._whole: set[int] = set()  # stages with a split backward kept whole this step (walk declined)
         loss = torch.zeros((), device=self.device) if self._last in self.stages else None
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        reset_peak_memory(self.device)
         t_start = time.perf_counter()
         record: list[tuple[str, float, float]] = []
         self._posted: dict = {}
@@ -570,4 +570,4 @@ class PipelineRunner:
             peak_units=max(u for _, u in curve), offloaded_bytes=store.offloaded_bytes,
             weight_keep=self._weight_keep(chunk),
             late_reloads=store.late_reloads,
-            cuda_max_allocated=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)
+            cuda_max_allocated=max_memory_allocated(self.device))

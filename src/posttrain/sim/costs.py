@@ -9,8 +9,8 @@ achieved FLOP rate (:meth:`SimModel.preset`) or from timings on this machine
 
 Presets ``1.5b`` and ``7b`` have the shapes of Qwen2.5-1.5B and Qwen2.5-7B. For the 7B shape
 the ratio of the quadratic to the linear term at 32K tokens is 0.45; the ODC reference's fitted
-cost ``4.348 s^2 + 8.768 s`` (s = length / 32000) has 0.50: the FLOP model agrees with the
-measured shape to about 10%.
+cost ``4.348 s^2 + 8.768 s`` (s = length / 32000) has 0.50: the FLOP model's shape is within
+about 10% of that published fit.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class PipelineDPBench:
 
     Attributes:
         num_ranks: pipeline ranks.
-        dp_size: data-parallel ranks per pipeline stage.
+        dp_size: data-parallel pipelines (each stage sharded over its ``dp_size`` ranks).
         schedule: a schedule without a split backward.
         dim: model width.
         num_layers: decoder layers.

@@ -233,7 +233,7 @@ class RLBench:
             with open(self.rollouts) as f:
                 steps = [json.loads(line)["samples"] for line in f if line.strip()]
         except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"rollouts={self.rollouts}: not a posttrain rl --record file ({e})") from None
+            raise ValueError(f"rollouts={self.rollouts}: not the `record` file of an RL run ({e})") from None
         if len(steps) < 2:
             raise ValueError(f"rollouts={self.rollouts}: needs 2 or more steps (the first warms up)")
         return steps

@@ -62,6 +62,8 @@ class RunConfig:
             after the last step (and every ``save_every`` steps).
         save_every: also write ``output_dir`` every this many steps (0: only at the end).
         progress: on rank 0, a progress bar (on a terminal) and a line every tenth of the run.
+        device: ``auto`` (CUDA where torch can use it and the trainer and engine run on it, else
+            the CPU), ``cpu`` or ``cuda`` (one rank per GPU).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -75,11 +77,15 @@ class RunConfig:
     output_dir: str | None = None
     save_every: int = 0
     progress: bool = field(default=False, metadata={"cli": False})
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
     #: Fields that decide which data each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("seed",)
     #: The format of the trainer's own checkpoints, where they are not its engine's (``None``).
     CHECKPOINT_FORMAT: ClassVar[str | None] = None
+    #: The device kinds the trainer places its model and data on, and how errors name it.
+    DEVICE_KINDS: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    TRAINER: ClassVar[str] = "this trainer"
 
     def state_fields(self) -> tuple[str, ...]:
         """Fields that decide the shapes a checkpoint holds (a resumed run must agree on them), by
@@ -100,6 +106,19 @@ class RunConfig:
             raise ValueError(f"save_every={self.save_every} must be non-negative")
         if self.save_every and not self.output_dir:
             raise ValueError("`save_every` needs `output_dir`")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not one of auto, cpu, cuda")
+
+    @property
+    def device_kind(self) -> str:
+        """``"cpu"`` or ``"cuda"``: :func:`posttrain.device.resolve` of ``device`` over the kinds
+        both the trainer and its engine run on (a clear error for one they do not)."""
+        from posttrain.device import resolve
+        from posttrain.dp import engine_class
+
+        engine_kinds = engine_class(self.engine.name).devices
+        kinds = tuple(k for k in self.DEVICE_KINDS if k in engine_kinds)
+        return resolve(self.device, kinds, what=f"{self.TRAINER} with the {self.engine.name} engine")
 
     def due(self, step: int, every: int) -> bool:
         """Whether step ``step`` (0-based) ends on a multiple of ``every`` or is the last."""

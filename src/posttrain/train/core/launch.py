@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.device import backend, check_fork, check_world, rank_device, use
 from posttrain.launch import run_job
 
 from .checkpoint import check_resumable
@@ -38,11 +39,17 @@ def check_output_path(flag: str, path: str | None, *, directory: bool) -> None:
         raise ValueError(f"{flag} {path}: {parent} is not writable")
 
 
-def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None) -> dict | None:
-    """Refuse, before any rank starts, what would fail late: an output path that cannot be
-    written (the run's own and ``outputs``, ``{flag: file path}``), or a checkpoint under
-    ``checkpoint_dir`` that is unreadable or was written by another kind of run. Returns that
-    checkpoint's metadata (``None``: nothing to resume)."""
+def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None,
+              world_size: int | None = None) -> dict | None:
+    """Refuse, before any rank starts, what would fail late: a device the run cannot use (or,
+    given ``world_size``, more ranks on this host than it has devices), an output path that
+    cannot be written (the run's own and ``outputs``, ``{"`parameter`": file path}``), or a checkpoint
+    under ``checkpoint_dir`` that is unreadable or was written by another kind of run. Returns
+    that checkpoint's metadata (``None``: nothing to resume)."""
+    kind = cfg.device_kind
+    if world_size is not None:
+        local = os.environ.get("LOCAL_WORLD_SIZE") if under_torchrun() else None
+        check_world(kind, world_size, local_world_size=int(local) if local else None)
     for flag, path in (("`checkpoint_dir`", cfg.checkpoint_dir), ("`output_dir`", cfg.output_dir),
                        ("`tensorboard`", cfg.tensorboard)):
         check_output_path(flag, path, directory=True)
@@ -67,14 +74,18 @@ def launch_world(world_size: int) -> tuple[int, bool]:
     return world_size, True
 
 
-def launch(worker: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 24 * 3600) -> list[Any] | None:
-    """``worker(rank, world_size, *args)`` on every rank: ``world_size`` forked CPU processes, or,
-    under ``torchrun``, this process's rank of torchrun's world. Every rank's result, in rank
-    order (``None`` on torchrun ranks other than 0)."""
+def launch(worker: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
+           timeout_s: float = 24 * 3600) -> list[Any] | None:
+    """``worker(rank, world_size, *args)`` on every rank: ``world_size`` forked processes, or,
+    under ``torchrun``, this process's rank of torchrun's world; their process groups are
+    :func:`posttrain.device.backend` of the device kind ``device``. Every rank's result, in
+    rank order (``None`` on torchrun ranks other than 0)."""
     if not under_torchrun():
-        return run_job(worker, world_size, *args, timeout_s=timeout_s)
+        check_fork(device)
+        return run_job(worker, world_size, *args, backend=backend(device), timeout_s=timeout_s)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dist.init_process_group("gloo")
+    use(rank_device(device, int(os.environ["RANK"])))
+    dist.init_process_group(backend(device))
     try:
         mine = worker(dist.get_rank(), dist.get_world_size(), *args)
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

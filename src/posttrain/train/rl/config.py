@@ -66,6 +66,8 @@ class RLConfig(RunConfig):
     max_tokens: int = 1024
     record: str | None = None
 
+    TRAINER: ClassVar[str] = "the RL trainer"
+    DEVICE_KINDS: ClassVar[tuple[str, ...]] = ("cpu",)  # rollouts, reference and update stay on the CPU until placed
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("prompts", "prompts_per_step", "seed")
 
     def state_fields(self) -> tuple[str, ...]:

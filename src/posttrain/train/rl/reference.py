@@ -55,11 +55,7 @@ class ShardedReference:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="no rank ran a backward")  # forward only, by design
             self._forward(sequences, prompt_lens, mine, busiest, out)
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in self.model.modules():  # FSDP2 keeps the root unsharded after forward for a backward
-            if isinstance(m, FSDPModule):  # that never comes here: shard it again
-                m.reshard()
+        self.engine.after_forward_only()  # no backward comes for these forwards
         self.microbatches = len(mine)
         every: list = [None] * world_size
         dist.all_gather_object(every, out)

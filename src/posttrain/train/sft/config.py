@@ -67,6 +67,7 @@ class TrainConfig(RunConfig):
     eval_data: str | None = None
     eval_every: int = 0
 
+    TRAINER: ClassVar[str] = "the SFT trainer"
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("profile", "data", "sequences", "max_len", "seed", "train_on_prompt",
                                               "truncate", "skip_long")
 

@@ -18,15 +18,15 @@ __all__ = ["export_checkpoint", "run_training"]
 
 def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
                  outputs: dict[str, str | None] | None = None) -> list[dict] | None:
-    """Train ``cfg`` on ``world_size`` forked CPU processes, or on this process's rank when
-    launched by ``torchrun`` (then ``world_size`` comes from torchrun and only rank 0 returns
-    results and prints).
+    """Train ``cfg`` on ``world_size`` forked processes (on the CPU, or one GPU each: ``cfg.device``),
+    or on this process's rank when launched by ``torchrun`` (then ``world_size`` comes from
+    torchrun and only rank 0 returns results and prints).
 
     Args:
         cfg: the run.
-        world_size: CPU processes (ignored under torchrun).
+        world_size: processes (ignored under torchrun).
         quiet: print nothing.
-        outputs: more output files to check before training, ``{flag: path}``.
+        outputs: more output files to check before training, ``{"`parameter`": path}``.
 
     Returns:
         Every rank's :func:`~posttrain.train.train_worker` result (None on torchrun ranks other than 0).
@@ -35,7 +35,8 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
     if world_size % cfg.engine.replicas:
         raise ValueError(f"replicas={cfg.engine.replicas} does not divide world_size={world_size}")
     say = print if (lead and not quiet) else (lambda *a, **k: None)
-    check_run(cfg, outputs)  # unwritable outputs, a mismatched checkpoint: one line, before any work
+    check_run(cfg, outputs, world_size)  # a device, outputs, a mismatched checkpoint: one line, before any work
+    kind = cfg.device_kind
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
     data = TrainData(cfg, world_size, log=say)
     if data.dropped:
@@ -44,9 +45,10 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
         say(f"truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
     source = cfg.data or f"{cfg.profile} synthetic"
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
-    say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {world_size} CPU processes, {model} "
+    where = "CPU processes" if kind == "cpu" else f"processes, one {kind} device each"
+    say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {world_size} {where}, {model} "
         f"{cfg.engine.precision}, {cfg.sequences} {source} sequences per step, {cfg.steps} steps", flush=True)
-    results = launch(train_worker, world_size, cfg)
+    results = launch(train_worker, world_size, cfg, device=kind)
     if results is None:
         return None
     if not results[0]["metrics"]:

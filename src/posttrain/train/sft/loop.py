@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_minibatch
+from posttrain.device import rank_device, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
 from posttrain.spans import COMM_KINDS, Recorder
@@ -54,12 +55,14 @@ class Training:
     tied: dict[str, str]
 
 
-def build_training(cfg: TrainConfig, vocab_size: int) -> Training:
-    """The model of ``cfg`` (``--model-path``'s weights, or seeded), sharded by ``cfg.engine``, and its
-    optimizer (a collective)."""
+def build_training(cfg: TrainConfig, vocab_size: int, device: torch.device | None = None) -> Training:
+    """The model of ``cfg`` (``model_path``'s weights, or seeded) on ``device`` (default: the
+    CPU), sharded by ``cfg.engine``, and its optimizer (a collective)."""
     torch.manual_seed(cfg.seed)
     model = load_pretrained(cfg.model_path) if cfg.model_path else build_model(cfg.model, cfg.model_config(vocab_size))
-    tied = tied_names(model)
+    tied = tied_names(model)  # (before moving: ties are found by identity)
+    if device is not None and device.type != "cpu":
+        model.to(device)
     engine = build_engine(model, cfg.engine)
     return Training(model, engine, cfg.optim.build(engine.parameters()), tied)
 
@@ -94,17 +97,21 @@ def loss_units(seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], loss_a
 
 
 def microbatch_loss(model: nn.Module, seqs: Sequence[Sample | torch.Tensor], ids: Sequence[int], scale: float,
-                    loss_agg: str = "token-mean") -> torch.Tensor:
-    """The packed microbatch of ``seqs[ids]``: its summed loss times ``scale``, where a trained
-    token's loss counts once (``token-mean``) or one over its sequence's trained tokens
-    (``seq-mean-token-mean``)."""
+                    loss_agg: str = "token-mean", device: torch.device | None = None) -> torch.Tensor:
+    """The packed microbatch of ``seqs[ids]`` (moved to ``device``, default: left on the CPU):
+    its summed loss times ``scale``, where a trained token's loss counts once (``token-mean``)
+    or one over its sequence's trained tokens (``seq-mean-token-mean``)."""
     samples = [_sample(seqs[i]) for i in ids]
     packed = pack_sequences([s.input_ids for s in samples], [s.labels for s in samples])
-    logits = model(packed.inputs, document_lengths=packed.document_lengths)
+    inputs, targets = packed.inputs, packed.targets
     weights = None
     if loss_agg == "seq-mean-token-mean":
         weights = torch.cat([torch.full((len(s) - 1,), 1.0 / max(1, s.trained)) for s in samples]).unsqueeze(0)
-    return token_loss_sum(logits, packed.targets, weights) * scale
+    if device is not None and device.type != "cpu":
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        weights = None if weights is None else weights.to(device, non_blocking=True)
+    logits = model(inputs, document_lengths=packed.document_lengths)
+    return token_loss_sum(logits, targets, weights) * scale
 
 
 def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module, rank: int,
@@ -143,7 +150,7 @@ def evaluate(cfg: TrainConfig, engine: DataParallelEngine, samples: list[Sample]
         for j in range(max(len(p) for p in packs)):
             if j < len(packs[rank]):
                 ids = packs[rank][j]
-                total[0] += microbatch_loss(engine.model, samples, ids, 1.0, cfg.loss_agg).double()
+                total[0] += microbatch_loss(engine.model, samples, ids, 1.0, cfg.loss_agg, engine.device).double().cpu()
                 total[1] += loss_units(samples, ids, cfg.loss_agg)
             else:
                 engine.run_dummy(backward=False)
@@ -157,9 +164,11 @@ class SFTTrainer(Trainer):
     scalars = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization")
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int) -> None:
+        self.device = rank_device(cfg.device_kind, rank)
+        use(self.device)
         self.data = TrainData(cfg, world_size)
         self.rec = Recorder(rank)
-        self.training = build_training(cfg, self.data.vocab_size)
+        self.training = build_training(cfg, self.data.vocab_size, self.device)
         self.engine = self.training.engine
         self.engine.set_comm_hook(self.rec.add)
         self.eval_samples = self.data.eval_samples()
@@ -179,7 +188,7 @@ class SFTTrainer(Trainer):
         dist.barrier()  # step start, outside any minibatch
         t0 = time.perf_counter()
         rec.clear()  # keep one step's spans: the timeline shows the last step
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         own_units = sum(loss_units(seqs, m.sequence_ids, cfg.loss_agg) for m in mine)
         with engine.minibatch(own_units) as mb:
             if mb.global_tokens != units:
@@ -190,7 +199,8 @@ class SFTTrainer(Trainer):
                     if micro is None:
                         engine.run_dummy()
                         continue
-                    token_loss = microbatch_loss(engine.model, seqs, micro.sequence_ids, 1.0, cfg.loss_agg)
+                    token_loss = microbatch_loss(engine.model, seqs, micro.sequence_ids, 1.0, cfg.loss_agg,
+                                                 self.device)
                     loss_sum += token_loss.detach()
                     (token_loss / divisor).backward()
             t_sync = time.perf_counter()
@@ -198,6 +208,7 @@ class SFTTrainer(Trainer):
         with rec.span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad()
+            synchronize(self.device)  # once a step: the step's time includes its queued kernels
         busy = time.perf_counter() - t0
         comm = sum(rec.total(k) for k in COMM_KINDS)
         own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,

@@ -14,6 +14,13 @@ from posttrain.train.core.config import OptimConfig, RunConfig
 __all__ = ["PipelineConfig"]
 
 
+def _engines(capability: str) -> list[str]:
+    """The registered engines that have ``capability`` (a class attribute of the engine)."""
+    from posttrain.dp import engine_class, engine_names
+
+    return [n for n in engine_names() if getattr(engine_class(n), capability)]
+
+
 @dataclass(frozen=True)
 class PipelineConfig(RunConfig):
     """One pipeline run (the engine, optimizer, checkpoint and output fields:
@@ -92,6 +99,8 @@ class PipelineConfig(RunConfig):
     dp_size: int = 1
     balance: Literal["same_micro", "diff_micro", "local_sort", "round_robin"] = "diff_micro"
 
+    TRAINER: ClassVar[str] = "the pipeline trainer"
+    DEVICE_KINDS: ClassVar[tuple[str, ...]] = ("cpu",)  # stages, P2P and offload on the CPU until placed
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("data", "sequences", "seed", "seq_len", "batch", "train_on_prompt",
                                               "truncate", "skip_long")
     CHECKPOINT_FORMAT: ClassVar[str | None] = "pipeline"
@@ -146,10 +155,11 @@ class PipelineConfig(RunConfig):
             if self.schedule in SPLIT_BACKWARD and not engine.split_backward:
                 raise ValueError(f"engine.name={self.engine.name!r} with schedule={self.schedule!r}: the engine reduces "
                                  "gradients from backward hooks, which a split backward's weight pass bypasses; use "
-                                 "`engine.name` odc, or gpipe, 1f1b, interleaved_1f1b or group_interleaved")
+                                 f"`engine.name` {' or '.join(_engines('split_backward'))}, or gpipe, 1f1b, "
+                                 "interleaved_1f1b or group_interleaved")
             if self.checkpoint_dir and not engine.whole_state:
                 raise ValueError(f"`checkpoint_dir` with `dp_size`: engine.name={self.engine.name!r} does not write "
-                                 "the pipeline's checkpoints yet; use `engine.name` odc")
+                                 f"the pipeline's checkpoints yet; use `engine.name` {' or '.join(_engines('whole_state'))}")
             if engine.needs_equal_microbatches(self.engine) and self.balance != "same_micro":
                 raise ValueError(f"the engine {self.engine.label} has a rendezvous per layer, so every pipeline must "
                                  "run the same number of microbatches: give `balance` same_micro")

@@ -301,7 +301,7 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
             "microbatches": [r["microbatches"] for r in rows], "result": None if result is None else asdict(result),
             "params": trainer.params, "stages": sorted(trainer.mine), "resumed_from": trainer.resumed_from,
             "wall_times": [r["wall_time_s"] for r in rows], "step_tokens": [r["tokens"] for r in rows],
-            "odc": dict(engine.stats, units=len(engine.units)) if engine.stats else None}
+            "engine": dict(engine.stats, units=len(engine.units)) if engine.stats else None}
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:

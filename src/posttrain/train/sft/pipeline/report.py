@@ -19,7 +19,7 @@ def _weight_keep_line(results: list[dict]) -> list[str]:
         return []
     return ["kept for W after I, of a chunk-microbatch, per stage: "
             + ", ".join(f"{s}: {f:.2f}" for s, f in sorted(keep.items()))
-            + " (the prediction uses these; --no-weight-split keeps 1.00)"]
+            + " (the prediction uses these; `no_weight_split` keeps 1.00)"]
 
 
 def format_report(results: list[dict], predicted: list[float]) -> str:

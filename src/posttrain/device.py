@@ -1,0 +1,143 @@
+"""Where a run's tensors live: the one module that knows about devices.
+
+[Note: devices]
+A run names its device as ``auto``, ``cpu`` or ``cuda`` (``RunConfig.device``). :func:`resolve`
+turns that into a device kind before any process starts (``auto``: CUDA when torch can use it),
+refusing ``cuda`` in one line on a machine without it. Each rank then uses
+:func:`rank_device`: the CPU, or the accelerator ``LOCAL_RANK`` (or the rank) modulo the devices
+on its host, made current with :func:`use`. Process groups are :func:`backend`: gloo on the CPU,
+and for an accelerator ``cpu:gloo,cuda:nccl`` (objects, token counts and ODC's control plane stay
+on gloo; collectives of device tensors go to NCCL, one rank per GPU).
+
+Everything device-specific goes through here and the generic ``torch.accelerator`` API, so the
+CPU suite runs the same code as a GPU: callers ask for "the device" and for a synchronization or
+a memory figure, never for ``torch.cuda`` by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEVICES", "backend", "check_fork", "check_world", "cuda_available", "describe", "device_count",
+           "local_rank", "max_memory_allocated", "rank_device", "reset_peak_memory", "resolve", "synchronize", "use"]
+
+#: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _cuda_available() -> bool:
+    # (does not create a CUDA context: the fork launcher must not have one in the parent)
+    return torch.cuda.is_available()
+
+
+def cuda_available() -> bool:
+    """Whether torch can use a CUDA device here."""
+    return _cuda_available()
+
+
+def describe(kind: str = "cuda") -> dict[str, str]:
+    """The first device of ``kind``: model, memory, count and capability (for reports)."""
+    props = torch.cuda.get_device_properties(0) if kind == "cuda" else None
+    if props is None:
+        return {"device": kind}
+    return {"GPU": f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {device_count(kind)} device(s)",
+            "compute capability": f"{props.major}.{props.minor}"}
+
+
+def resolve(device: str = "auto", supported: tuple[str, ...] = ("cpu", "cuda"), what: str = "this run") -> str:
+    """The device kind a run of ``device`` uses: ``"cpu"`` or ``"cuda"``; ``auto`` takes CUDA
+    where torch can use it and ``supported`` (what the trainer and engine run on) includes it.
+
+    Raises:
+        ValueError: an unknown name, a kind ``what`` does not support, or ``cuda`` where torch
+            can use no CUDA device (one line saying what this torch build has).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is not one of {', '.join(DEVICES)}")
+    if device == "auto":
+        return "cuda" if "cuda" in supported and _cuda_available() else "cpu"
+    if device not in supported:
+        raise ValueError(f"device={device!r}: {what} runs on {' and '.join(supported)} only so far")
+    if device == "cuda" and not _cuda_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(f"device='cuda' but torch {torch.__version__} ({build}) sees no CUDA device here; "
+                         "use `device` cpu (or auto)")
+    return device
+
+
+def backend(kind: str) -> str:
+    """The ``torch.distributed`` backend of a run on ``kind``: ``gloo`` on the CPU; on an
+    accelerator, gloo for CPU tensors and the accelerator's own backend for its tensors."""
+    if kind == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map[kind]}"
+
+
+def device_count(kind: str) -> int:
+    """Devices of ``kind`` on this host (the CPU counts as one)."""
+    return 1 if kind == "cpu" else torch.accelerator.device_count()
+
+
+def check_world(kind: str, world_size: int, *, local_world_size: int | None = None) -> None:
+    """Refuse, before any process starts, more ranks on this host than ``kind`` has devices
+    (NCCL runs one rank per GPU: two ranks on one device are refused by its communicator).
+
+    Args:
+        local_world_size: ranks on this host (default: ``world_size``, the fork launcher's).
+    """
+    local = world_size if local_world_size is None else local_world_size
+    if kind != "cpu" and local > device_count(kind):
+        raise ValueError(f"world_size={local} ranks on this host but it has {device_count(kind)} {kind} device(s); "
+                         f"NCCL runs one rank per device: lower `world_size` (or use `device` cpu)")
+
+
+def check_fork(kind: str) -> None:
+    """Refuse to fork ranks for ``kind`` from a process that already holds a CUDA context: a
+    forked child cannot use CUDA then (torch refuses to re-initialize it)."""
+    if kind == "cuda" and torch.cuda.is_initialized():
+        raise RuntimeError("this process already uses CUDA, so ranks forked from it could not: start the run "
+                           "from a process that has not touched the GPU (or under torchrun)")
+
+
+def local_rank(rank: int) -> int:
+    """This process's rank on its host: ``LOCAL_RANK`` under torchrun, else ``rank`` (the fork
+    launcher starts every rank on this host)."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def rank_device(kind: str, rank: int) -> torch.device:
+    """The device rank ``rank`` uses: the CPU, or accelerator :func:`local_rank` modulo the
+    host's devices."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, local_rank(rank) % device_count(kind))
+
+
+def use(device: torch.device) -> None:
+    """Make ``device`` this process's current one (before its process group starts: NCCL binds
+    to the current device). Nothing on the CPU."""
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for every queued kernel on ``device`` (nothing on the CPU, where work is synchronous)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def max_memory_allocated(device: torch.device) -> int | None:
+    """Peak bytes allocated on ``device`` since the last :func:`reset_peak_memory`; ``None`` on
+    the CPU, which keeps no such count."""
+    if device.type == "cpu":
+        return None
+    return torch.accelerator.max_memory_allocated(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start :func:`max_memory_allocated` over (nothing on the CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)

@@ -1,0 +1,163 @@
+"""``posttrain doctor``: check the GPU paths on a machine that has a GPU, and write what it found.
+
+On a CUDA machine it records the devices and versions, runs the CUDA test subset of this checkout
+(``pytest -m cuda``: tests that skip without CUDA), measures copy bandwidths the engines and the
+offload depend on, each beside a device-to-device copy in the same run, and writes
+``out/gpu-report.md``. Without CUDA it says so in one line and lists what it would check, so the
+same command is safe to run anywhere.
+
+Every figure in the report is measured by that run on that machine; nothing is carried over.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.device import cuda_available, describe
+
+__all__ = ["CHECKS", "Doctor", "copy_bandwidths", "find_tests"]
+
+#: What the doctor checks on a CUDA machine, in the order it runs them.
+CHECKS = (
+    "the devices: GPU model, memory and count; driver, CUDA and torch versions",
+    "the CUDA test subset (pytest -m cuda): FSDP2 training on the GPU against the CPU loss curve, "
+    "the pipeline's CUDA offload store (pinned host buffers, side stream, events)",
+    "copy bandwidth beside a device-to-device copy: host-to-device and device-to-host from pinned "
+    "memory (the offload link, PipeOffload's k)",
+)
+
+
+@dataclass(frozen=True)
+class Doctor:
+    """``posttrain doctor``: where the report goes and what to skip.
+
+    Attributes:
+        out: the report file (Markdown).
+        no_tests: skip the CUDA test subset (only the devices and the measurements).
+        copy_mib: the size of each measured copy, MiB.
+        repeats: timed copies per measurement (the median is reported).
+    """
+
+    out: str = "out/gpu-report.md"
+    no_tests: bool = False
+    copy_mib: int = 256
+    repeats: int = 10
+
+    def __post_init__(self) -> None:
+        if self.copy_mib < 1:
+            raise ValueError(f"copy_mib={self.copy_mib} must be at least 1")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} must be at least 1")
+
+    def run(self, log: Callable[[str], None] = print) -> int:
+        """Check and write the report; 0 when everything checked passed (or there is no GPU to
+        check), 1 when a test failed."""
+        if not cuda_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            log(f"posttrain doctor: no CUDA device here (torch {torch.__version__}, {build}); on a GPU machine it "
+                "checks:")
+            for check in CHECKS:
+                log(f"  - {check}")
+            return 0
+        t0 = time.perf_counter()
+        lines = ["# GPU report", "", f"`posttrain doctor` on {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}; "
+                 f"posttrain commit {_commit()}.", "", "## Devices", ""]
+        for key, value in devices().items():
+            lines.append(f"- {key}: {value}")
+            log(f"{key}: {value}")
+        ok = True
+        if not self.no_tests:
+            tests = find_tests()
+            lines += ["", "## The CUDA test subset", ""]
+            if tests is None:
+                lines.append("not run: no tests/ folder next to this posttrain (run the doctor from a checkout)")
+                log("CUDA tests: no tests/ folder found; skipped")
+            else:
+                log(f"running pytest -m cuda in {tests} ...")
+                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                       tests], capture_output=True, text=True, cwd=os.path.dirname(tests))
+                summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+                ok = proc.returncode == 0
+                log(f"CUDA tests: {summary}")
+                lines += [f"`pytest -m cuda`: {summary} (exit {proc.returncode})", ""]
+                if not ok:
+                    lines += ["```", proc.stdout[-6000:], proc.stderr[-2000:], "```"]
+        rows = copy_bandwidths(self.copy_mib, self.repeats)
+        lines += ["", f"## Copy bandwidth ({self.copy_mib} MiB, median of {self.repeats})", "",
+                  "| copy | GB/s | / device-to-device |", "|---|---|---|"]
+        d2d = rows["device-to-device"]
+        for name, gbps in rows.items():
+            lines.append(f"| {name} | {gbps:.1f} | {gbps / d2d:.3f} |")
+            log(f"{name}: {gbps:.1f} GB/s ({gbps / d2d:.3f} of device-to-device)")
+        lines += ["", f"Finished in {time.perf_counter() - t0:.0f} s; {'every check passed' if ok else 'a check FAILED'}.",
+                  ""]
+        os.makedirs(os.path.dirname(self.out) or ".", exist_ok=True)
+        with open(self.out, "w") as f:
+            f.write("\n".join(lines))
+        log(f"wrote {self.out}")
+        return 0 if ok else 1
+
+
+def devices() -> dict[str, str]:
+    """The GPU model, memory, count and the versions, as the report lists them."""
+    out = {**describe("cuda"), "torch": torch.__version__, "CUDA (torch's build)": str(torch.version.cuda)}
+    if shutil.which("nvidia-smi"):
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True)
+        if proc.returncode == 0 and proc.stdout.strip():
+            out["driver"] = proc.stdout.strip().splitlines()[0]
+    return out
+
+
+def copy_bandwidths(mib: int, repeats: int, device: int = 0) -> dict[str, float]:
+    """GB/s of a ``mib`` MiB copy device-to-device, host-to-device and device-to-host (pinned
+    host memory), each the median of ``repeats`` copies timed by device events."""
+    n = mib * 2**20
+    dev = torch.device("cuda", device)
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, dst, src in (("device-to-device", b, a), ("host-to-device (pinned)", a, host),
+                           ("device-to-host (pinned)", host, a)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        times = []
+        for _ in range(repeats):
+            start, end = torch.Event(device=dev, enable_timing=True), torch.Event(device=dev, enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = n / statistics.median(times) / 1e9
+    return out
+
+
+def find_tests() -> str | None:
+    """The ``tests/`` folder of the checkout this posttrain runs from (``None``: an install
+    without one)."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # src/
+    for root in (os.getcwd(), os.path.dirname(here)):
+        path = os.path.join(root, "tests")
+        if os.path.isfile(os.path.join(path, "conftest.py")):
+            return path
+    return None
+
+
+def _commit() -> str:
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+        return proc.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"

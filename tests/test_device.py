@@ -1,0 +1,112 @@
+"""Devices: what a run resolves ``auto``, ``cpu`` and ``cuda`` to, its process-group backend, the
+device each rank uses, and the refusals (one line each) before any process starts.
+
+Pure functions with CUDA's presence stubbed, so the CPU suite checks the logic a GPU run takes;
+what needs a real GPU is in the CUDA-only tests (skipped without one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import posttrain.device as device
+from posttrain.dp import EngineConfig
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """This machine as if torch saw ``n`` CUDA devices."""
+
+    def make(n: int) -> None:
+        monkeypatch.setattr(device, "_cuda_available", lambda: n > 0)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: n)
+
+    return make
+
+
+def test_auto_takes_cuda_only_where_torch_sees_it_and_the_run_supports_it(fake_cuda):
+    fake_cuda(0)
+    assert device.resolve("auto") == "cpu" and device.resolve("cpu") == "cpu"
+    fake_cuda(2)
+    assert device.resolve("auto") == "cuda" and device.resolve("cuda") == "cuda"
+    assert device.resolve("auto", ("cpu",)) == "cpu"  # a trainer or engine that runs on the CPU only
+
+
+@pytest.mark.parametrize("name, supported, message", [
+    ("tpu", ("cpu", "cuda"), "device='tpu' is not one of auto, cpu, cuda"),
+    ("cuda", ("cpu",), "device='cuda': this run runs on cpu only so far"),
+    ("cuda", ("cpu", "cuda"), "device='cuda' but torch"),
+])
+def test_a_device_the_run_cannot_use_is_one_line(fake_cuda, name, supported, message):
+    fake_cuda(0)
+    with pytest.raises(ValueError) as e:
+        device.resolve(name, supported)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_backend_keeps_gloo_for_cpu_tensors_and_nccl_for_cuda_tensors():
+    assert device.backend("cpu") == "gloo"
+    assert device.backend("cuda") == "cpu:gloo,cuda:nccl"
+
+
+def test_each_rank_takes_its_local_device_and_nccl_gets_one_rank_per_gpu(fake_cuda, monkeypatch):
+    fake_cuda(2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert [device.rank_device("cuda", r) for r in range(3)] == [torch.device("cuda", i) for i in (0, 1, 0)]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun: the rank on this host, not the global one
+    assert device.rank_device("cuda", 7) == torch.device("cuda", 1)
+    assert device.rank_device("cpu", 7) == torch.device("cpu")
+    device.check_world("cuda", 2)
+    device.check_world("cpu", 64)
+    with pytest.raises(ValueError, match="world_size=3 ranks on this host but it has 2 cuda device"):
+        device.check_world("cuda", 3)
+    device.check_world("cuda", 16, local_world_size=2)  # torchrun: 2 on this host, the rest elsewhere
+
+
+def test_cpu_has_no_memory_count_and_nothing_to_wait_for():
+    cpu = torch.device("cpu")
+    device.use(cpu)
+    device.synchronize(cpu)
+    device.reset_peak_memory(cpu)
+    assert device.max_memory_allocated(cpu) is None
+
+
+def test_a_run_resolves_over_what_its_trainer_and_engine_run_on(fake_cuda):
+    from posttrain.train.rl import RLConfig
+    from posttrain.train.sft import TrainConfig
+    from posttrain.train.sft.pipeline import PipelineConfig
+
+    fake_cuda(1)
+    assert TrainConfig(engine=EngineConfig("fsdp")).device_kind == "cuda"  # auto
+    assert TrainConfig().device_kind == "cpu"  # flat ODC: its transport is host shared memory
+    assert RLConfig().device_kind == "cpu" and PipelineConfig().device_kind == "cpu"
+    for cfg, message in ((TrainConfig(device="cuda"), "the SFT trainer with the odc engine runs on cpu only"),
+                         (RLConfig(device="cuda"), "the RL trainer"),
+                         (PipelineConfig(device="cuda"), "the pipeline trainer")):
+        with pytest.raises(ValueError, match=message):
+            _ = cfg.device_kind
+    with pytest.raises(ValueError, match="device='gpu' is not one of auto, cpu, cuda"):
+        TrainConfig(device="gpu")
+
+
+def test_doctor_without_cuda_says_so_in_one_line_and_lists_its_checks(cli, monkeypatch):
+    from posttrain.lab.doctor import CHECKS, find_tests
+
+    monkeypatch.setattr(device, "_cuda_available", lambda: False)
+    rc, out, err = cli("doctor")
+    lines = out.strip().splitlines()
+    assert rc == 0 and not err
+    assert lines[0].startswith("posttrain doctor: no CUDA device here") and lines[1:] == [f"  - {c}" for c in CHECKS]
+    assert find_tests() and find_tests().endswith("tests")  # this checkout's, which it would run
+    rc, _, err = cli("doctor", "--copy-mib", "0")
+    assert rc == 2 and "--copy-mib=0 must be at least 1" in err
+
+
+@pytest.mark.cuda
+def test_doctor_measures_copies_on_the_gpu():
+    from posttrain.lab.doctor import copy_bandwidths
+
+    got = copy_bandwidths(16, 3)
+    assert set(got) == {"device-to-device", "host-to-device (pinned)", "device-to-host (pinned)"}
+    assert min(got.values()) > 0
