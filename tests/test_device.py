@@ -64,6 +64,15 @@ def test_each_rank_takes_its_local_device_and_nccl_gets_one_rank_per_gpu(fake_cu
     device.check_world("cuda", 16, local_world_size=2)  # torchrun: 2 on this host, the rest elsewhere
 
 
+def test_accelerator_ranks_are_spawned_and_get_the_launchers_device():
+    """A forked child cannot use CUDA once its parent touched it: accelerator ranks are spawned.
+    A rank's ``auto`` (started by code other than the launcher) follows its process group."""
+    assert device.start_method("gloo") == "fork"
+    assert device.start_method(device.backend("cuda")) == "spawn"
+    assert device.rank_kind("cuda") == "cuda" and device.rank_kind("cpu") == "cpu"
+    assert device.rank_kind("auto") == "cpu"  # no process group here, or a gloo one: the CPU
+
+
 def test_cpu_has_no_memory_count_and_nothing_to_wait_for():
     cpu = torch.device("cpu")
     device.use(cpu)
@@ -110,3 +119,13 @@ def test_doctor_measures_copies_on_the_gpu():
     got = copy_bandwidths(16, 3)
     assert set(got) == {"device-to-device", "host-to-device (pinned)", "device-to-host (pinned)"}
     assert min(got.values()) > 0
+
+
+def test_a_cuda_run_starts_one_process_per_gpu_by_default(fake_cuda, monkeypatch):
+    from posttrain.train.core import launch_world
+
+    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    fake_cuda(4)
+    assert launch_world(None, "cuda") == (4, True) and launch_world(None, "cpu") == (2, True)
+    assert launch_world(3, "cuda") == (3, True)

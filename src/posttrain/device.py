@@ -3,7 +3,9 @@
 [Note: devices]
 A run names its device as ``auto``, ``cpu`` or ``cuda`` (``RunConfig.device``). :func:`resolve`
 turns that into a device kind before any process starts (``auto``: CUDA when torch can use it),
-refusing ``cuda`` in one line on a machine without it. Each rank then uses
+refusing ``cuda`` in one line on a machine without it; the ranks get the resolved kind
+(:func:`rank_kind`) and are spawned rather than forked on an accelerator (:func:`start_method`).
+Each rank then uses
 :func:`rank_device`: the CPU, or the accelerator ``LOCAL_RANK`` (or the rank) modulo the devices
 on its host, made current with :func:`use`. Process groups are :func:`backend`: gloo on the CPU,
 and for an accelerator ``cpu:gloo,cuda:nccl`` (objects, token counts and ODC's control plane stay
@@ -21,16 +23,18 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "backend", "check_fork", "check_world", "cuda_available", "describe", "device_count",
-           "local_rank", "max_memory_allocated", "rank_device", "reset_peak_memory", "resolve", "synchronize", "use"]
+__all__ = ["DEVICES", "backend", "check_world", "cuda_available", "describe", "device_count",
+           "local_rank", "max_memory_allocated", "rank_device", "rank_kind", "reset_peak_memory", "resolve", "start_method",
+           "synchronize", "use"]
 
 #: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
 DEVICES = ("auto", "cpu", "cuda")
 
 
 def _cuda_available() -> bool:
-    # (does not create a CUDA context: the fork launcher must not have one in the parent)
-    return torch.cuda.is_available()
+    # torch.cuda.is_available() initializes the driver, and a process forked after it cannot use
+    # CUDA; device_count() asks NVML and leaves this process fork-safe (where NVML answers).
+    return torch.cuda.device_count() > 0
 
 
 def cuda_available() -> bool:
@@ -94,12 +98,20 @@ def check_world(kind: str, world_size: int, *, local_world_size: int | None = No
                          f"NCCL runs one rank per device: lower `world_size` (or use `device` cpu)")
 
 
-def check_fork(kind: str) -> None:
-    """Refuse to fork ranks for ``kind`` from a process that already holds a CUDA context: a
-    forked child cannot use CUDA then (torch refuses to re-initialize it)."""
-    if kind == "cuda" and torch.cuda.is_initialized():
-        raise RuntimeError("this process already uses CUDA, so ranks forked from it could not: start the run "
-                           "from a process that has not touched the GPU (or under torchrun)")
+def start_method(backend_name: str) -> str:
+    """How the launcher starts ranks for ``backend_name``: ``fork`` on the CPU (no child
+    re-imports torch), ``spawn`` where ranks use an accelerator (a forked child cannot use CUDA
+    once its parent has touched it, which a launcher cannot rule out)."""
+    return "fork" if backend_name == "gloo" else "spawn"
+
+
+def rank_kind(device: str) -> str:
+    """In a rank: the device kind of its run, ``device`` as the launcher resolved it; ``auto``
+    (a rank started by other code) follows the process group: CUDA only where it has a CUDA
+    backend."""
+    if device != "auto":
+        return device
+    return "cuda" if dist.is_initialized() and "cuda" in str(dist.get_backend()) else "cpu"
 
 
 def local_rank(rank: int) -> int:

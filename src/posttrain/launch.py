@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.device import start_method
+
 __all__ = ["FAILURE_GRACE_S", "Interrupted", "RanksFailedError", "run_job", "run_ranks"]
 
 #: Seconds the surviving ranks of a failed job get to report their own errors before being killed.
@@ -146,7 +148,9 @@ def run_ranks(
     timeout_s: float = 300.0,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked processes.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked processes (spawned
+    where ``backend`` uses an accelerator: :func:`posttrain.device.start_method`; ``fn`` and the
+    arguments must pickle then).
 
     Each process has an initialized default process group. Returns the ranks' return
     values in rank order.
@@ -154,7 +158,7 @@ def run_ranks(
     Args:
         fn: the per-rank function; its return value must be serializable by ``torch.save``.
         world_size: number of ranks to start.
-        backend: torch.distributed backend (``gloo`` on CPU).
+        backend: torch.distributed backend (``gloo`` on CPU, :func:`posttrain.device.backend`).
         timeout_s: wall-clock limit for the whole job; ranks still running then are killed.
 
     Raises:
@@ -164,7 +168,7 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     torch.set_num_threads(1)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method(backend))
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="posttrain-rdzv-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -17,13 +17,13 @@ class TrainCommand:
 
     Attributes:
         run: the training run.
-        world_size: CPU processes (torchrun sets its own).
+        world_size: processes (default: one per GPU with ``device`` cuda, else 2; torchrun sets its own).
         plot: a per-rank timeline PNG of the last step.
         trace: the last step as a Chrome trace JSON (Perfetto).
     """
 
     run: TrainConfig = field(default_factory=lambda: TrainConfig(steps=20))
-    world_size: int = 2
+    world_size: int | None = None
     plot: str | None = None
     trace: str | None = None
 

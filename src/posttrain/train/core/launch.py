@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.device import backend, check_fork, check_world, rank_device, use
+from posttrain.device import backend, check_world, device_count, rank_device, use
 from posttrain.launch import run_job
 
 from .checkpoint import check_resumable
@@ -64,9 +64,12 @@ def under_torchrun() -> bool:
                                                     and "MASTER_ADDR" in os.environ)
 
 
-def launch_world(world_size: int) -> tuple[int, bool]:
-    """``(world size, whether this process leads)`` of a run asked for ``world_size`` processes:
-    under ``torchrun``, torchrun's world and whether this is its rank 0."""
+def launch_world(world_size: int | None, device: str = "cpu") -> tuple[int, bool]:
+    """``(world size, whether this process leads)`` of a run asked for ``world_size`` processes
+    (``None``: one per GPU on ``device`` cuda, else 2): under ``torchrun``, torchrun's world and
+    whether this is its rank 0."""
+    if world_size is None:
+        world_size = 2 if device == "cpu" else device_count(device)
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     if under_torchrun():
@@ -81,7 +84,6 @@ def launch(worker: Callable[..., Any], world_size: int, *args: Any, device: str 
     :func:`posttrain.device.backend` of the device kind ``device``. Every rank's result, in
     rank order (``None`` on torchrun ranks other than 0)."""
     if not under_torchrun():
-        check_fork(device)
         return run_job(worker, world_size, *args, backend=backend(device), timeout_s=timeout_s)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     use(rank_device(device, int(os.environ["RANK"])))

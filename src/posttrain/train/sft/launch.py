@@ -4,6 +4,7 @@ exporting a data-parallel checkpoint."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from posttrain.launch import run_job
 from posttrain.train.core import check_output_path, check_run, config_from_dict, latest_checkpoint, launch, launch_world
@@ -16,7 +17,7 @@ from .minibatches import TrainData, model_vocab_size
 __all__ = ["export_checkpoint", "run_training"]
 
 
-def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
+def run_training(cfg: TrainConfig, *, world_size: int | None = 2, quiet: bool = False,
                  outputs: dict[str, str | None] | None = None) -> list[dict] | None:
     """Train ``cfg`` on ``world_size`` forked processes (on the CPU, or one GPU each: ``cfg.device``),
     or on this process's rank when launched by ``torchrun`` (then ``world_size`` comes from
@@ -24,19 +25,19 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
 
     Args:
         cfg: the run.
-        world_size: processes (ignored under torchrun).
+        world_size: processes (``None``: one per GPU on CUDA, else 2; ignored under torchrun).
         quiet: print nothing.
         outputs: more output files to check before training, ``{"`parameter`": path}``.
 
     Returns:
         Every rank's :func:`~posttrain.train.train_worker` result (None on torchrun ranks other than 0).
     """
-    world_size, lead = launch_world(world_size)
+    kind = cfg.device_kind  # (a device the run cannot use: one line, before anything else)
+    world_size, lead = launch_world(world_size, kind)
     if world_size % cfg.engine.replicas:
         raise ValueError(f"replicas={cfg.engine.replicas} does not divide world_size={world_size}")
     say = print if (lead and not quiet) else (lambda *a, **k: None)
     check_run(cfg, outputs, world_size)  # a device, outputs, a mismatched checkpoint: one line, before any work
-    kind = cfg.device_kind
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
     data = TrainData(cfg, world_size, log=say)
     if data.dropped:
@@ -48,7 +49,7 @@ def run_training(cfg: TrainConfig, *, world_size: int = 2, quiet: bool = False,
     where = "CPU processes" if kind == "cpu" else f"processes, one {kind} device each"
     say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {world_size} {where}, {model} "
         f"{cfg.engine.precision}, {cfg.sequences} {source} sequences per step, {cfg.steps} steps", flush=True)
-    results = launch(train_worker, world_size, cfg, device=kind)
+    results = launch(train_worker, world_size, replace(cfg, device=kind), device=kind)
     if results is None:
         return None
     if not results[0]["metrics"]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_minibatch
-from posttrain.device import rank_device, synchronize, use
+from posttrain.device import rank_device, rank_kind, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
 from posttrain.spans import COMM_KINDS, Recorder
@@ -164,7 +164,11 @@ class SFTTrainer(Trainer):
     scalars = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization")
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int) -> None:
-        self.device = rank_device(cfg.device_kind, rank)
+        # the launcher's resolution (auto in a rank started elsewhere: its process group's device)
+        kind = rank_kind(cfg.device)
+        if kind != "cpu":
+            _ = cfg.device_kind  # (a trainer or engine that does not run there: one line)
+        self.device = rank_device(kind, rank)
         use(self.device)
         self.data = TrainData(cfg, world_size)
         self.rec = Recorder(rank)
