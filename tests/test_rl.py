@@ -100,6 +100,33 @@ def test_policy_loss_is_the_clipped_surrogate_plus_k3():
     assert st["tokens"] == 2 and st["clipped"] == 1
 
 
+@pytest.mark.parametrize("eps_low, eps_high", [(0.2, 0.2), (0.2, 0.28)], ids=["symmetric", "clip-higher"])
+def test_clipped_tokens_are_those_whose_gradient_the_clip_stops(eps_low, eps_high):
+    """The four sign/side cases (and inside the range): a ratio above 1 + eps_high with A > 0 or
+    below 1 - eps_low with A < 0 is on the clipped branch (zero gradient); above with A < 0 or
+    below with A > 0 the unclipped term is the min and the gradient flows (TRL's count)."""
+    from posttrain.rl import clipped_surrogate
+
+    ratio = torch.tensor([1.5, 0.5, 0.5, 1.5, 1.05, 1.25, 1.25], requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0])
+    pg, clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)
+    pg.sum().backward()
+    high = 1.25 > 1 + eps_high  # the 1.25 ratio: clipped under 0.2, inside under clip-higher's 0.28
+    assert clipped.tolist() == [True, False, True, False, False, high, False]
+    assert ((ratio.grad == 0) == clipped).all(), ratio.grad  # clipped exactly where the gradient stops
+    want = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    assert torch.equal(pg, want)
+
+
+def test_rl_config_clip_bounds_default_to_the_symmetric_shorthand():
+    cfg = RLConfig(clip_eps=0.1)
+    assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.1, 0.1)
+    cfg = RLConfig(clip_eps_high=0.28)
+    assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.2, 0.28)
+    with pytest.raises(ValueError, match=r"clip_eps_low=1\.5 must be in"):
+        RLConfig(clip_eps_low=1.5)
+
+
 def _update_worker(rank, world, cfg, model_dir, lengths):
     torch.manual_seed(0)
     model = load_pretrained(model_dir)
@@ -134,7 +161,8 @@ def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_m
     ref = load_pretrained(model_dir)
     rolls = _rollouts(ref, ref.config.vocab_size, LENGTHS)
     opt = torch.optim.SGD(ref.parameters(), lr=cfg.optim.lr)
-    loss, _ = policy_loss(ref, rolls, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, agg=agg)
+    loss, _ = policy_loss(ref, rolls, clip_eps=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
+                          agg=agg)
     (loss / loss_units(rolls, agg)).backward()
     opt.step()
     want = ref.hf.state_dict()

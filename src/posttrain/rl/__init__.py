@@ -5,7 +5,7 @@ that composes them with a data-parallel engine is :mod:`posttrain.train.rl`."""
 from __future__ import annotations
 
 from .advantages import ESTIMATORS, Advantages, compute_advantages
-from .loss import LOSS_AGGS, Rollout, loss_units, policy_loss, token_logprobs
+from .loss import LOSS_AGGS, Rollout, clipped_surrogate, loss_units, policy_loss, token_logprobs
 from .rewards import call_reward, load_reward, reverse_digits_reward
 from .rollout import HFRollout, RolloutEngine
 
@@ -17,6 +17,7 @@ __all__ = [
     "Rollout",
     "RolloutEngine",
     "call_reward",
+    "clipped_surrogate",
     "compute_advantages",
     "load_reward",
     "loss_units",

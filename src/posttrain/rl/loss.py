@@ -3,7 +3,8 @@
 Per response token ``t`` of sample ``i`` (prompt tokens are masked out):
 
     ratio = exp(logp - logp_old)
-    pg    = -min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i)      (PPO's clipped surrogate)
+    pg    = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)   (PPO's clipped surrogate;
+                                                                          eps_high > eps_low: DAPO's clip-higher)
     kl    = exp(logp_ref - logp) - (logp_ref - logp) - 1                (the k3 estimator, >= 0)
     loss  = pg + kl_coef * kl
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LOSS_AGGS", "Rollout", "loss_units", "policy_loss", "token_logprobs"]
+__all__ = ["LOSS_AGGS", "Rollout", "clipped_surrogate", "loss_units", "policy_loss", "token_logprobs"]
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -63,6 +64,17 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantage: torch.Tensor, eps_low: float,
+                      eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token loss ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`` and
+    which tokens are on the clipped branch: those whose gradient the clip stops, a ratio above
+    ``1 + eps_high`` with a positive advantage or below ``1 - eps_low`` with a negative one (a
+    ratio outside the range on the other side keeps its gradient: the unclipped term is the min)."""
+    pg = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantage)
+    clipped = ((ratio > 1 + eps_high) & (advantage > 0)) | ((ratio < 1 - eps_low) & (advantage < 0))
+    return pg, clipped
+
+
 def loss_units(rollouts: Sequence[Rollout], agg: str) -> int:
     """The count the loss is averaged over (see the module docstring)."""
     if agg == "token-mean":
@@ -70,11 +82,13 @@ def loss_units(rollouts: Sequence[Rollout], agg: str) -> int:
     return len(rollouts)
 
 
-def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, kl_coef: float = 0.0,
-                agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, clip_eps_high: float | None = None,
+                kl_coef: float = 0.0, agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, float]]:
     """The summed, weighted loss of ``rollouts`` packed into one microbatch (divide it by the
     minibatch's :func:`loss_units` before ``backward``), and sums for the step's statistics:
-    ``tokens``, ``clipped`` tokens, ``kl`` and ``entropy`` sums over response tokens."""
+    ``tokens``, ``clipped`` tokens (on the clipped branch, :func:`clipped_surrogate`), ``kl``
+    and ``entropy`` sums over response tokens. ``clip_eps`` bounds the ratio below (and above,
+    unless ``clip_eps_high`` is given)."""
     if agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
     inputs = torch.cat([r.input_ids[:-1] for r in rollouts]).unsqueeze(0)
@@ -99,10 +113,9 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, kl
     logp = logp_all[idx]
     w, a, old_lp = torch.cat(weights), torch.cat(adv), torch.cat(old)
     ratio = torch.exp(logp - old_lp)
-    pg = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+    pg, clipped = clipped_surrogate(ratio, a, clip_eps, clip_eps if clip_eps_high is None else clip_eps_high)
     loss_tok = pg
-    stats = {"tokens": float(idx.numel()),
-             "clipped": float(((ratio - 1).abs() > clip_eps).sum())}
+    stats = {"tokens": float(idx.numel()), "clipped": float(clipped.sum())}
     if kl_coef:
         d = torch.cat(ref) - logp
         kl = torch.exp(d) - d - 1

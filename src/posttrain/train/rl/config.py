@@ -31,7 +31,11 @@ class RLConfig(RunConfig):
         max_new_tokens: longest response.
         advantage: ``grpo`` (group mean baseline) or ``rloo`` (leave-one-out baseline).
         scale_rewards: ``std``: GRPO divides by the group's standard deviation; ``none``: it does not.
-        clip_eps: PPO ratio clipping.
+        clip_eps: PPO ratio clipping, both sides (the shorthand for ``clip_eps_low`` and
+            ``clip_eps_high``).
+        clip_eps_low: the ratio's lower bound is 1 - this (default ``clip_eps``).
+        clip_eps_high: the ratio's upper bound is 1 + this (default ``clip_eps``; DAPO's
+            clip-higher takes it above ``clip_eps_low``, e.g. 0.28 with 0.2).
         ppo_epochs: passes over each rollout batch.
         minibatches: optimizer steps per pass (the rollouts split evenly).
         kl_coef: weight of the k3 KL estimate to the frozen initial policy (0: no reference).
@@ -59,6 +63,8 @@ class RLConfig(RunConfig):
     advantage: Literal["grpo", "rloo"] = "grpo"
     scale_rewards: Literal["std", "none"] = "std"
     clip_eps: float = 0.2
+    clip_eps_low: float | None = field(default=None, metadata={"derived": True})
+    clip_eps_high: float | None = field(default=None, metadata={"derived": True})
     ppo_epochs: int = 1
     minibatches: int = 1
     kl_coef: float = 0.0
@@ -74,6 +80,9 @@ class RLConfig(RunConfig):
         return ("model_path", *super().state_fields())
 
     def __post_init__(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.clip_eps)
         super().__post_init__()
         for name, choices in (("balance", METHODS), ("advantage", ESTIMATORS), ("loss_agg", LOSS_AGGS),
                               ("scale_rewards", ("std", "none"))):
@@ -87,6 +96,10 @@ class RLConfig(RunConfig):
                              "samples of a prompt with each other and needs at least 2")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps={self.clip_eps} must be in (0, 1)")
+        if not 0 < self.clip_eps_low < 1:
+            raise ValueError(f"clip_eps_low={self.clip_eps_low} must be in (0, 1)")
+        if not self.clip_eps_high > 0:
+            raise ValueError(f"clip_eps_high={self.clip_eps_high} must be positive")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef={self.kl_coef} must be non-negative")
         if self.minibatches > self.prompts_per_step * self.samples_per_prompt:
