@@ -118,6 +118,36 @@ def test_clipped_tokens_are_those_whose_gradient_the_clip_stops(eps_low, eps_hig
     assert torch.equal(pg, want)
 
 
+def test_log_probabilities_are_taken_at_the_sampling_temperature(tiny_model):
+    """At temperature 1.5 the rollout's log-probabilities are those of softmax(logits / 1.5), the
+    distribution it samples; with the policy's taken the same way the ratio of one update epoch
+    is 1 and the gradient is the on-policy gradient of the tempered distribution, by hand."""
+    from posttrain.rl import HFRollout
+
+    t, advantage, prompt_len = 1.5, 0.7, 4
+    model_dir = tiny_model("llama")
+    model = load_pretrained(model_dir)
+    rollout = HFRollout(load_pretrained(model_dir).hf, eos_token_id=0, pad_token_id=0, temperature=t)
+    ids = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    old = rollout.logprobs([ids], [prompt_len])[0]
+
+    def tempered(temperature):
+        logits = model(ids[:-1].unsqueeze(0))[0][prompt_len - 1:]
+        return torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, ids[prompt_len:, None])[:, 0]
+
+    with torch.no_grad():
+        torch.testing.assert_close(old, tempered(t), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(old, tempered(1.0), atol=1e-3)  # (the temperature matters here)
+    loss, st = policy_loss(model, [Rollout(ids, prompt_len, advantage, old)], temperature=t, agg="token-mean")
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    (-(advantage * tempered(t)).sum()).backward()  # the on-policy gradient: d ratio = d logp at ratio 1
+    for g, w in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
+    assert st["clipped"] == 0
+
+
 def test_rl_config_clip_bounds_default_to_the_symmetric_shorthand():
     cfg = RLConfig(clip_eps=0.1)
     assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.1, 0.1)
@@ -248,7 +278,8 @@ def _reference_worker(rank, world, cfg, model_dir, lengths):
 @pytest.mark.parametrize("dp, mode", [("odc", "one-sided"), ("fsdp", "one-sided"), ("odc", "collective")])
 def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, dp, mode):
     model_dir = tiny_model("llama")
-    cfg = RLConfig(engine=EngineConfig(dp, mode=mode), balance="diff_micro", kl_coef=0.1, max_tokens=64)
+    cfg = RLConfig(engine=EngineConfig(dp, mode=mode), balance="diff_micro", kl_coef=0.1, max_tokens=64,
+                   temperature=1.5)  # (at the sampling temperature)
     results = run_ranks(_reference_worker, 2, cfg, model_dir, LENGTHS)
     if not cfg.engine.label.endswith(("fsdp", "collective")):
         assert results[0][1] != results[1][1]  # the ranks ran different numbers of forward microbatches
@@ -259,7 +290,8 @@ def test_the_sharded_reference_gives_the_unsharded_models_logprobs(tiny_model, d
         assert 0 < local <= total / 2 + 64, (local, total)
     for r, got0, got1 in zip(_rollouts(model, model.config.vocab_size, LENGTHS), results[0][0], results[1][0]):
         with torch.no_grad():
-            want = token_logprobs(model(r.input_ids[:-1].unsqueeze(0))[0][r.prompt_len - 1:], r.input_ids[r.prompt_len:])
+            want = token_logprobs(model(r.input_ids[:-1].unsqueeze(0))[0][r.prompt_len - 1:], r.input_ids[r.prompt_len:],
+                                  1.5)
         torch.testing.assert_close(got0, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(got0, got1)
 

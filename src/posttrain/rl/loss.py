@@ -2,7 +2,8 @@
 
 Per response token ``t`` of sample ``i`` (prompt tokens are masked out):
 
-    ratio = exp(logp - logp_old)
+    ratio = exp(logp - logp_old)         (log-probabilities of softmax(logits / temperature), the
+                                          distribution the responses were sampled from)
     pg    = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)   (PPO's clipped surrogate;
                                                                           eps_high > eps_low: DAPO's clip-higher)
     kl    = exp(logp_ref - logp) - (logp_ref - logp) - 1                (the k3 estimator, >= 0)
@@ -59,9 +60,11 @@ class Rollout:
         return len(self) - self.prompt_len
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits)[target]`` per position (fp32)."""
-    return -F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / temperature)[target]`` per position (fp32): the log-probability
+    under the distribution sampled at ``temperature``."""
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return -F.cross_entropy(scaled.flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantage: torch.Tensor, eps_low: float,
@@ -83,19 +86,21 @@ def loss_units(rollouts: Sequence[Rollout], agg: str) -> int:
 
 
 def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, clip_eps_high: float | None = None,
-                kl_coef: float = 0.0, agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, float]]:
+                kl_coef: float = 0.0, agg: str = "token-mean",
+                temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The summed, weighted loss of ``rollouts`` packed into one microbatch (divide it by the
     minibatch's :func:`loss_units` before ``backward``), and sums for the step's statistics:
     ``tokens``, ``clipped`` tokens (on the clipped branch, :func:`clipped_surrogate`), ``kl``
     and ``entropy`` sums over response tokens. ``clip_eps`` bounds the ratio below (and above,
-    unless ``clip_eps_high`` is given)."""
+    unless ``clip_eps_high`` is given). Log-probabilities and entropy are those of the
+    distribution sampled at ``temperature`` (the rollout's and the reference's must be too)."""
     if agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
     inputs = torch.cat([r.input_ids[:-1] for r in rollouts]).unsqueeze(0)
     targets = torch.cat([r.input_ids[1:] for r in rollouts])
     lengths = [len(r) - 1 for r in rollouts]
     logits = model(inputs, document_lengths=lengths)[0]
-    logp_all = token_logprobs(logits, targets)
+    logp_all = token_logprobs(logits, targets, temperature)
     # The response positions of each sample among the packed targets.
     pieces, weights, adv, old, ref = [], [], [], [], []
     start = 0
@@ -122,6 +127,6 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, cl
         loss_tok = loss_tok + kl_coef * kl
         stats["kl"] = float(kl.detach().sum())
     with torch.no_grad():
-        probs = torch.softmax(logits[idx].float(), dim=-1)
+        probs = torch.softmax(logits[idx].float() / temperature, dim=-1)
         stats["entropy"] = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())
     return (loss_tok * w).sum(), stats

@@ -31,7 +31,8 @@ class RolloutEngine(Protocol):
         length limit cut them), prompt after prompt."""
 
     def logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-        """Per sequence, the log-probabilities of its response tokens under the loaded weights."""
+        """Per sequence, the log-probabilities of its response tokens under the loaded weights, at
+        the sampling temperature."""
 
 
 class HFRollout:
@@ -84,5 +85,5 @@ class HFRollout:
         out = []
         for seq, p in zip(sequences, prompt_lens):
             logits = self.model(input_ids=seq[:-1].unsqueeze(0), use_cache=False).logits[0]
-            out.append(token_logprobs(logits[p - 1:], seq[p:]))
+            out.append(token_logprobs(logits[p - 1:], seq[p:], self.temperature))  # what was sampled
         return out

@@ -26,7 +26,10 @@ class RLConfig(RunConfig):
         balance: balancing method of each update minibatch.
         samples_per_prompt: responses sampled per prompt (a group).
         prompts_per_step: prompts per step, over all ranks.
-        temperature: sampling temperature.
+        temperature: sampling temperature; the rollout's, the policy's and the reference's
+            log-probabilities are all taken at it (logits divided by it), so the update is the
+            policy gradient of the distribution that was sampled (top-p's truncation is not
+            modelled, as in TRL and verl).
         top_p: nucleus sampling threshold.
         max_new_tokens: longest response.
         advantage: ``grpo`` (group mean baseline) or ``rloo`` (leave-one-out baseline).

@@ -130,7 +130,8 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
                 engine.run_dummy()
                 continue
             loss, st = policy_loss(model, [rollouts[i] for i in micro.sequence_ids], clip_eps=cfg.clip_eps_low,
-                                   clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, agg=cfg.loss_agg)
+                                   clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, agg=cfg.loss_agg,
+                                   temperature=cfg.temperature)
             for k, v in st.items():
                 sums[k] += v
             (loss / mb.loss_divisor).backward()

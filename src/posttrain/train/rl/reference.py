@@ -71,7 +71,7 @@ class ShardedReference:
                 inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0)
                 targets = torch.cat([sequences[i][1:] for i in ids])
                 lengths = [len(sequences[i]) - 1 for i in ids]
-                lp = token_logprobs(self.model(inputs, document_lengths=lengths)[0], targets)
+                lp = token_logprobs(self.model(inputs, document_lengths=lengths)[0], targets, self.cfg.temperature)
                 start = 0
                 for i, n in zip(ids, lengths):
                     out[i] = lp[start + prompt_lens[i] - 1:start + n].tolist()
