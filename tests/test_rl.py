@@ -148,6 +148,28 @@ def test_log_probabilities_are_taken_at_the_sampling_temperature(tiny_model):
     assert st["clipped"] == 0
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_equal_reward_groups_are_skipped_or_trained_as_asked(tmp_path, tiny_model, monkeypatch, skip):
+    """A reward every response earns equally: every group has zero advantage. Skipped (the
+    default), nothing is updated; trained, the KL term is (TRL's choice). Both count them."""
+    from posttrain.cli import build_parser
+    from posttrain.data.tasks import chat_task_records
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(4, seed=3)))
+    (tmp_path / "flat_reward.py").write_text("def reward(prompt, response):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="flat_reward:reward",
+                   samples_per_prompt=2, prompts_per_step=2, max_new_tokens=4, steps=1, max_tokens=128, kl_coef=0.1,
+                   skip_equal_reward_groups=skip)
+    row = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"][0]
+    assert row["zero_advantage_groups"] == 2
+    assert row["updates"] == (0 if skip else 1)
+    assert (row["kl"] is None or row["kl"] == 0) if skip else row["kl"] >= 0 and row["entropy"] > 0
+    args = build_parser("rl").parse_args(["rl", "--no-skip-equal-reward-groups"])  # the switch's off form
+    assert getattr(args, "run.skip_equal_reward_groups") is False
+
+
 def test_rl_config_clip_bounds_default_to_the_symmetric_shorthand():
     cfg = RLConfig(clip_eps=0.1)
     assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.1, 0.1)

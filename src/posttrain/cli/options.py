@@ -241,8 +241,8 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             continue
         if f.metadata.get("required"):
             kwargs["required"] = True
-        if kind is bool:
-            kwargs["action"] = "store_true"
+        if kind is bool:  # a switch; one that is on by default also has its --no- form
+            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
             text = help_text
         else:
             kwargs["type"] = kind

@@ -42,6 +42,9 @@ class RLConfig(RunConfig):
         ppo_epochs: passes over each rollout batch.
         minibatches: optimizer steps per pass (the rollouts split evenly).
         kl_coef: weight of the k3 KL estimate to the frozen initial policy (0: no reference).
+        skip_equal_reward_groups: leave a group whose rewards are all equal (zero advantage) out
+            of the update, as the step's count of them says; without it such groups are trained
+            (their KL term with ``kl_coef``) and count in the loss's divisor, as TRL does.
         loss_agg: ``token-mean``, ``seq-mean-token-sum`` or ``seq-mean-token-mean``.
         steps: rollout-and-update steps.
         max_tokens: most tokens in one update microbatch.
@@ -71,6 +74,7 @@ class RLConfig(RunConfig):
     ppo_epochs: int = 1
     minibatches: int = 1
     kl_coef: float = 0.0
+    skip_equal_reward_groups: bool = True
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     max_tokens: int = 1024
     record: str | None = None

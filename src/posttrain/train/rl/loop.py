@@ -199,7 +199,8 @@ class RLTrainer(Trainer):
         samples = sorted((s for part in every for s in part), key=lambda s: (s["prompt"], s["sample"]))
         adv = compute_advantages([s["reward"] for s in samples], n, estimator=cfg.advantage,
                                  normalize_std=cfg.scale_rewards == "std")
-        skip = set(adv.zero_groups)
+        zero = set(adv.zero_groups)
+        skip = zero if cfg.skip_equal_reward_groups else set()
         t_ref = time.perf_counter()
         kept = [s for s in samples if s["prompt"] not in skip]
         if self.reference is not None and kept:  # (a skipped group is not trained: no reference needed)
@@ -238,7 +239,7 @@ class RLTrainer(Trainer):
         return {
             "step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
-            "zero_advantage_groups": len(skip), "updates": updates,
+            "zero_advantage_groups": len(zero), "updates": updates,
             "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
             "entropy": totals["entropy"] / tok_n,
             "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]),
@@ -250,7 +251,8 @@ class RLTrainer(Trainer):
     def progress_line(self, step: int, row: dict) -> str:
         return (f"step {step:4d}  reward {row['reward_mean']:.3f}  len {row['response_len_mean']:.1f}  "
                 f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "
-                f"({row['update_tokens_per_s']:.0f} tokens/s)  skipped groups {row['zero_advantage_groups']}")
+                f"({row['update_tokens_per_s']:.0f} tokens/s)  equal-reward groups {row['zero_advantage_groups']}"
+                + (" (skipped)" if self.cfg.skip_equal_reward_groups else " (trained)"))
 
     def export(self) -> None:
         from posttrain.models import save_pretrained
