@@ -170,6 +170,33 @@ def test_equal_reward_groups_are_skipped_or_trained_as_asked(tmp_path, tiny_mode
     assert getattr(args, "run.skip_equal_reward_groups") is False
 
 
+def test_a_reward_gets_the_record_fields_it_names():
+    record = {"answer": "4 1 3", "tests": ["t1"], "source": "x"}
+    assert call_reward(lambda p, r: len(r), "p", "abc", fields=record) == 3  # two arguments: as before
+    assert call_reward(lambda prompt, response, answer: float(response == answer), "p", "4 1 3", fields=record) == 1
+    assert call_reward(lambda p, r, **kw: len(kw), "p", "r", fields=record) == 3  # **kwargs: every field
+    with pytest.raises(ValueError, match=r"`reward` mine:f returned 'high', not a number \(p\.jsonl:7, response"):
+        call_reward(lambda p, r: "high", "p", "r", name="mine:f", where="p.jsonl:7")
+
+
+def test_several_rewards_are_weighted_and_each_reported(tmp_path, tiny_model, monkeypatch):
+    from posttrain.data.tasks import chat_task_records
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({**r, "answer": "yes"}) + "\n" for r in chat_task_records(4, seed=3)))
+    (tmp_path / "two.py").write_text("def flat(prompt, response):\n    return 1.0\n"
+                                     "def given(prompt, response, answer):\n    return float(answer == 'yes') * 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="two:flat, two:given",
+                   reward_weights=(0.5, 2.0), samples_per_prompt=2, prompts_per_step=2, max_new_tokens=4, steps=1,
+                   max_tokens=128)
+    row = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"][0]
+    assert row["reward_mean/two:flat"] == 1.0 and row["reward_mean/two:given"] == 3.0
+    assert row["reward_mean"] == 0.5 * 1.0 + 2.0 * 3.0
+    with pytest.raises(ValueError, match="1 weights for the 2 reward"):
+        RLConfig(reward="two:flat,two:given", reward_weights=(1.0,))
+
+
 def test_rl_config_clip_bounds_default_to_the_symmetric_shorthand():
     cfg = RLConfig(clip_eps=0.1)
     assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.1, 0.1)

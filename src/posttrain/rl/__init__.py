@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .advantages import ESTIMATORS, Advantages, compute_advantages
 from .loss import LOSS_AGGS, Rollout, clipped_surrogate, loss_units, policy_loss, token_logprobs
-from .rewards import call_reward, load_reward, reverse_digits_reward
+from .rewards import call_reward, load_reward, load_rewards, reverse_digits_reward
 from .rollout import HFRollout, RolloutEngine
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "clipped_surrogate",
     "compute_advantages",
     "load_reward",
+    "load_rewards",
     "loss_units",
     "policy_loss",
     "reverse_digits_reward",

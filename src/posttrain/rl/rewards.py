@@ -1,21 +1,25 @@
 """Rewards: the embedded verifiable task, or a user function ``module:function``.
 
-A reward function is called as ``fn(prompt, response) -> float``: ``prompt`` is the record's
-prompt (a string, or the chat messages before the answer), ``response`` the decoded response
-without special tokens. It must return a finite number; an exception or a non-finite value is an
-error naming the function and the sample.
+A reward function is called as ``fn(prompt, response, **fields) -> float``: ``prompt`` is the
+record's prompt (a string, or the chat messages before the answer), ``response`` the decoded
+response without special tokens, and ``fields`` the record's other fields (a reference
+``answer``, test cases, ...), as TRL passes them. A function gets the fields it names as
+parameters (all of them with ``**kwargs``); one that takes only ``(prompt, response)`` is called
+with those two. It must return a finite number; an exception or a non-finite value is an error
+naming the function, the record and the value.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from posttrain.data.tasks import reverse_answer
 
-__all__ = ["RewardFn", "call_reward", "load_reward", "reverse_digits_reward"]
+__all__ = ["RewardFn", "call_reward", "load_reward", "load_rewards", "reverse_digits_reward"]
 
 RewardFn = Callable[[Any, str], float]
 
@@ -52,16 +56,41 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
-def call_reward(fn: RewardFn, prompt: Any, response: str, *, name: str = "reward") -> float:
-    """``fn(prompt, response)`` as a float; a clear error if it raises or returns non-finite."""
+def load_rewards(spec: str) -> list[tuple[str, RewardFn]]:
+    """``(name, function)`` of each comma-separated reward of ``spec`` (:func:`load_reward`)."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError("`reward` is empty: give reverse_digits or module:function")
+    return [(name, load_reward(name)) for name in names]
+
+
+def _fields_for(fn: RewardFn, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The record fields ``fn`` takes: those it names as parameters, or all with ``**kwargs``."""
     try:
-        value = fn(prompt, response)
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the two arguments only
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(fields)
+    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                         inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in fields.items() if k in named and k not in ("prompt", "response")}
+
+
+def call_reward(fn: RewardFn, prompt: Any, response: str, *, name: str = "reward",
+                fields: Mapping[str, Any] | None = None, where: str = "") -> float:
+    """``fn(prompt, response, **fields it takes)`` as a float; a clear error (naming the
+    function, the record ``where`` and the value) if it raises or returns a non-finite value."""
+    at = f"{where}, " if where else ""
+    try:
+        value = fn(prompt, response, **_fields_for(fn, fields or {}))
     except Exception as e:  # the user's function: report, do not crash deep inside the loop
-        raise ValueError(f"`reward` {name} raised {type(e).__name__}: {e} (response {response[:60]!r})") from None
+        raise ValueError(f"`reward` {name} raised {type(e).__name__}: {e} ({at}response {response[:60]!r})") from None
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"`reward` {name} returned {value!r}, not a number (response {response[:60]!r})") from None
+        raise ValueError(f"`reward` {name} returned {value!r}, not a number ({at}response {response[:60]!r})") from None
     if not math.isfinite(value):
-        raise ValueError(f"`reward` {name} returned {value} (response {response[:60]!r}); rewards must be finite")
+        raise ValueError(f"`reward` {name} returned {value} ({at}response {response[:60]!r}); rewards must be "
+                         "finite")
     return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -22,7 +23,9 @@ class RLConfig(RunConfig):
         prompts: a JSONL file of ``{"prompt": str}`` or ``{"messages": [...]}`` records (chat
             prompts are rendered with the template's generation prompt).
         reward: ``reverse_digits`` (the embedded task) or ``module:function`` called with
-            ``(prompt, response)``.
+            ``(prompt, response)`` and the record's other fields it names (docs/rl.md); several,
+            comma-separated, are summed with ``reward_weights`` (each one's mean in the metrics).
+        reward_weights: one weight per reward (default 1 each).
         balance: balancing method of each update minibatch.
         samples_per_prompt: responses sampled per prompt (a group).
         prompts_per_step: prompts per step, over all ranks.
@@ -60,6 +63,7 @@ class RLConfig(RunConfig):
     model_path: str | None = None
     prompts: str | None = None
     reward: str = "reverse_digits"
+    reward_weights: tuple[float, ...] | None = None
     balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
     samples_per_prompt: int = 4
     prompts_per_step: int = 8
@@ -107,6 +111,13 @@ class RLConfig(RunConfig):
             raise ValueError(f"clip_eps_low={self.clip_eps_low} must be in (0, 1)")
         if not self.clip_eps_high > 0:
             raise ValueError(f"clip_eps_high={self.clip_eps_high} must be positive")
+        if self.reward_weights is not None:
+            count = len([s for s in self.reward.split(",") if s.strip()])
+            if len(self.reward_weights) != count:
+                raise ValueError(f"reward_weights={','.join(map(str, self.reward_weights))}: {len(self.reward_weights)} "
+                                 f"weights for the {count} reward(s) of `reward`")
+            if not all(math.isfinite(w) for w in self.reward_weights):
+                raise ValueError("`reward_weights` must be finite numbers")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef={self.kl_coef} must be non-negative")
         if self.minibatches > self.prompts_per_step * self.samples_per_prompt:

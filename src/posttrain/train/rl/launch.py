@@ -6,7 +6,7 @@ import os
 
 from transformers import AutoTokenizer
 
-from posttrain.rl import load_reward
+from posttrain.rl import load_rewards
 from posttrain.train.core import check_run, launch, launch_world
 
 from .config import RLConfig
@@ -32,7 +32,7 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     except (OSError, ValueError) as e:
         raise ValueError(f"`model_path` {cfg.model_path}: no tokenizer transformers can load ({e})") from None
     prompts = load_prompts(cfg.prompts, tok, max_new_tokens=cfg.max_new_tokens, max_tokens=cfg.max_tokens)
-    load_reward(cfg.reward)
+    load_rewards(cfg.reward)
     if cfg.prompts_per_step < world_size:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {world_size} ranks")
     say(f"posttrain rl: {cfg.advantage} with {cfg.engine.label}+{cfg.balance} updates on {world_size} CPU processes, "

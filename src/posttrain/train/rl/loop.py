@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from posttrain.rl import (
     Rollout,
     call_reward,
     compute_advantages,
-    load_reward,
+    load_rewards,
     loss_units,
     policy_loss,
 )
@@ -54,11 +55,13 @@ RL_SCALARS = ("reward_mean", "reward_std", "response_len_mean", "kl", "clip_frac
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt as given (``raw``: a string or chat messages) and its token ids."""
+    """A prompt as given (``raw``: a string or chat messages), its token ids, where it was read
+    and the record's other fields (what reward functions may take)."""
 
     raw: object
     ids: list[int]
     where: str
+    fields: dict = field(default_factory=dict)
 
 
 def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int) -> list[Prompt]:
@@ -97,7 +100,8 @@ def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int) 
             if len(ids) + max_new_tokens > max_tokens + 1:
                 raise ValueError(f"{where}: a prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} "
                                  f"exceeds max_tokens={max_tokens} + 1; raise `max_tokens` or shorten it")
-            out.append(Prompt(raw, ids, where))
+            fields = {k: v for k, v in rec.items() if k not in ("prompt", "messages")}
+            out.append(Prompt(raw, ids, where, fields))
     if not out:
         raise ValueError(f"`prompts` {path}: no prompts")
     return out
@@ -155,7 +159,8 @@ class RLTrainer(Trainer):
         self.tok = AutoTokenizer.from_pretrained(cfg.model_path)
         self.prompts = load_prompts(cfg.prompts, self.tok, max_new_tokens=cfg.max_new_tokens,
                                     max_tokens=cfg.max_tokens)
-        self.reward_fn = load_reward(cfg.reward)
+        self.rewards = load_rewards(cfg.reward)
+        self.weights = cfg.reward_weights or (1.0,) * len(self.rewards)
         self.policy = load_pretrained(cfg.model_path)
         self.tied = tied_names(self.policy)
         self.cost = FlopsCost.from_config(self.policy.config)
@@ -188,8 +193,9 @@ class RLTrainer(Trainer):
             p = batch[mine[k // n]]
             seq = torch.tensor(p.ids + resp, dtype=torch.long)
             text = self.tok.decode(resp, skip_special_tokens=True)
+            parts = [call_reward(fn, p.raw, text, name=name, fields=p.fields, where=p.where) for name, fn in self.rewards]
             local.append({"prompt": mine[k // n], "sample": k % n, "ids": seq.tolist(), "prompt_len": len(p.ids),
-                          "reward": call_reward(self.reward_fn, p.raw, text, name=cfg.reward), "len": len(resp)})
+                          "reward": sum(w * r for w, r in zip(self.weights, parts)), "parts": parts, "len": len(resp)})
         seqs = [torch.tensor(s["ids"]) for s in local]
         for s, lp in zip(local, self.rollout.logprobs(seqs, [s["prompt_len"] for s in local])):
             s["old"] = lp.tolist()
@@ -238,6 +244,8 @@ class RLTrainer(Trainer):
         tok_n = max(1.0, totals["tokens"])
         return {
             "step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            **({f"reward_mean/{name}": statistics.fmean(s["parts"][i] for s in samples)
+                for i, (name, _) in enumerate(self.rewards)} if len(self.rewards) > 1 else {}),
             "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
             "zero_advantage_groups": len(zero), "updates": updates,
             "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
