@@ -197,6 +197,37 @@ def test_several_rewards_are_weighted_and_each_reported(tmp_path, tiny_model, mo
         RLConfig(reward="two:flat,two:given", reward_weights=(1.0,))
 
 
+def test_the_loop_drives_the_rollout_engine_through_its_weight_sync_phases(tmp_path, tiny_model, monkeypatch):
+    """wake, load_weights (in buckets), generate, logprobs, sleep: every step, in that order."""
+    from posttrain.data.tasks import chat_task_records
+    from posttrain.rl import HFRollout
+
+    log = tmp_path / "calls.txt"
+    for name in ("wake", "load_weights", "generate", "logprobs", "sleep"):
+        original = getattr(HFRollout, name)
+
+        def wrapped(self, *args, _name=name, _original=original, **kwargs):
+            if _name == "load_weights":  # count the buckets
+                args = (list(args[0]),)
+                with open(log, "a") as f:
+                    f.write(f"{_name} {len(args[0])}\n")
+            else:
+                with open(log, "a") as f:
+                    f.write(f"{_name}\n")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(HFRollout, name, wrapped)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(4, seed=3)))
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), samples_per_prompt=2, prompts_per_step=2,
+                   max_new_tokens=4, steps=2, max_tokens=128)
+    run_rl(cfg, world_size=1, quiet=True)
+    calls = log.read_text().split("\n")[:-1]
+    buckets = int(calls[1].split()[1])
+    assert buckets > 1  # one bucket per engine unit, not the whole model at once
+    assert calls == ["wake", f"load_weights {buckets}", "generate", "logprobs", "sleep"] * 2
+
+
 def test_rl_config_clip_bounds_default_to_the_symmetric_shorthand():
     cfg = RLConfig(clip_eps=0.1)
     assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.1, 0.1)

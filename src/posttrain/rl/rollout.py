@@ -21,10 +21,22 @@ __all__ = ["HFRollout", "RolloutEngine"]
 
 
 class RolloutEngine(Protocol):
-    """What the RL loop needs of a rollout engine."""
+    """What the RL loop needs of a rollout engine, in the order it asks each step: the
+    weight-sync phases of serving engines (vLLM's and SGLang's sleep mode), so that one can stand
+    in for :class:`HFRollout` without touching the loop.
+
+    1. :meth:`wake`: take back the memory given up by :meth:`sleep` (weights first).
+    2. :meth:`load_weights`: the policy's full parameters in buckets (one dict per engine unit),
+       so no process holds more than one bucket of them besides the engine's own copy.
+    3. :meth:`generate`, then :meth:`logprobs` of what was generated.
+    4. :meth:`sleep`: give up its memory (weights, KV cache) while the policy trains.
+    """
+
+    def wake(self) -> None:
+        """Before the weights are loaded: take back what :meth:`sleep` released."""
 
     def load_weights(self, parts: Iterable[dict[str, torch.Tensor]]) -> None:
-        """Take the policy's current full parameters (dicts of name -> tensor, a part at a time)."""
+        """Take the policy's current full parameters (dicts of name -> tensor, a bucket at a time)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int) -> list[list[int]]:
         """``n`` sampled responses per prompt (token ids, ending with end-of-sequence unless the
@@ -33,6 +45,9 @@ class RolloutEngine(Protocol):
     def logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
         """Per sequence, the log-probabilities of its response tokens under the loaded weights, at
         the sampling temperature."""
+
+    def sleep(self) -> None:
+        """After the rollout phase: release memory until :meth:`wake`."""
 
 
 class HFRollout:
@@ -55,6 +70,13 @@ class HFRollout:
         self.model = model.eval()
         self.eos, self.pad = eos_token_id, pad_token_id if pad_token_id is not None else eos_token_id
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+
+    def wake(self) -> None:
+        """Nothing: this engine keeps its copy of the policy between steps (``generate`` keeps no
+        KV cache across calls)."""
+
+    def sleep(self) -> None:
+        """Nothing (see :meth:`wake`)."""
 
     def load_weights(self, parts: Iterable[dict[str, torch.Tensor]]) -> None:
         own = self.model.state_dict()

@@ -185,6 +185,7 @@ class RLTrainer(Trainer):
         rng.shuffle(batch)
         dist.barrier()
         t0 = time.perf_counter()
+        self.rollout.wake()
         self.rollout.load_weights(engine.iter_full_state())
         mine = list(range(rank, len(batch), world_size))
         responses = self.rollout.generate([batch[i].ids for i in mine], n, seed=cfg.seed * 7919 + step * 131 + rank)
@@ -199,6 +200,7 @@ class RLTrainer(Trainer):
         seqs = [torch.tensor(s["ids"]) for s in local]
         for s, lp in zip(local, self.rollout.logprobs(seqs, [s["prompt_len"] for s in local])):
             s["old"] = lp.tolist()
+        self.rollout.sleep()
         t_gen = time.perf_counter() - t0
         every: list = [None] * world_size
         dist.all_gather_object(every, local)
