@@ -170,6 +170,19 @@ def test_equal_reward_groups_are_skipped_or_trained_as_asked(tmp_path, tiny_mode
     assert getattr(args, "run.skip_equal_reward_groups") is False
 
 
+@pytest.mark.parametrize("answer, response, want", [
+    ("\\frac{1}{2}", "The answer is $\\boxed{0.5}$", 1.0),
+    ("2\\sqrt{2}", "so it is $\\sqrt{8}$", 1.0),
+    ("$\\frac{3}{4}$", "0.75", 1.0),
+    (3, "x = 3", 1.0),
+    ("42", "41", 0.0),
+    ("7", "seven", 0.0),
+])
+def test_the_math_answer_reward_compares_values(answer, response, want):
+    fn = load_reward("math_answer")
+    assert call_reward(fn, "p", response, fields={"answer": answer, "source": "gsm"}, name="math_answer") == want
+
+
 def test_a_reward_gets_the_record_fields_it_names():
     record = {"answer": "4 1 3", "tests": ["t1"], "source": "x"}
     assert call_reward(lambda p, r: len(r), "p", "abc", fields=record) == 3  # two arguments: as before
@@ -288,7 +301,7 @@ def test_rewards_that_raise_or_are_not_finite_are_named():
     assert load_reward("reverse_digits")("reverse 1 2 3", " 3 2 1 ") == 1.0
     with pytest.raises(ValueError, match="`reward` 'math:nope': cannot import"):
         load_reward("math:nope")
-    with pytest.raises(ValueError, match="give reverse_digits or module:function"):
+    with pytest.raises(ValueError, match="give reverse_digits, math_answer or module:function"):
         load_reward("nothing")
     with pytest.raises(ValueError, match="raised ZeroDivisionError"):
         call_reward(lambda p, r: 1 / 0, "p", "r", name="mine:f")

@@ -19,7 +19,7 @@ from typing import Any
 
 from posttrain.data.tasks import reverse_answer
 
-__all__ = ["RewardFn", "call_reward", "load_reward", "load_rewards", "reverse_digits_reward"]
+__all__ = ["RewardFn", "call_reward", "load_reward", "load_rewards", "math_answer_reward", "reverse_digits_reward"]
 
 RewardFn = Callable[[Any, str], float]
 
@@ -36,17 +36,35 @@ def reverse_digits_reward(prompt: Any, response: str) -> float:
     return 1.0 if response.strip() == reverse_answer(_prompt_text(prompt)) else 0.0
 
 
+def math_answer_reward(prompt: Any, response: str, answer: Any) -> float:
+    """1 when the response's final answer equals the record's ``answer`` mathematically
+    (``math-verify``: LaTeX or plain expressions, ``\\boxed{}``, fractions, radicals and decimals
+    compared as values), else 0. ``answer``: the record's field of that name (LaTeX may come
+    without ``$``)."""
+    from math_verify import parse, verify
+
+    gold = str(answer)
+    if "\\" in gold and "$" not in gold:
+        gold = f"${gold}$"
+    return 1.0 if verify(parse(gold), parse(response)) else 0.0
+
+
+#: Rewards by name (``reward`` takes these or ``module:function``).
+BUILTIN = {"reverse_digits": reverse_digits_reward, "math_answer": math_answer_reward}
+
+
 def load_reward(spec: str) -> RewardFn:
-    """``"reverse_digits"`` (the embedded task) or ``"module:function"`` (imported).
+    """A built-in reward by name (``reverse_digits``: the embedded task; ``math_answer``: the
+    record's ``answer`` checked by ``math-verify``) or ``"module:function"`` (imported).
 
     Raises:
         ValueError: not importable, or not a callable.
     """
-    if spec == "reverse_digits":
-        return reverse_digits_reward
+    if spec in BUILTIN:
+        return BUILTIN[spec]
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise ValueError(f"`reward` {spec!r}: give reverse_digits or module:function")
+        raise ValueError(f"`reward` {spec!r}: give {', '.join(BUILTIN)} or module:function")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
@@ -60,7 +78,7 @@ def load_rewards(spec: str) -> list[tuple[str, RewardFn]]:
     """``(name, function)`` of each comma-separated reward of ``spec`` (:func:`load_reward`)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
-        raise ValueError("`reward` is empty: give reverse_digits or module:function")
+        raise ValueError(f"`reward` is empty: give {', '.join(BUILTIN)} or module:function")
     return [(name, load_reward(name)) for name in names]
 
 

@@ -22,7 +22,8 @@ class RLConfig(RunConfig):
         model_path: the policy: a local ``transformers`` causal LM directory with its tokenizer.
         prompts: a JSONL file of ``{"prompt": str}`` or ``{"messages": [...]}`` records (chat
             prompts are rendered with the template's generation prompt).
-        reward: ``reverse_digits`` (the embedded task) or ``module:function`` called with
+        reward: ``reverse_digits`` (the embedded task), ``math_answer`` (the record's ``answer``
+            checked by math-verify) or ``module:function`` called with
             ``(prompt, response)`` and the record's other fields it names (docs/rl.md); several,
             comma-separated, are summed with ``reward_weights`` (each one's mean in the metrics).
         reward_weights: one weight per reward (default 1 each).
