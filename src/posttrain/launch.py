@@ -97,7 +97,8 @@ def _rank_main(
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _watch_parent(os.getppid(), os.path.dirname(init_file) if rank == 0 else None)
+    parent, rendezvous = os.getppid(), os.path.dirname(init_file) if rank == 0 else None
+    _watch_parent(parent, rendezvous)
     status, payload = "ok", b""
     try:
         dist.init_process_group(
@@ -119,11 +120,20 @@ def _rank_main(
                 dist.destroy_process_group()
         except Exception:
             pass
+    if os.getppid() != parent:  # the launcher died (a peer's failure may end this rank before the
+        _orphaned(rendezvous)     # watcher's next look): nobody reads the result; clean up and go
     results.put((rank, status, payload))
     results.close()
     results.join_thread()
     # Skip interpreter teardown in the forked child: the parent owns atexit handlers.
     os._exit(0)
+
+
+def _orphaned(rendezvous: str | None) -> None:
+    """End a rank whose launcher is gone, removing the rendezvous directory it owns."""
+    if rendezvous:
+        shutil.rmtree(rendezvous, ignore_errors=True)
+    os._exit(1)
 
 
 def _watch_parent(parent: int, rendezvous: str | None) -> None:
@@ -133,9 +143,7 @@ def _watch_parent(parent: int, rendezvous: str | None) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.2)
-        if rendezvous:
-            shutil.rmtree(rendezvous, ignore_errors=True)
-        os._exit(1)
+        _orphaned(rendezvous)
 
     threading.Thread(target=watch, name="posttrain-watch-launcher", daemon=True).start()
 
