@@ -327,7 +327,6 @@ def _drop_in_loop(rank, world_size, counts, mesh_shape=None):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     model = odc_mod.flat_shard(make_gpt(), mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
-    shard_rank = rank % (mesh_shape[1] if mesh_shape else world_size)
     norms = []
     for step in range(STEPS):
         data, _ = step_data(step, counts)
@@ -342,12 +341,11 @@ def _drop_in_loop(rank, world_size, counts, mesh_shape=None):
     sd = {k: v.to_local().clone() for k, v in model.state_dict().items()}
     for p in model.parameters():
         p.data.zero_()
-    model.load_state_dict({k: v for k, v in model.state_dict().items()} | {
-        k: type(v).from_local(sd[k], v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
-        for k, v in model.state_dict().items()})
+    model.load_state_dict({k: DTensor.from_local(sd[k], v.device_mesh, v.placements, shape=v.shape, stride=v.stride())
+                           for k, v in model.state_dict().items()})  # the saved values back into the zeroed shards
     full = model.full_state_dict()
     model.odc.close()
-    return full, norms, shard_rank
+    return full, norms
 
 
 def _module_state_dict_in_a_parent(rank, world_size):
@@ -385,7 +383,7 @@ def test_flat_shard_drops_into_a_fully_shard_loop_with_clipping_and_state_dict(c
     parameters, and the state_dict round trip keeps them."""
     want, want_norms = _clipped_reference(counts)
     assert min(want_norms) > MAX_NORM  # clipping was on at every step
-    for full, norms, _ in run_ranks(_drop_in_loop, len(counts), counts, mesh_shape):
+    for full, norms in run_ranks(_drop_in_loop, len(counts), counts, mesh_shape):
         assert norms == pytest.approx(want_norms, rel=1e-5)
         assert_states_close(full, want, **FP32)
 

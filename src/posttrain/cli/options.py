@@ -307,31 +307,6 @@ def add_command(sub: argparse._SubParsersAction, name: str, cls: type, run: Any,
 __all__ += ["add_command"]
 
 
-def int_list(text: str, flag: str) -> list[int]:
-    """``"2,4,8"`` -> ``[2, 4, 8]``; a clear error naming ``flag`` otherwise."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag}={text!r} is not a comma-separated list of integers, e.g. 2,4,8") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag}={text!r} needs positive integers")
-    return values
-
-
-def float_list(text: str, flag: str) -> list[float]:
-    """``"1,4.5"`` -> ``[1.0, 4.5]``; a clear error naming ``flag`` otherwise."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag}={text!r} is not a comma-separated list of numbers, e.g. 1,4,16") from None
-    if not values or min(values) <= 0:
-        raise ValueError(f"{flag}={text!r} needs positive numbers")
-    return values
-
-
-__all__ += ["float_list", "int_list"]
-
-
 def add_config_file_argument(parser: argparse.ArgumentParser) -> None:
     """``--config FILE.toml``: any of the command's flags as keys (``max-tokens = 4096`` or
     ``max_tokens = 4096``); flags given on the command line win. See :func:`apply_config_file`."""
