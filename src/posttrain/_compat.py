@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -28,6 +29,12 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 #: (major, minor) versions whose FSDP2 internals this module was written and tested against.
 SUPPORTED_TORCH = ((2, 13),)
+
+
+#: ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` under their torch 2.13 names (2.13 renamed
+#: them and warns on the old ones; the GPU machines of this project run 2.11, which has only those).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def check_torch_version() -> None:

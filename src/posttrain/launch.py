@@ -154,6 +154,7 @@ def run_ranks(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    start: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked processes (spawned
@@ -168,6 +169,9 @@ def run_ranks(
         world_size: number of ranks to start.
         backend: torch.distributed backend (``gloo`` on CPU, :func:`posttrain.device.backend`).
         timeout_s: wall-clock limit for the whole job; ranks still running then are killed.
+        start: the start method, ``fork`` or ``spawn`` (default: :func:`posttrain.device.start_method`
+            of ``backend``); ``spawn`` for ranks that use a GPU over a gloo group (several ranks on
+            one GPU, which NCCL refuses).
 
     Raises:
         RanksFailedError: a rank raised, died or did not finish within ``timeout_s``.
@@ -176,7 +180,7 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     torch.set_num_threads(1)
-    ctx = mp.get_context(start_method(backend))
+    ctx = mp.get_context(start or start_method(backend))
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="posttrain-rdzv-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import posttrain.odc as odc
-from posttrain._compat import AllGather, ReduceScatter
+from posttrain._compat import AllGather, ReduceScatter, all_gather_single, reduce_scatter_single
 
 from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state, mixed_precision
 from .registry import register_engine
@@ -41,7 +41,7 @@ class _TimedAllGather(_Timed, AllGather):
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         start = time.perf_counter()
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         self._hook("gather", start, time.perf_counter())
         return work
 
@@ -51,7 +51,7 @@ class _TimedReduceScatter(_Timed, ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         start = time.perf_counter()
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+        work = reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
                                           async_op=async_op)
         self._hook("reduce", start, time.perf_counter())
         return work

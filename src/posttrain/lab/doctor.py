@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ CHECKS = (
     "the pipeline's CUDA offload store (pinned host buffers, side stream, events)",
     "copy bandwidth beside a device-to-device copy: host-to-device and device-to-host from pinned "
     "memory (the offload link, PipeOffload's k)",
+    "ODC's device transport (2 processes, CUDA IPC): gather and scatter-accumulate (per-writer slots, "
+    "atomic adds, locked adds) beside a device-to-device copy",
+    "flat ODC's engine overhead: a ~110M-parameter Llama step in bf16, 2 ODC processes on one GPU against "
+    "one unsharded process",
+    "PipeOffload on one Llama-style stage (hidden 4096, 4k and 16k tokens, bf16): full offload's cost in "
+    "step time, the activation memory it frees, measured k beside the formula",
 )
 
 
@@ -44,6 +51,7 @@ class Doctor:
     Attributes:
         out: the report file (Markdown).
         no_tests: skip the CUDA test subset (only the devices and the measurements).
+        no_measure: skip the transport, engine and offload measurements (devices, tests, copies).
         copy_mib: the size of each measured copy, MiB.
         repeats: timed copies per measurement (the median is reported).
     """
@@ -52,6 +60,7 @@ class Doctor:
     no_tests: bool = False
     copy_mib: int = 256
     repeats: int = 10
+    no_measure: bool = False
 
     def __post_init__(self) -> None:
         if self.copy_mib < 1:
@@ -92,6 +101,11 @@ class Doctor:
                 lines += [f"`pytest -m cuda`: {summary} (exit {proc.returncode})", ""]
                 if not ok:
                     lines += ["```", proc.stdout[-6000:], proc.stderr[-2000:], "```"]
+        if self.no_measure:
+            sections = []
+        else:
+            sections = [("ODC device transport", _transport_section), ("Flat ODC engine overhead", _step_section),
+                        ("Offload on one Llama stage", _offload_section)]
         rows = copy_bandwidths(self.copy_mib, self.repeats)
         lines += ["", f"## Copy bandwidth ({self.copy_mib} MiB, median of {self.repeats})", "",
                   "| copy | GB/s | / device-to-device |", "|---|---|---|"]
@@ -99,6 +113,18 @@ class Doctor:
         for name, gbps in rows.items():
             lines.append(f"| {name} | {gbps:.1f} | {gbps / d2d:.3f} |")
             log(f"{name}: {gbps:.1f} GB/s ({gbps / d2d:.3f} of device-to-device)")
+        for title, fn in sections:
+            log(f"{title} ...")
+            lines += ["", f"## {title}", ""]
+            t1 = time.perf_counter()
+            try:
+                got = fn(log)
+            except Exception as exc:  # a failed measurement is reported, the others still run
+                ok = False
+                tail = traceback.format_exc().strip().splitlines()[-12:]
+                log(f"{title} FAILED: {type(exc).__name__}: {exc}")
+                got = ["FAILED:", "```", *tail, "```"]
+            lines += [*got, "", f"({time.perf_counter() - t1:.0f} s)"]
         lines += ["", f"Finished in {time.perf_counter() - t0:.0f} s; {'every check passed' if ok else 'a check FAILED'}.",
                   ""]
         os.makedirs(os.path.dirname(self.out) or ".", exist_ok=True)
@@ -161,3 +187,36 @@ def _commit() -> str:
         return proc.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def _transport_section(log: Callable[[str], None]) -> list[str]:
+    from posttrain.lab.bench.device_transport import bench_device_transport, format_rows
+
+    rows = bench_device_transport(log=log)
+    return ["2 processes on this host's GPU(s), fp32 regions; `alone`: rank 0 works while rank 1 waits, `both`: "
+            "both at once. GB/s count the region's bytes per operation.", "", *format_rows(rows)]
+
+
+def _step_section(log: Callable[[str], None]) -> list[str]:
+    from posttrain.lab.bench.gpu_step import bench_gpu_step
+
+    r = bench_gpu_step(log=log)
+    med = statistics.median
+    return [f"Llama, {r['params'] / 1e6:.0f}M parameters, bf16 compute with fp32 master weights (AdamW), "
+            f"{r['microbatches']} x {r['seq_len']} tokens a step:", "",
+            "| variant | step ms (median over rounds) | peak GiB |", "|---|---|---|",
+            f"| one process, unsharded | {med(r['single_s']) * 1e3:.1f} | {r['single_peak_gib']:.1f} |",
+            f"| flat ODC, 2 processes on one GPU | {med(r['odc_s']) * 1e3:.1f} | {r['odc_peak_gib']:.1f} |", "",
+            f"odc / single: {r['ratio']:.2f} (range {r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}). Losses: "
+            f"single {', '.join(f'{x:.4f}' for x in r['single_losses'])}; odc "
+            f"{', '.join(f'{x:.4f}' for x in r['odc_losses'])}."]
+
+
+def _offload_section(log: Callable[[str], None]) -> list[str]:
+    from posttrain.lab.offload_gpu import format_offload, measure_offload
+
+    rows = measure_offload(torch.device("cuda", 0), microbatches=8)
+    lines = format_offload(rows)
+    for line in lines:
+        log(line)
+    return lines

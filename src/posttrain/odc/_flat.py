@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from posttrain._compat import tree_flatten, tree_map_only, tree_unflatten
+from posttrain._compat import all_gather_single, tree_flatten, tree_map_only, tree_unflatten
 from posttrain.models.blocks import find_blocks
 
 from ._protocol import Minibatch, MinibatchProtocol, traced
@@ -154,12 +154,14 @@ class FlatODC:
         self._closed = False
         self._dparams: list[nn.Parameter] | None = None  # the shards as DTensors (dtensor_parameters)
         self.on_close: Callable[[], None] | None = None
+        first = next(iter(model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         self.layouts = self._build_units(model, units)  # checked before anything is taken off the model
         self._take_parameters()
         try:
             self._protocol = MinibatchProtocol(
                 config, shard_group=self.shard_group, replicate_group=self.replicate_group, layouts=self.layouts,
-                steps=self, param_ids={id(p) for p in self.parameters()},
+                steps=self, param_ids={id(p) for p in self.parameters()}, device=self.device,
             )
         except BaseException:
             self._put_back([[p.detach() for p in u.params] for u in self.layouts], originals=True)
@@ -237,9 +239,10 @@ class FlatODC:
             params = [p for p, _ in ordered]
             index = {id(p): i for i, p in enumerate(params)}
             for p, pname in ordered:
-                if p.device.type != "cpu" or not p.dtype.is_floating_point:
+                if p.device != self.device or not p.dtype.is_floating_point:
                     raise ValueError(
-                        f"parameter {pname} is {p.dtype} on {p.device}; flat ODC takes floating-point CPU models"
+                        f"parameter {pname} is {p.dtype} on {p.device}; flat ODC takes floating-point models on one "
+                        f"device ({self.device} here)"
                     )
             dtypes = {p.dtype for p in params}
             if len(dtypes) != 1:
@@ -278,7 +281,7 @@ class FlatODC:
             ):
                 if not tensors:
                     continue
-                flat = torch.zeros(shard_numel * self.shard_size, dtype=u.master_dtype)
+                flat = torch.zeros(shard_numel * self.shard_size, dtype=u.master_dtype, device=self.device)
                 torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[:numel])
                 self._broadcast(flat)
                 mine = flat[r * shard_numel : (r + 1) * shard_numel].clone()
@@ -492,7 +495,7 @@ class FlatODC:
 
     def _device_mesh(self) -> DeviceMesh:
         if self.mesh is None:
-            self.mesh = DeviceMesh.from_group(self.shard_group, "cpu")
+            self.mesh = DeviceMesh.from_group(self.shard_group, self.device.type)
         return self.mesh
 
     def _gather_unit(self, u: FlatUnit) -> list[torch.Tensor]:
@@ -514,8 +517,8 @@ class FlatODC:
         shard-shaped ``local``: the shard itself, or optimizer state shaped like it. A collective
         over the shard group."""
         numel, shard_numel, params = self._half(u, frozen)
-        flat = torch.empty(shard_numel * self.shard_size, dtype=local.dtype)
-        dist.all_gather_single(flat, local.detach().contiguous(), group=self.shard_group)
+        flat = torch.empty(shard_numel * self.shard_size, dtype=local.dtype, device=local.device)
+        all_gather_single(flat, local.detach().contiguous(), group=self.shard_group)
         return [v.view(p.shape).clone() for v, p in zip(flat[:numel].split([p.numel() for p in params]), params)]
 
     def shard_of(self, u: FlatUnit, whole: Sequence[torch.Tensor], *, frozen: bool = False) -> torch.Tensor:
@@ -523,7 +526,7 @@ class FlatODC:
         whole parameters (or state shaped like them): the inverse of :meth:`unshard`, without
         communication."""
         numel, shard_numel, _ = self._half(u, frozen)
-        flat = torch.zeros(shard_numel * self.shard_size, dtype=whole[0].dtype)
+        flat = torch.zeros(shard_numel * self.shard_size, dtype=whole[0].dtype, device=whole[0].device)
         torch.cat([t.reshape(-1) for t in whole], out=flat[:numel])
         return flat[self.rank * shard_numel : (self.rank + 1) * shard_numel].clone()
 
@@ -606,7 +609,7 @@ class FlatODC:
                 continue
             storage.resize_(nbytes)
             # a tensor of its own on the storage: filling it leaves the saved views' version alone
-            self._fill(u, torch.empty(0, dtype=full.dtype).set_(storage, 0, full.shape, full.stride()), None)
+            self._fill(u, torch.empty(0, dtype=full.dtype, device=full.device).set_(storage, 0, full.shape, full.stride()), None)
             n += 1
         return n
 
@@ -646,7 +649,7 @@ class FlatODC:
                 # Outside a minibatch (evaluation) the exposures may be stale: a collective.
                 for dst, src in ((full, u.shard), (frozen, u.frozen_shard)):
                     if dst is not None:
-                        dist.all_gather_single(dst, src.detach().to(u.param_dtype), group=self.shard_group)
+                        all_gather_single(dst, src.detach().to(u.param_dtype), group=self.shard_group)
                 return
             p.before_gather()
             rows = full.view(self.shard_size, u.shard_numel) if full is not None else None
@@ -667,8 +670,9 @@ class FlatODC:
 
         def pre_forward(module, args, kwargs):
             n = self.shard_size
-            full = torch.empty(u.shard_numel * n, dtype=u.param_dtype) if u.shard is not None else None
-            frozen = torch.empty(u.frozen_shard_numel * n, dtype=u.param_dtype) if u.frozen_shard is not None else None
+            full = torch.empty(u.shard_numel * n, dtype=u.param_dtype, device=self.device) if u.shard is not None else None
+            frozen = (torch.empty(u.frozen_shard_numel * n, dtype=u.param_dtype, device=self.device)
+                      if u.frozen_shard is not None else None)
             self._fill(u, full, frozen)
             views: list[torch.Tensor] = []
             if full is not None:
@@ -734,7 +738,7 @@ class FlatODC:
                     storage.resize_(nbytes)
                     # A tensor of its own on the same storage: filling it does not bump the
                     # version counter that autograd checks on the saved weight views.
-                    bufs.append(torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride()))
+                    bufs.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride()))
                 self._fill(u, *bufs)
                 return grad
 

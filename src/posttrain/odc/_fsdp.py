@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from posttrain import _compat
+from posttrain._compat import all_gather_single
 
 from ._comm import ModuleLayout, ODCAllGather, ODCReduceScatter, regroup_gather
 from ._protocol import Minibatch, MinibatchProtocol
@@ -228,7 +229,7 @@ class ODC:
         if not p.in_minibatch:
             p.check_usable()
             # Outside a minibatch (e.g. evaluation) a forward gathers like FSDP: a collective.
-            dist.all_gather_single(output, input, group=group)
+            all_gather_single(output, input, group=group)
             return
         p.before_gather()
         if output.dtype != lay.param_dtype:

@@ -111,7 +111,9 @@ def flat_shard(
     structure; the first rank's initial values are broadcast to the others. See [Note: flat ODC].
 
     Args:
-        model: an unsharded CPU model (one floating dtype per unit; fp32 for mixed precision).
+        model: an unsharded model, on the CPU or on this rank's GPU (one floating dtype per unit;
+            fp32 for mixed precision). On a GPU the shared regions are device memory shared by
+            CUDA IPC ([Note: the device transport]).
         units: modules whose parameters are gathered and freed together, in any order; default:
             the transformer blocks (``model.layers``, ``model.model.layers``, ... see
             :func:`posttrain.models.find_blocks`), then ``model`` for what remains. ``model``

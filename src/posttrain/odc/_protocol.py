@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from posttrain._compat import profiler_enabled
 
+from ._cuda import DeviceTransport
 from ._transport import ShmTransport
 from .config import ODCConfig
 
@@ -110,6 +111,8 @@ class MinibatchProtocol:
         layouts: every unit's layout; their offsets are assigned here.
         steps: the engine's steps.
         param_ids: ``id`` of every tensor the optimizer steps (to refuse a step inside a minibatch).
+        device: where the parameters live: the CPU (shared memory, :class:`ShmTransport`) or a GPU
+            (:class:`~posttrain.odc._cuda.DeviceTransport`, [Note: the device transport]).
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class MinibatchProtocol:
         layouts: Sequence[Layout],
         steps: EngineSteps,
         param_ids: set[int],
+        device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
         self.shard_group = shard_group
@@ -151,9 +155,13 @@ class MinibatchProtocol:
         self.params_bytes = params_bytes
         self.grads_bytes = grads_bytes
         slots = self.shard_size if config.deterministic else 1
-        self.transport = ShmTransport.create(
-            shard_group, {"params": params_bytes, "grads": grads_bytes * slots}, timeout_s=config.timeout_s
-        )
+        self.device = torch.device(device)
+        regions = {"params": params_bytes, "grads": grads_bytes * slots}
+        if self.device.type == "cpu":
+            self.transport = ShmTransport.create(shard_group, regions, timeout_s=config.timeout_s)
+        else:
+            self.transport = DeviceTransport.create(shard_group, regions, device=self.device, timeout_s=config.timeout_s,
+                                                    accumulate=config.device_accumulate)
         self._step_hook = register_optimizer_step_pre_hook(self._check_step)
         logger.info(
             "[rank %d] ODC on %d units, shard size %d%s: %.1f MiB params, %.1f MiB grads exposed",

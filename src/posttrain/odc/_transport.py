@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -217,6 +217,13 @@ class ShmTransport:
         are fixed 1 MiB ranges of that region, so every writer of a byte takes the same lock
         whatever module or dtype it writes. Writers start at different stripes to spread contention.
         """
+        self.locked_apply(dst, src, owner=owner, byte_offset=byte_offset, apply=torch.Tensor.add_)
+
+    def locked_apply(self, dst: torch.Tensor, src: torch.Tensor, *, owner: int, byte_offset: int,
+                     apply: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+        """``apply(dst_piece, src_piece)`` stripe by stripe, each under ``owner``'s lock of that
+        stripe (the pieces of :meth:`accumulate`; ``dst`` may live elsewhere, e.g. in device
+        memory, as long as every writer of it goes through this owner's locks)."""
         numel = dst.numel()
         if numel == 0:
             return
@@ -234,7 +241,7 @@ class ShmTransport:
                 b = (min((s + 1) * STRIPE_BYTES, end) - byte_offset) // itemsize
                 fcntl.lockf(fd, fcntl.LOCK_EX, 1, s, os.SEEK_SET)
                 try:
-                    dst[a:b].add_(src[a:b])
+                    apply(dst[a:b], src[a:b])
                 finally:
                     fcntl.lockf(fd, fcntl.LOCK_UN, 1, s, os.SEEK_SET)
 

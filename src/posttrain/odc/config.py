@@ -29,6 +29,9 @@ class ODCConfig:
             divided by this. Keep 1.0 and scale each microbatch's loss by a minibatch-global
             normalizer (``Minibatch.global_tokens``); use the data-parallel size to reproduce
             FSDP's averaging of per-rank gradients.
+        device_accumulate: on a GPU (non-deterministic mode), how concurrent pushes into one
+            accumulator stay race-free: ``"atomic"`` (device atomic adds, no wait) or ``"locked"``
+            (the host's stripe locks, held until each add has finished). No effect on the CPU.
         timeout_s: how long a rank waits at the minibatch barriers for a slow peer before
             failing. A peer that aborts or dies is noticed within about 0.2 s regardless.
     """
@@ -36,6 +39,7 @@ class ODCConfig:
     mode: Literal["one-sided", "collective"] = "one-sided"
     deterministic: bool = False
     grad_divide_factor: float = 1.0
+    device_accumulate: Literal["atomic", "locked"] = "atomic"
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
@@ -45,5 +49,7 @@ class ODCConfig:
             raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
         if not self.grad_divide_factor > 0:
             raise ValueError(f"grad_divide_factor={self.grad_divide_factor} must be positive")
+        if self.device_accumulate not in ("atomic", "locked"):
+            raise ValueError(f"device_accumulate={self.device_accumulate!r} is not one of 'atomic', 'locked'")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive")

@@ -145,6 +145,7 @@ class ActivationStore:
         if key in self._entries:
             raise RuntimeError(f"stage {stage} microbatch {microbatch}: saved activations already held "
                                f"(a forward ran twice without a release)")
+        self.poll()  # account offloads that finished since the last look
         entry = self._entries[key] = _Entry()
         self.packed[key] = 0
 
@@ -223,7 +224,11 @@ class ActivationStore:
                     host[k].copy_(flat, non_blocking=True)
                 entry.event = torch.cuda.Event()
                 entry.event.record(self._stream)
-            entry.pending_free = list(entry.storages.values())
+            # Free the device copy now: the allocator reuses its blocks only once the side stream
+            # has passed this copy (record_stream), so nothing waits for the copy to finish.
+            for flat in entry.storages.values():
+                flat.record_stream(self._stream)
+            entry.pending_free = []
             entry.state = "offloading"
         else:
             for k, flat in entry.storages.items():

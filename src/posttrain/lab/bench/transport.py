@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from posttrain._compat import all_gather_single, reduce_scatter_single
 from posttrain.launch import run_ranks
 from posttrain.odc import ShmTransport
 
@@ -53,7 +54,7 @@ def _worker(rank: int, world_size: int, sizes_mib: list[float], iters: int) -> l
         dist.barrier(group=group)
 
         def gloo_gather():
-            dist.all_gather_single(out, shard, group=group)
+            all_gather_single(out, shard, group=group)
 
         def shm_gather():
             view = out.view(world_size, n)
@@ -63,7 +64,7 @@ def _worker(rank: int, world_size: int, sizes_mib: list[float], iters: int) -> l
                     view[q].copy_(t.region(q, "params", torch.float32))
 
         def gloo_reduce():
-            dist.reduce_scatter_single(rs_out, full_grad, group=group)
+            reduce_scatter_single(rs_out, full_grad, group=group)
 
         def shm_reduce():
             rows_ = full_grad.view(world_size, n)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from posttrain._compat import all_gather_single
 
 __all__ = ["STAT_FIELDS", "gather_step_stats", "summarize"]
 
@@ -15,7 +16,7 @@ def gather_step_stats(mine: dict[str, float], world_size: int) -> dict[str, torc
     """Every rank's :data:`STAT_FIELDS` values: field -> tensor of one value per rank (a collective)."""
     local = torch.tensor([float(mine[k]) for k in STAT_FIELDS], dtype=torch.float64)
     every = torch.empty(world_size * len(STAT_FIELDS), dtype=torch.float64)
-    dist.all_gather_single(every, local)
+    all_gather_single(every, local)
     every = every.view(world_size, len(STAT_FIELDS))
     return {name: every[:, i] for i, name in enumerate(STAT_FIELDS)}
 

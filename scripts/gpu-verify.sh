@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU verification in one call on a machine with a GPU (issue: verify the CUDA paths), run from
+# the checkout's root. Everything it finds goes under $OUT (default out/gpu):
+#   env.txt            nvidia-smi, torch / CUDA / transformers versions, cores
+#   doctor.txt         `posttrain doctor`'s log; gpu-report.md its report (tests, copies, ODC's device
+#                      transport, flat ODC's engine overhead, offload on one Llama stage)
+#   bench_*.txt        CPU benchmarks that need more cores than a 2-core machine has, run beside the
+#                      doctor on other cores (taskset), each on its own cores
+# Where packages are missing (no network), wheels in .whl/ are installed into /tmp/site first.
+# Usage: bash scripts/gpu-verify.sh [cpu-benches: odc | pipeline | none]   (default odc)
+set -u
+OUT=${OUT:-out/gpu}
+BENCHES=${1:-odc}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+PY=${PY:-python3}
+{ nvidia-smi; $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; nproc; } >"$OUT/env.txt" 2>&1
+cores=$(nproc)
+if [ "$cores" -ge 16 ]; then
+  GPU_CORES=0-3
+  case $BENCHES in
+    odc)
+      ODC="$PY -m posttrain bench odc --profile long_tail --max-len 4096 --steps 4 --sweep --sequences-per-rank 4 --sweep-max-tokens 4096 --repeats 3 --json ''"
+      taskset -c 4-7 timeout 480 bash -c "$ODC --world-size 4" >"$OUT/bench_odc_w4.txt" 2>&1 &
+      taskset -c 8-15 timeout 480 bash -c "$ODC --world-size 8" >"$OUT/bench_odc_w8.txt" 2>&1 &
+      ;;
+    pipeline)
+      PDP="$PY -m posttrain bench pipeline-dp --repeats 3 --json ''"
+      taskset -c 4-7 timeout 480 bash -c "$PDP --pp-size 2 --dp-size 2" >"$OUT/bench_pdp_2x2.txt" 2>&1 &
+      taskset -c 8-15 timeout 480 bash -c "$PDP --pp-size 2 --dp-size 4" >"$OUT/bench_pdp_2x4.txt" 2>&1 &
+      ;;
+  esac
+else
+  GPU_CORES=0-$((cores - 1))
+fi
+taskset -c "$GPU_CORES" timeout 500 $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt"
+wait
+echo "gpu-verify: done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,230 @@
+"""ODC's transport in GPU memory: the shm transport's interface with regions in device memory.
+
+[Note: the device transport]
+:class:`DeviceTransport` has the interface of :class:`~posttrain.odc.ShmTransport` (named
+regions per rank, views of a peer's region, accumulate into a peer's region, barrier, published
+values, abort, dead-peer detection, close) for ranks of one host whose parameters live on a GPU:
+
+- Data plane: one device allocation per rank holds its regions (laid out by
+  :func:`region_offsets`, as in a shm segment). Each rank shares its allocation once, at
+  creation, by CUDA IPC through torch's multiprocessing reductions
+  (:func:`torch.multiprocessing.reductions.reduce_tensor`: a handle plus torch's reference
+  counting, the producer keeps the memory while consumers hold it); the handles travel in one
+  ``all_gather_object`` over the group (gloo: objects stay on the CPU). A peer's region is then
+  a tensor view into the peer's memory: a gather is a ``copy_`` from it, an accumulate an add
+  into it, both plain kernels on the caller's stream. CUDA IPC serves processes on one GPU too,
+  which torch's symmetric memory does not (its CUDA backend refuses two ranks on one device, and
+  the verification machine has one GPU); symmetric memory is the path for multi-GPU nodes later,
+  with the same view arithmetic.
+- Accumulate: concurrent writers into one accumulator race, as on the host. ``"atomic"`` adds
+  with device atomics (a Triton ``atomic_add`` kernel for fp32 accumulators where Triton is
+  installed, else ``index_add_``, which uses atomics on CUDA); ``"locked"`` takes the shm
+  transport's stripe locks and waits for the add to finish before releasing them. Deterministic
+  mode (one slot per writer, summed by the owner) needs neither and is the protocol's.
+- Control plane: the shm transport with no regions (its header: barrier generations, published
+  values, abort message, pids), so barriers, abort and dead-peer detection are the host's. Before
+  a rank announces a barrier it waits for its current stream: every gather and push it issued
+  has landed before a peer can read or zero that memory.
+
+Closing drops the peer views first, then this rank's allocation (torch keeps a shared block
+alive until every consumer released it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
+
+from ._transport import ShmTransport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "region_offsets"]
+
+#: How :meth:`DeviceTransport.accumulate` makes concurrent adds race-free.
+ACCUMULATE = ("atomic", "locked")
+_ALIGN = 256  # device allocations and region starts: enough for any dtype and vector loads
+_INDEX_CHUNK = 1 << 20
+
+
+def region_offsets(regions: Mapping[str, int], *, start: int = 0, align: int = _ALIGN) -> tuple[dict[str, tuple[int, int]], int]:
+    """``name -> (byte offset, bytes)`` of each region laid out in order from ``start``, each
+    start aligned to ``align``; and the total bytes. Raises on a negative size."""
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = start
+    for name, nbytes in regions.items():
+        if int(nbytes) < 0:
+            raise ValueError(f"region {name!r} has negative size {nbytes}")
+        pos = -(-pos // align) * align
+        offsets[name] = (pos, int(nbytes))
+        pos += int(nbytes)
+    return offsets, -(-pos // align) * align
+
+
+@functools.cache
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
+@functools.cache
+def _triton_kernel():
+    """The Triton atomic-add kernel, or ``None`` where Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def atomic_add(dst, src, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        value = tl.load(src + offs, mask=mask).to(tl.float32)
+        tl.atomic_add(dst + offs, value, mask=mask, sem="relaxed")
+
+    def launch(dst: torch.Tensor, src: torch.Tensor) -> None:
+        n = dst.numel()
+        block = 1024
+        atomic_add[(triton.cdiv(n, block),)](dst, src, n, BLOCK=block)
+
+    return launch
+
+
+def accumulate_atomic(dst: torch.Tensor, src: torch.Tensor, *, kernel: str = "auto") -> None:
+    """``dst += src`` (flat, same length; ``src`` converted to ``dst``'s dtype) with atomic adds,
+    so concurrent writers into ``dst`` lose nothing.
+
+    Args:
+        kernel: ``"triton"`` (fp32 ``dst`` on a GPU with Triton), ``"index_add"`` (any device;
+            atomics on CUDA; on the CPU correct for one writer at a time only), or ``"auto"``
+            (Triton where it applies).
+    """
+    if dst.shape != src.shape or dst.dim() != 1:
+        raise AssertionError(f"accumulate_atomic takes flat tensors of one length, got {tuple(dst.shape)} and "
+                             f"{tuple(src.shape)}")
+    if dst.numel() == 0:
+        return
+    launch = _triton_kernel() if dst.device.type == "cuda" and dst.dtype == torch.float32 else None
+    if kernel == "triton" and launch is None:
+        raise RuntimeError("the Triton atomic-add kernel needs Triton and an fp32 accumulator on a CUDA device")
+    if kernel in ("auto", "triton") and launch is not None:
+        launch(dst, src.contiguous())
+        return
+    src = src.to(dst.dtype)
+    for a in range(0, dst.numel(), _INDEX_CHUNK):
+        b = min(a + _INDEX_CHUNK, dst.numel())
+        dst[a:b].index_add_(0, _arange(b - a, dst.device), src[a:b])
+
+
+class DeviceTransport:
+    """One device allocation per rank of ``group``, viewed by every rank of the group. See
+    [Note: the device transport]. Create with :meth:`create` (a collective); free with
+    :meth:`close`."""
+
+    def __init__(self) -> None:  # use create()
+        raise TypeError("use DeviceTransport.create(group, regions, device=...)")
+
+    @classmethod
+    def create(
+        cls,
+        group: dist.ProcessGroup,
+        regions: Mapping[str, int],
+        *,
+        device: torch.device,
+        timeout_s: float = 1800.0,
+        accumulate: Literal["atomic", "locked"] = "atomic",
+    ) -> DeviceTransport:
+        if accumulate not in ACCUMULATE:
+            raise ValueError(f"accumulate={accumulate!r} is not one of {', '.join(ACCUMULATE)}")
+        device = torch.device(device)
+        if device.type == "cpu":
+            raise ValueError("the device transport shares accelerator memory; on the CPU ODC uses ShmTransport")
+        self = object.__new__(cls)
+        self._control = ShmTransport.create(group, {}, timeout_s=timeout_s)
+        self.group = group
+        self.rank = self._control.rank
+        self.world_size = self._control.world_size
+        self.global_ranks = self._control.global_ranks
+        self.device = device
+        self.accumulate_mode = accumulate
+        self._closed = False
+        self._regions, self.segment_bytes = region_offsets(regions)
+        self._buffers: list[torch.Tensor] = []
+        try:
+            own = torch.zeros(max(self.segment_bytes, _ALIGN), dtype=torch.uint8, device=device)
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, reduce_tensor(own), group=group)
+            self._buffers = [own if r == self.rank else rebuild(*args) for r, (rebuild, args) in enumerate(everyone)]
+            for r, buf in enumerate(self._buffers):
+                if buf.numel() != own.numel():
+                    raise AssertionError(f"rank {self.global_ranks[r]} shares {buf.numel()} bytes, this rank "
+                                         f"{own.numel()}: ranks disagree on the region layout")
+            dist.barrier(group=group)  # every rank opened every peer's allocation
+        except BaseException:
+            self.close()
+            raise
+        logger.debug("rank %d: %d device regions of %d bytes shared by CUDA IPC", self.rank, self.world_size,
+                     self.segment_bytes)
+        return self
+
+    # ------------------------------------------------------------------ views
+    def region(self, rank: int, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole region ``name`` of ``rank``'s allocation as a flat device tensor of ``dtype``
+        (a view into the peer's memory for another rank)."""
+        start, nbytes = self._regions[name]
+        if nbytes % dtype.itemsize:
+            raise AssertionError(f"region {name!r} of {nbytes} bytes is not a multiple of {dtype}")
+        return self._buffers[rank][start : start + nbytes].view(dtype)
+
+    # ------------------------------------------------------------- operations
+    def accumulate(self, dst: torch.Tensor, src: torch.Tensor, *, owner: int, byte_offset: int) -> None:
+        """``dst += src`` into ``owner``'s region, race-free against other writers: device atomics,
+        or the control plane's stripe locks held until the add has finished."""
+        if dst.numel() == 0:
+            return
+        if self.accumulate_mode == "atomic":
+            accumulate_atomic(dst, src)
+            return
+        stream = torch.accelerator.current_stream(self.device)
+
+        def add(a: torch.Tensor, b: torch.Tensor) -> None:
+            a.add_(b)
+            stream.synchronize()
+
+        self._control.locked_apply(dst, src, owner=owner, byte_offset=byte_offset, apply=add)
+
+    def set_value(self, slot: int, value: int) -> None:
+        self._control.set_value(slot, value)
+
+    def values(self, slot: int) -> list[int]:
+        return self._control.values(slot)
+
+    def barrier(self, tag: int) -> None:
+        """The control plane's barrier, after this rank's queued device work has finished."""
+        if self._closed:
+            raise RuntimeError("the ODC transport is closed")
+        torch.accelerator.current_stream(self.device).synchronize()
+        self._control.barrier(tag)
+
+    def abort(self, message: str) -> None:
+        self._control.abort(message)
+
+    def close(self) -> None:
+        """Drop the peers' views, then this rank's allocation, and close the control plane.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            torch.accelerator.current_stream(self.device).synchronize()
+        own = self._buffers[self.rank] if len(self._buffers) > self.rank else None
+        self._buffers = []
+        del own
+        self._control.close()
