@@ -13,6 +13,8 @@ OUT=${OUT:-out/gpu}
 BENCHES=${1:-odc}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# a hung test fails alone (pytest-timeout, where installed)
+python3 -c "import pytest_timeout" 2>/dev/null && export PYTEST_ADDOPTS="--timeout=${TEST_TIMEOUT:-150} ${PYTEST_ADDOPTS:-}"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -26,18 +28,18 @@ if [ "$cores" -ge 16 ]; then
   case $BENCHES in
     odc)
       ODC="$PY -m posttrain bench odc --profile long_tail --max-len 4096 --steps 4 --sweep --sequences-per-rank 4 --sweep-max-tokens 4096 --repeats 3 --json ''"
-      taskset -c 4-7 timeout 480 bash -c "$ODC --world-size 4" >"$OUT/bench_odc_w4.txt" 2>&1 &
-      taskset -c 8-15 timeout 480 bash -c "$ODC --world-size 8" >"$OUT/bench_odc_w8.txt" 2>&1 &
+      taskset -c 4-7 timeout ${BENCH_TIMEOUT:-480} bash -c "$ODC --world-size 4" >"$OUT/bench_odc_w4.txt" 2>&1 &
+      taskset -c 8-15 timeout ${BENCH_TIMEOUT:-480} bash -c "$ODC --world-size 8" >"$OUT/bench_odc_w8.txt" 2>&1 &
       ;;
     pipeline)
       PDP="$PY -m posttrain bench pipeline-dp --repeats 3 --json ''"
-      taskset -c 4-7 timeout 480 bash -c "$PDP --pp-size 2 --dp-size 2" >"$OUT/bench_pdp_2x2.txt" 2>&1 &
-      taskset -c 8-15 timeout 480 bash -c "$PDP --pp-size 2 --dp-size 4" >"$OUT/bench_pdp_2x4.txt" 2>&1 &
+      taskset -c 4-7 timeout ${BENCH_TIMEOUT:-480} bash -c "$PDP --pp-size 2 --dp-size 2" >"$OUT/bench_pdp_2x2.txt" 2>&1 &
+      taskset -c 8-15 timeout ${BENCH_TIMEOUT:-480} bash -c "$PDP --pp-size 2 --dp-size 4" >"$OUT/bench_pdp_2x4.txt" 2>&1 &
       ;;
   esac
 else
   GPU_CORES=0-$((cores - 1))
 fi
-taskset -c "$GPU_CORES" timeout 500 $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt"
+taskset -c "$GPU_CORES" timeout ${DOCTOR_TIMEOUT:-500} $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt"
 wait
 echo "gpu-verify: done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -85,6 +85,7 @@ class Doctor:
             lines.append(f"- {key}: {value}")
             log(f"{key}: {value}")
         ok = True
+        self._write(lines)  # after every section: a run cut short keeps what it found
         if not self.no_tests:
             tests = find_tests()
             lines += ["", "## The CUDA test subset", ""]
@@ -95,12 +96,17 @@ class Doctor:
                 log(f"running pytest -m cuda in {tests} ...")
                 proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                                        tests], capture_output=True, text=True, cwd=os.path.dirname(tests))
+                log_path = os.path.splitext(self.out)[0] + "-tests.log"
+                os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+                with open(log_path, "w") as f:
+                    f.write(proc.stdout + proc.stderr)
                 summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
                 ok = proc.returncode == 0
                 log(f"CUDA tests: {summary}")
-                lines += [f"`pytest -m cuda`: {summary} (exit {proc.returncode})", ""]
+                lines += [f"`pytest -m cuda`: {summary} (exit {proc.returncode}; the whole log: {log_path})", ""]
                 if not ok:
                     lines += ["```", proc.stdout[-6000:], proc.stderr[-2000:], "```"]
+            self._write(lines)
         if self.no_measure:
             sections = []
         else:
@@ -125,13 +131,18 @@ class Doctor:
                 log(f"{title} FAILED: {type(exc).__name__}: {exc}")
                 got = ["FAILED:", "```", *tail, "```"]
             lines += [*got, "", f"({time.perf_counter() - t1:.0f} s)"]
+            self._write(lines)
         lines += ["", f"Finished in {time.perf_counter() - t0:.0f} s; {'every check passed' if ok else 'a check FAILED'}.",
                   ""]
-        os.makedirs(os.path.dirname(self.out) or ".", exist_ok=True)
-        with open(self.out, "w") as f:
-            f.write("\n".join(lines))
+        self._write(lines)
         log(f"wrote {self.out}")
         return 0 if ok else 1
+
+    def _write(self, lines: list[str]) -> None:
+        os.makedirs(os.path.dirname(self.out) or ".", exist_ok=True)
+        with open(self.out + ".tmp", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(self.out + ".tmp", self.out)
 
 
 def devices() -> dict[str, str]:
