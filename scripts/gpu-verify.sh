@@ -8,6 +8,7 @@
 #                      doctor on other cores (taskset), each on its own cores
 # Where packages are missing (no network), wheels in .whl/ are installed into /tmp/site first.
 # Usage: bash scripts/gpu-verify.sh [cpu-benches: odc | pipeline | none]   (default odc)
+# Environment: OUT, DOCTOR_TIMEOUT, BENCH_TIMEOUT, TEST_TIMEOUT (seconds), DOCTOR_ARGS, AFTER_DOCTOR (a command).
 set -u
 OUT=${OUT:-out/gpu}
 BENCHES=${1:-odc}
@@ -41,5 +42,7 @@ else
   GPU_CORES=0-$((cores - 1))
 fi
 taskset -c "$GPU_CORES" timeout ${DOCTOR_TIMEOUT:-500} $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt"
+# more GPU work after the doctor, while the CPU benchmarks still run (e.g. a measurement at another size)
+if [ -n "${AFTER_DOCTOR:-}" ]; then taskset -c "$GPU_CORES" bash -c "$AFTER_DOCTOR" 2>&1 | tee "$OUT/after-doctor.txt"; fi
 wait
 echo "gpu-verify: done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -64,11 +64,16 @@ def test_each_rank_takes_its_local_device_and_nccl_gets_one_rank_per_gpu(fake_cu
     device.check_world("cuda", 16, local_world_size=2)  # torchrun: 2 on this host, the rest elsewhere
 
 
-def test_accelerator_ranks_are_spawned_and_get_the_launchers_device():
-    """A forked child cannot use CUDA once its parent touched it: accelerator ranks are spawned.
-    A rank's ``auto`` (started by code other than the launcher) follows its process group."""
+def test_accelerator_ranks_are_spawned_and_get_the_launchers_device(monkeypatch):
+    """A forked child cannot use CUDA once its parent touched it: accelerator ranks are spawned,
+    and so are CPU ranks of a process that initialized CUDA (torch refuses autograd in a child
+    forked after CUDA autograd ran). A rank's ``auto`` (started by code other than the launcher)
+    follows its process group."""
     assert device.start_method("gloo") == "fork"
     assert device.start_method(device.backend("cuda")) == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert device.start_method("gloo") == "spawn"
+    monkeypatch.undo()
     assert device.rank_kind("cuda") == "cuda" and device.rank_kind("cpu") == "cpu"
     assert device.rank_kind("auto") == "cpu"  # no process group here, or a gloo one: the CPU
 

@@ -101,8 +101,11 @@ def check_world(kind: str, world_size: int, *, local_world_size: int | None = No
 def start_method(backend_name: str) -> str:
     """How the launcher starts ranks for ``backend_name``: ``fork`` on the CPU (no child
     re-imports torch), ``spawn`` where ranks use an accelerator (a forked child cannot use CUDA
-    once its parent has touched it, which a launcher cannot rule out)."""
-    return "fork" if backend_name == "gloo" else "spawn"
+    once its parent has touched it, which a launcher cannot rule out), and ``spawn`` for CPU ranks
+    too once this process has initialized CUDA (its autograd then runs device threads, and torch
+    refuses autograd in a child forked after that: seen on a GPU machine, a CPU run launched
+    after a CUDA one in the same process)."""
+    return "fork" if backend_name == "gloo" and not torch.cuda.is_initialized() else "spawn"
 
 
 def rank_kind(device: str) -> str:
