@@ -8,7 +8,8 @@
 #                      doctor on other cores (taskset), each on its own cores
 # Where packages are missing (no network), wheels in .whl/ are installed into /tmp/site first.
 # Usage: bash scripts/gpu-verify.sh [cpu-benches: odc | pipeline | none]   (default odc)
-# Environment: OUT, DOCTOR_TIMEOUT, BENCH_TIMEOUT, TEST_TIMEOUT (seconds), DOCTOR_ARGS, AFTER_DOCTOR (a command).
+# Environment: OUT, DOCTOR_TIMEOUT, BENCH_TIMEOUT, TEST_TIMEOUT (seconds), DOCTOR_ARGS, AFTER_DOCTOR (a command),
+#   DOCTOR=0 (benchmarks only), PROFILE (the odc benchmarks' length profile, default long_tail).
 set -u
 OUT=${OUT:-out/gpu}
 BENCHES=${1:-odc}
@@ -28,7 +29,7 @@ if [ "$cores" -ge 16 ]; then
   GPU_CORES=0-3
   case $BENCHES in
     odc)
-      ODC="$PY -m posttrain bench odc --profile long_tail --max-len 4096 --steps 4 --sweep --sequences-per-rank 4 --sweep-max-tokens 4096 --repeats 3 --json ''"
+      ODC="$PY -m posttrain bench odc --profile ${PROFILE:-long_tail} --max-len 4096 --steps 4 --sweep --sequences-per-rank 4 --sweep-max-tokens 4096 --repeats 3 --json ''"
       taskset -c 4-7 timeout ${BENCH_TIMEOUT:-480} bash -c "$ODC --world-size 4" >"$OUT/bench_odc_w4.txt" 2>&1 &
       taskset -c 8-15 timeout ${BENCH_TIMEOUT:-480} bash -c "$ODC --world-size 8" >"$OUT/bench_odc_w8.txt" 2>&1 &
       ;;
@@ -41,7 +42,9 @@ if [ "$cores" -ge 16 ]; then
 else
   GPU_CORES=0-$((cores - 1))
 fi
-taskset -c "$GPU_CORES" timeout ${DOCTOR_TIMEOUT:-500} $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt"
+if [ "${DOCTOR:-1}" = 1 ]; then
+  taskset -c "$GPU_CORES" timeout ${DOCTOR_TIMEOUT:-500} $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt"
+fi
 # more GPU work after the doctor, while the CPU benchmarks still run (e.g. a measurement at another size)
 if [ -n "${AFTER_DOCTOR:-}" ]; then taskset -c "$GPU_CORES" bash -c "$AFTER_DOCTOR" 2>&1 | tee "$OUT/after-doctor.txt"; fi
 wait

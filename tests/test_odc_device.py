@@ -17,7 +17,7 @@ import posttrain.odc as odc_mod
 from odc_helpers import LR, STEPS, assert_states_close, loss_of, make_gpt, step_data, train_reference
 from posttrain.launch import run_ranks
 from posttrain.odc import PeerFailedError, ShmTransport
-from posttrain.odc._cuda import DeviceTransport, accumulate_atomic, region_offsets
+from posttrain.odc._cuda import DeviceTransport, accumulate_atomic, check_one_device, region_offsets
 
 NUMEL = (1 << 20) + 4099  # fp32: more than one index chunk and one lock stripe, not a multiple of either
 REPEATS = 8
@@ -52,6 +52,12 @@ def test_the_device_transport_refuses_the_cpu_in_one_line():
         DeviceTransport()
     with pytest.raises(ValueError, match="device_accumulate='x' is not one of 'atomic', 'locked'"):
         odc_mod.ODCConfig(device_accumulate="x")
+
+
+def test_ranks_on_several_gpus_are_refused_in_one_line_naming_them():
+    check_one_device(["cuda:GPU-a", "cuda:GPU-a"], [0, 1])
+    with pytest.raises(ValueError, match=r"on several \(rank 0: cuda:GPU-a, rank 2: cuda:GPU-b\); ODC across GPUs"):
+        check_one_device(["cuda:GPU-a", "cuda:GPU-b"], [0, 2])
 
 
 def _contract_worker(rank, world_size, kind, accumulate):

@@ -23,9 +23,9 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "backend", "check_world", "cuda_available", "describe", "device_count",
-           "local_rank", "max_memory_allocated", "rank_device", "rank_kind", "reset_peak_memory", "resolve", "start_method",
-           "synchronize", "use"]
+__all__ = ["DEVICES", "backend", "check_world", "cuda_available", "describe", "device_count", "local_rank",
+           "max_memory_allocated", "physical_id", "rank_device", "rank_kind", "reset_peak_memory", "resolve",
+           "start_method", "synchronize", "use"]
 
 #: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
 DEVICES = ("auto", "cpu", "cuda")
@@ -136,6 +136,14 @@ def use(device: torch.device) -> None:
     to the current device). Nothing on the CPU."""
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
+
+
+def physical_id(device: torch.device) -> str:
+    """What names ``device`` across processes (whatever each one's visible-device numbering): the
+    GPU's UUID; ``"cpu"`` for the CPU."""
+    if device.type == "cpu":
+        return "cpu"
+    return f"{device.type}:{torch.cuda.get_device_properties(device).uuid}"
 
 
 def synchronize(device: torch.device) -> None:

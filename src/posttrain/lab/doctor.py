@@ -193,7 +193,7 @@ def find_tests() -> str | None:
 
 def _commit() -> str:
     try:
-        proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        proc = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__)))
         return proc.stdout.strip() or "unknown"
     except OSError:

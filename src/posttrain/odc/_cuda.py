@@ -42,11 +42,13 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
+from posttrain.device import physical_id
+
 from ._transport import ShmTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "region_offsets"]
+__all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "check_one_device", "region_offsets"]
 
 #: How :meth:`DeviceTransport.accumulate` makes concurrent adds race-free.
 ACCUMULATE = ("atomic", "locked")
@@ -123,6 +125,16 @@ def accumulate_atomic(dst: torch.Tensor, src: torch.Tensor, *, kernel: str = "au
         dst[a:b].index_add_(0, _arange(b - a, dst.device), src[a:b])
 
 
+def check_one_device(ids: list[str], ranks: list[int]) -> None:
+    """Refuse ranks on different GPUs in one line: a peer's memory on another GPU is mapped by CUDA
+    IPC, but adding into it needs the add to run where the memory is, which is not written yet
+    (verified so far: processes sharing one GPU)."""
+    if len(set(ids)) > 1:
+        where = ", ".join(f"rank {r}: {i}" for r, i in zip(ranks, ids))
+        raise ValueError(f"ODC's device transport serves ranks on one GPU so far, and these are on several ({where}); "
+                         "ODC across GPUs is not written yet: use the fsdp engine")
+
+
 class DeviceTransport:
     """One device allocation per rank of ``group``, viewed by every rank of the group. See
     [Note: the device transport]. Create with :meth:`create` (a collective); free with
@@ -160,8 +172,9 @@ class DeviceTransport:
         try:
             own = torch.zeros(max(self.segment_bytes, _ALIGN), dtype=torch.uint8, device=device)
             everyone: list = [None] * self.world_size
-            dist.all_gather_object(everyone, reduce_tensor(own), group=group)
-            self._buffers = [own if r == self.rank else rebuild(*args) for r, (rebuild, args) in enumerate(everyone)]
+            dist.all_gather_object(everyone, (physical_id(device), reduce_tensor(own)), group=group)
+            check_one_device([e[0] for e in everyone], self.global_ranks)
+            self._buffers = [own if r == self.rank else rebuild(*args) for r, (_, (rebuild, args)) in enumerate(everyone)]
             for r, buf in enumerate(self._buffers):
                 if buf.numel() != own.numel():
                     raise AssertionError(f"rank {self.global_ranks[r]} shares {buf.numel()} bytes, this rank "
