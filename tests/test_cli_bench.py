@@ -195,12 +195,14 @@ def test_bench_pipeline_dp_runs_three_engines_and_records_when_it_measures_nothi
 
 def test_results_keeps_each_finished_command_when_a_later_one_fails(tmp_path, monkeypatch):
     """`posttrain results` rewrites the file after every command: a failure in the third profile
-    keeps the first two new reports and every section it did not rerun."""
+    keeps the first two new reports, every section it did not rerun and sections it does not
+    produce (measured on a GPU machine)."""
     from posttrain.lab import results
 
     path = tmp_path / "results.md"
     path.write_text("# old\n<!-- result: demo -->\nold demo\n<!-- end: demo -->\n"
-                    "<!-- result: profiles -->\nold profiles\n<!-- end: profiles -->\n")
+                    "<!-- result: profiles -->\nold profiles\n<!-- end: profiles -->\n"
+                    "<!-- result: gpu-h200 -->\nmeasured on a GPU\n<!-- end: gpu-h200 -->\n")
     calls = []
 
     def fake_run(argv, log):
@@ -216,6 +218,7 @@ def test_results_keeps_each_finished_command_when_a_later_one_fails(tmp_path, mo
     assert "old demo" in text and "old profiles" not in text
     assert "report 1 for longalign" in text and "report 2 for swe_smith" in text
     assert text.count("<!-- end: profiles -->") == 1
+    assert "<!-- result: gpu-h200 -->\nmeasured on a GPU\n<!-- end: gpu-h200 -->" in text  # not its own: kept
 
 
 def test_results_reruns_one_profile_and_keeps_the_others(tmp_path, monkeypatch):

@@ -175,7 +175,8 @@ Every figure here was printed by the command above it, on the commit named besid
 machine kind (2 CPU cores, no GPU): `posttrain results` (`make results`) reruns them all and rewrites
 this file (about {minutes:.0f} minutes; `posttrain results --only NAME,...` reruns some sections).
 Timings on 2 cores move by 10-20% from run to run: only ratios measured side by side in one run mean
-anything, and the benchmarks repeat them over interleaved rounds.
+anything, and the benchmarks repeat them over interleaved rounds. Sections measured on another
+machine (a GPU machine: docs/gpu.md) say so, name their command, and are kept as they are.
 """
 
 
@@ -207,8 +208,11 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
     commit = _commit()
     rendered: dict[str, str] = {}
 
+    known = {s.name for s in SECTIONS}
+    kept = [text for name, text in old.items() if name not in known]  # measured elsewhere (a GPU machine)
+
     def write() -> str:
-        body = [rendered.get(s.name) or old.get(s.name) for s in SECTIONS]
+        body = [rendered.get(s.name) or old.get(s.name) for s in SECTIONS] + kept
         text = _HEADER.format(minutes=sum(s.minutes for s in SECTIONS)) + "\n" + "\n\n".join(
             b for b in body if b) + "\n"
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
