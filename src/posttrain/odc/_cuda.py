@@ -48,7 +48,8 @@ from ._transport import ShmTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "check_one_device", "region_offsets"]
+__all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "check_one_device", "region_offsets",
+           "triton_available"]
 
 #: How :meth:`DeviceTransport.accumulate` makes concurrent adds race-free.
 ACCUMULATE = ("atomic", "locked")
@@ -97,6 +98,11 @@ def _triton_kernel():
         atomic_add[(triton.cdiv(n, block),)](dst, src, n, BLOCK=block)
 
     return launch
+
+
+def triton_available() -> bool:
+    """Whether the Triton atomic-add kernel can be built here (Triton installed)."""
+    return _triton_kernel() is not None
 
 
 def accumulate_atomic(dst: torch.Tensor, src: torch.Tensor, *, kernel: str = "auto") -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.launch import run_ranks
-from posttrain.odc._cuda import DeviceTransport, _triton_kernel, accumulate_atomic
+from posttrain.odc._cuda import DeviceTransport, accumulate_atomic, triton_available
 
 __all__ = ["bench_device_transport", "format_rows"]
 
@@ -82,7 +82,7 @@ def _worker(rank: int, world_size: int, sizes_mib: list[int], iters: int) -> lis
             "atomic (index_add)": lambda: accumulate_atomic(peer_acc, src, kernel="index_add"),
             "locked": lambda: locked.accumulate(peer_acc, src, owner=peer, byte_offset=0),
         }
-        if _triton_kernel() is not None:
+        if triton_available():
             ops["atomic (triton)"] = lambda: accumulate_atomic(peer_acc, src, kernel="triton")
         for mode in ("alone", "both"):
             for name, fn in ops.items():
