@@ -73,6 +73,9 @@ def test_pipeline_on_a_transformers_model_equals_the_unsplit_model(deep_model, c
                          output_dir=str(tmp_path / "out"))
     results = run_pipeline(cfg, return_grads=True)
     want, trained = _reference(cfg, cfg.steps)
+    # the step's global gradient norm (the recipe's, over every stage, a tied copy counted once)
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()])))
+    assert all(r["grad_norms"][0] == pytest.approx(norm, rel=1e-4) for r in results), (norm, results[0]["grad_norms"])
     seen = set()
     for r in results:
         for name, g in r["grads"].items():
@@ -224,6 +227,9 @@ def test_pipeline_x_data_parallel_equals_one_process(deep_model, long_tail_data,
         batch = data.pack(samples, sets, float(total))
         for x, t, e in zip(batch.inputs, batch.targets, batch.extras):
             (packed_loss(model(x, **e), t) / total).backward()
+    # the step's global gradient norm over stages and columns (a tied copy counted once)
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()])))
+    assert all(r["grad_norms"][0] == pytest.approx(norm, rel=1e-4) for r in results), (norm, results[0]["grad_norms"])
     torch.optim.SGD(model.parameters(), lr=0.5).step()
     want = dict(model.named_parameters())
     alias = {f"hf.{k}": f"hf.{v}" for k, v in tied_names(model).items()}

@@ -14,12 +14,32 @@ Engines: ``fsdp`` (FSDP2, the baseline), ``odc`` (flat ODC, :func:`posttrain.odc
 ``odc-fsdp2`` (ODC on FSDP2, :func:`posttrain.odc.enable`).
 """
 
-from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state
+from .engine import (
+    CommHook,
+    DataParallelEngine,
+    EngineConfig,
+    MinibatchInfo,
+    Shards,
+    decay_flags,
+    ensure_optimizer_state,
+)
 from .fsdp import FSDP2Engine, ODCOnFSDP2Engine  # registers fsdp and odc-fsdp2
 from .odc_flat import FlatODCEngine  # registers odc
 from .registry import build_engine, engine_class, engine_names, register_engine
 
 __all__ = [
-    "CommHook", "DataParallelEngine", "EngineConfig", "FSDP2Engine", "FlatODCEngine", "MinibatchInfo",
-    "ODCOnFSDP2Engine", "build_engine", "engine_class", "engine_names", "ensure_optimizer_state", "register_engine",
+    "CommHook",
+    "DataParallelEngine",
+    "EngineConfig",
+    "FSDP2Engine",
+    "FlatODCEngine",
+    "MinibatchInfo",
+    "ODCOnFSDP2Engine",
+    "Shards",
+    "build_engine",
+    "decay_flags",
+    "engine_class",
+    "engine_names",
+    "ensure_optimizer_state",
+    "register_engine",
 ]

@@ -46,7 +46,31 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from posttrain.models import checkpoint_blocks, find_blocks
 
-__all__ = ["CommHook", "DataParallelEngine", "EngineConfig", "MinibatchInfo", "data_parallel_mesh", "mixed_precision"]
+__all__ = ["CommHook", "DataParallelEngine", "EngineConfig", "MinibatchInfo", "Shards", "data_parallel_mesh",
+           "decay_flags", "mixed_precision"]
+
+
+@dataclass
+class Shards:
+    """What one rank steps, as the step's recipe sees it (``posttrain.train.core.recipe``).
+
+    Attributes:
+        params: the tensors the optimizer steps on this rank (plain tensors or DTensors).
+        masks: per tensor, whether weight decay applies: ``1.0`` / ``0.0``, or a boolean tensor
+            of the tensor's local shape where it holds several parameters (flat ODC's shards).
+        replicas: ranks holding the same shards with the same gradients (HSDP replicas).
+    """
+
+    params: Sequence[torch.Tensor]
+    masks: Sequence[float | torch.Tensor]
+    replicas: int = 1
+
+
+def decay_flags(params: Sequence[torch.Tensor]) -> list[float]:
+    """``1.0`` for each parameter of two or more dimensions (matrices, embeddings: weight decay
+    applies), ``0.0`` for the others (biases, normalization weights); a DTensor's global shape
+    decides."""
+    return [1.0 if p.dim() >= 2 else 0.0 for p in params]
 
 T = TypeVar("T")
 
@@ -195,6 +219,11 @@ class DataParallelEngine(ABC):
     @abstractmethod
     def parameters(self) -> list[torch.Tensor]:
         """What the optimizer steps (this rank's shards)."""
+
+    def shards(self) -> Shards:
+        """:meth:`parameters` with their weight-decay masks and the replicas holding them."""
+        params = self.parameters()
+        return Shards(params, decay_flags(params), self.mesh.size(0) if self.mesh.ndim == 2 else 1)
 
     @abstractmethod
     def minibatch(self, num_tokens: int) -> AbstractContextManager[MinibatchInfo]:

@@ -14,7 +14,16 @@ from torch.distributed.tensor import DTensor
 
 import posttrain.odc as odc
 
-from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state, mixed_precision
+from .engine import (
+    CommHook,
+    DataParallelEngine,
+    EngineConfig,
+    MinibatchInfo,
+    Shards,
+    decay_flags,
+    ensure_optimizer_state,
+    mixed_precision,
+)
 from .registry import register_engine
 
 __all__ = ["FlatODCEngine"]
@@ -37,6 +46,7 @@ class FlatODCEngine(DataParallelEngine):
         self.handle = odc.FlatODC(model, self.units, None,
                                   odc.ODCConfig(mode=config.mode, deterministic=config.deterministic),
                                   mesh=self.mesh, mp_policy=mixed_precision(config))
+        self._masks: list[torch.Tensor] | None = None  # shards()'s, made once
 
     @classmethod
     def needs_equal_microbatches(cls, config: EngineConfig) -> bool:
@@ -44,6 +54,23 @@ class FlatODCEngine(DataParallelEngine):
 
     def parameters(self) -> list[torch.Tensor]:
         return self.handle.parameters()
+
+    def shards(self) -> Shards:
+        """The flat shards with a mask per element: a shard holds pieces of several parameters,
+        and only those of two or more dimensions decay (:func:`decay_flags`'s rule)."""
+        if self._masks is None:
+            h, masks = self.handle, []
+            for u in h.layouts:
+                if u.shard is None:
+                    continue
+                whole = torch.zeros(u.shard_numel * h.shard_size, dtype=torch.bool, device=u.shard.device)
+                pos = 0
+                for p, flag in zip(u.params[: u.num_trainable], decay_flags(u.params[: u.num_trainable])):
+                    whole[pos : pos + p.numel()] = bool(flag)
+                    pos += p.numel()
+                masks.append(whole[h.rank * u.shard_numel : (h.rank + 1) * u.shard_numel].clone())
+            self._masks = masks
+        return Shards(self.parameters(), self._masks, self.mesh.size(0) if self.mesh.ndim == 2 else 1)
 
     @contextmanager
     def minibatch(self, num_tokens: int) -> Iterator[MinibatchInfo]:

@@ -4,6 +4,7 @@ checkpoints and its outputs (:class:`RunConfig`, which each trainer's configurat
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,34 +14,108 @@ import torch
 
 from posttrain.dp import EngineConfig
 
-__all__ = ["OptimConfig", "RunConfig", "config_from_dict", "config_value"]
+__all__ = ["LR_SCHEDULES", "OptimConfig", "RunConfig", "config_from_dict", "config_value"]
+
+
+#: Learning-rate schedules (:meth:`OptimConfig.lr_at`).
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer.
+    """The optimizer and the step's recipe: learning-rate schedule, gradient clipping, weight decay.
 
     Attributes:
         name: ``adamw`` or ``sgd`` (plain SGD shows gradient-scale errors that Adam hides).
-        lr: learning rate.
+        lr: learning rate (the peak, under a schedule).
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay after the warm-up, down to
+            ``min_lr_ratio`` x ``lr`` at the last step.
+        warmup_steps: steps whose learning rate rises linearly to ``lr`` (step ``s`` of ``w``
+            takes ``(s + 1) / w`` of it).
+        warmup_ratio: the warm-up as a fraction of the run's steps (instead of ``warmup_steps``).
+        min_lr_ratio: where the decay ends, as a fraction of ``lr``.
+        max_grad_norm: clip the gradient to this global L2 norm, over every rank's shards, stage
+            and replica (0: no clipping; the norm is measured and logged either way).
+        weight_decay: AdamW's decoupled weight decay, applied to parameters of two or more
+            dimensions (matrices and embeddings), not to one-dimensional ones (biases and
+            normalization weights).
+        adam_betas: AdamW's ``(beta1, beta2)``.
+        adam_eps: AdamW's epsilon.
     """
 
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-3
+    lr_schedule: Literal["constant", "linear", "cosine"] = field(default="constant", metadata={"choices": lambda: LR_SCHEDULES})
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 0.0
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
             raise ValueError(f"name={self.name!r} is not one of adamw, sgd")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr} must be positive")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be non-negative")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("give warmup_steps or warmup_ratio, not both")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be non-negative (0: no clipping)")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be non-negative")
+        if self.weight_decay and self.name != "adamw":
+            raise ValueError(f"weight_decay={self.weight_decay} is AdamW's decoupled decay; the {self.name} optimizer "
+                             "takes none")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"adam_betas={','.join(map(str, self.adam_betas))} must be two numbers in [0, 1)")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps={self.adam_eps} must be positive")
+
+    def warmup(self, steps: int) -> int:
+        """Warm-up steps of a run of ``steps`` steps."""
+        return self.warmup_steps or round(self.warmup_ratio * steps)
+
+    def check_run(self, steps: int) -> None:
+        """Refuse a warm-up as long as the run (one line)."""
+        if self.warmup(steps) >= steps and (self.warmup_steps or self.warmup_ratio):
+            raise ValueError(f"the warm-up ({self.warmup(steps)} steps) is as long as the run ({steps} steps); "
+                             "lower warmup_steps or warmup_ratio")
+
+    def lr_at(self, step: int, steps: int) -> float:
+        """The learning rate of step ``step`` (0-based) of a run of ``steps`` steps: a function
+        of the step alone, so a resumed run follows the uninterrupted run's curve."""
+        w = self.warmup(steps)
+        if step < w:
+            return self.lr * (step + 1) / w
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = max(1, steps - 1 - w)  # the decay reaches its end at the last step
+        progress = min(1.0, (step - w) / span)
+        if self.lr_schedule == "linear":
+            factor = 1.0 - progress
+        else:
+            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        """The optimizer over ``params``."""
+        """The optimizer over ``params`` (weight decay is applied by the step, see
+        :func:`posttrain.train.core.recipe.optimizer_step`, which knows which elements decay)."""
         # The default on CPU is a per-parameter loop whose every op pays DTensor dispatch: AdamW's
         # step is many times slower that way than fused (docs/results.md: posttrain bench overhead).
         # DTensor has no sharding rule for fused SGD: SGD takes foreach.
         if self.name == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, fused=True)
+            return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.adam_betas), eps=self.adam_eps,
+                                     weight_decay=0.0, fused=True)
         return torch.optim.SGD(params, lr=self.lr, foreach=True)
 
 
@@ -108,6 +183,7 @@ class RunConfig:
             raise ValueError("`save_every` needs `output_dir`")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not one of auto, cpu, cuda")
+        self.optim.check_run(self.steps)
 
     @property
     def device_kind(self) -> str:

@@ -43,6 +43,7 @@ from posttrain.rl import (
     policy_loss,
 )
 from posttrain.train.core import Trainer
+from posttrain.train.core.recipe import optimizer_step
 
 from .config import RLConfig
 from .reference import ShardedReference
@@ -51,7 +52,7 @@ __all__ = ["RL_SCALARS", "Prompt", "RLTrainer", "load_prompts", "rl_worker", "up
 
 #: The per-step figures written to TensorBoard.
 RL_SCALARS = ("reward_mean", "reward_std", "response_len_mean", "kl", "clip_fraction", "entropy",
-              "rollout_tokens_per_s", "update_tokens_per_s")
+              "rollout_tokens_per_s", "update_tokens_per_s", "lr", "grad_norm")
 
 @dataclass(frozen=True)
 class Prompt:
@@ -115,10 +116,12 @@ def _stat_sum(values: Sequence[float]) -> list[float]:
 
 def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: torch.optim.Optimizer,
                      rollouts: Sequence[Rollout], cfg: RLConfig, rank: int, world_size: int,
-                     cost: FlopsCost) -> dict[str, float]:
+                     cost: FlopsCost, *, step: int = 0) -> dict[str, float]:
     """One optimizer step on ``rollouts`` (identical on every rank): balanced over the ranks,
-    run under ``engine``, the loss aggregated over the whole minibatch. Returns the global
-    ``tokens``, ``clipped``, ``kl`` and ``entropy`` sums and this rank's ``microbatches``."""
+    run under ``engine``, the loss aggregated over the whole minibatch, then the step's recipe
+    (learning rate of training step ``step``, clipping, weight decay: [Note: the step's recipe]).
+    Returns the global ``tokens``, ``clipped``, ``kl`` and ``entropy`` sums, this rank's
+    ``microbatches``, the ``lr`` and the ``grad_norm`` before clipping."""
     plan = plan_minibatch([len(r) - 1 for r in rollouts], world_size=world_size, max_tokens=cfg.max_tokens,
                           method=cfg.balance, cost=cost)
     mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
@@ -139,10 +142,9 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
             for k, v in st.items():
                 sums[k] += v
             (loss / mb.loss_divisor).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    recipe = optimizer_step(optimizer, cfg.optim, step, cfg.steps, [engine.shards()], engine.device)
     keys = list(sums)
-    return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine))}
+    return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine)), **recipe}
 
 
 class RLTrainer(Trainer):
@@ -227,6 +229,7 @@ class RLTrainer(Trainer):
         t1 = time.perf_counter()
         totals = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
         updates = 0
+        norms: list[float] = []
         if rollouts:
             for epoch in range(cfg.ppo_epochs):
                 order = list(range(len(rollouts)))
@@ -234,9 +237,11 @@ class RLTrainer(Trainer):
                 size = -(-len(order) // cfg.minibatches)
                 for start in range(0, len(order), size):
                     part = [rollouts[i] for i in order[start:start + size]]
-                    st = update_minibatch(engine, self.policy, self.optimizer, part, cfg, rank, world_size, self.cost)
+                    st = update_minibatch(engine, self.policy, self.optimizer, part, cfg, rank, world_size, self.cost,
+                                          step=step)
                     for k in totals:
                         totals[k] += st[k]
+                    norms.append(st["grad_norm"])
                     updates += 1
         t_upd = time.perf_counter() - t1
         gen_max = torch.tensor([t_gen, t_upd, t_ref], dtype=torch.float64)
@@ -250,6 +255,7 @@ class RLTrainer(Trainer):
                 for i, (name, _) in enumerate(self.rewards)} if len(self.rewards) > 1 else {}),
             "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
             "zero_advantage_groups": len(zero), "updates": updates,
+            "lr": cfg.optim.lr_at(step, cfg.steps), "grad_norm": statistics.fmean(norms) if norms else None,
             "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
             "entropy": totals["entropy"] / tok_n,
             "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]),
@@ -259,7 +265,9 @@ class RLTrainer(Trainer):
         }
 
     def progress_line(self, step: int, row: dict) -> str:
+        norm = f"  grad norm {row['grad_norm']:.3f}" if row["grad_norm"] is not None else ""
         return (f"step {step:4d}  reward {row['reward_mean']:.3f}  len {row['response_len_mean']:.1f}  "
+                f"lr {row['lr']:.2e}{norm}  "
                 f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "
                 f"({row['update_tokens_per_s']:.0f} tokens/s)  equal-reward groups {row['zero_advantage_groups']}"
                 + (" (skipped)" if self.cfg.skip_equal_reward_groups else " (trained)"))

@@ -35,6 +35,7 @@ from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
 from posttrain.spans import COMM_KINDS, Recorder
 from posttrain.train.core import Trainer
+from posttrain.train.core.recipe import optimizer_step
 
 from .config import TrainConfig
 from .metrics import gather_step_stats
@@ -161,7 +162,7 @@ def evaluate(cfg: TrainConfig, engine: DataParallelEngine, samples: list[Sample]
 class SFTTrainer(Trainer):
     """One rank of a supervised fine-tuning run on a data-parallel engine (see the module docstring)."""
 
-    scalars = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization")
+    scalars = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization", "lr", "grad_norm")
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int) -> None:
         # the launcher's resolution (auto in a rank started elsewhere: its process group's device)
@@ -210,8 +211,7 @@ class SFTTrainer(Trainer):
             t_sync = time.perf_counter()
         rec.add("sync", t_sync, time.perf_counter())
         with rec.span("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+            recipe = optimizer_step(self.optimizer, cfg.optim, step, cfg.steps, [engine.shards()], self.device)
             synchronize(self.device)  # once a step: the step's time includes its queued kernels
         busy = time.perf_counter() - t0
         comm = sum(rec.total(k) for k in COMM_KINDS)
@@ -227,6 +227,7 @@ class SFTTrainer(Trainer):
             "optimizer_s": own["optimizer_s"], "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
             "utilization": own["compute_s"] / step_time,
             "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
+            "lr": recipe["lr"], "grad_norm": recipe["grad_norm"],
         }
         if self.eval_samples and cfg.due(step, cfg.eval_every):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
@@ -238,6 +239,7 @@ class SFTTrainer(Trainer):
         col, ev = self._stats, row["eval_loss"]
         util = float((col["compute_s"] / row["step_time_s"]).mean())
         return (f"step {step:4d}  loss {row['loss']:.4f}  {row['tokens']:6d} tokens  {row['tokens_per_s']:8.0f} tokens/s  "
+                f"lr {row['lr']:.2e}  grad norm {row['grad_norm']:.3f}  "
                 f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}"
                 + (f"  eval loss {ev:.4f}" if ev is not None else ""))
 

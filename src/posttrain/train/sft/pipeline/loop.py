@@ -17,11 +17,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.data import synthetic_sequences
+from posttrain.dp import Shards, decay_flags
 from posttrain.launch import run_job
 from posttrain.models import build_model
 from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
 from posttrain.train.core import Trainer, check_run
+from posttrain.train.core.recipe import optimizer_step, with_copies
 
 from .checkpoint import ColumnState, PipelineState
 from .config import PipelineConfig
@@ -85,7 +87,7 @@ class PipelineTrainer(Trainer):
     """One rank of a pipeline run without data parallelism (``dp_size`` 1): its stages, their
     optimizer and one :class:`~posttrain.pipeline.PipelineRunner`."""
 
-    scalars = ("loss", "step_time_s")
+    scalars = ("loss", "step_time_s", "lr", "grad_norm")
 
     def __init__(self, cfg: PipelineConfig, rank: int, world_size: int, *, return_grads: bool = False) -> None:
         self.sched = sched = cfg.build()
@@ -124,10 +126,12 @@ class PipelineTrainer(Trainer):
             ids = {id(p) for p in self.params}
             self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()
                           if id(p) in ids and p.grad is not None}
-        opt.step()
+        shards = Shards(self.params, decay_flags(self.params))
+        tied = [self.tied] if self.tie_group is not None and self.rank in self.ends else []
+        recipe = optimizer_step(opt, cfg.optim, step, cfg.steps, with_copies(shards, tied, 2), self.params[0].device)
         self.result = result
         return {"step": step, "rank": self.rank, "loss": _step_loss(result.loss), "stage_loss": result.loss,
-                "step_time_s": result.step_time_s}
+                "step_time_s": result.step_time_s, **recipe}
 
     def progress_line(self, step: int, row: dict) -> str | None:
         return _progress_line(self.cfg, step, row)
@@ -145,7 +149,8 @@ def _progress_line(cfg: PipelineConfig, step: int, row: dict) -> str | None:
     if not (step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps):
         return None
     extra = f"  microbatches {row['microbatches']}" if "microbatches" in row else ""
-    return f"step {step:4d}  loss {row['loss']:.4f}  step {row['step_time_s']:.3f}s{extra}"
+    return (f"step {step:4d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad norm {row['grad_norm']:.3f}  "
+            f"step {row['step_time_s']:.3f}s{extra}")
 
 
 def _step_loss(part: float | None, scale: float = 1.0) -> float:
@@ -162,6 +167,7 @@ def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grad
     rows = trainer.run()
     result = trainer.result
     return {"rank": rank, "losses": [r["stage_loss"] for r in rows], "step_times": [r["step_time_s"] for r in rows],
+            "grad_norms": [r["grad_norm"] for r in rows],
             "result": None if result is None else asdict(result), "grads": trainer.grads,
             "stages": sorted(trainer.mine), "resumed_from": trainer.resumed_from}
 
@@ -197,7 +203,7 @@ class PipelineDPTrainer(Trainer):
     """One rank of a pipeline x data-parallel run (see :mod:`posttrain.train.sft.pipeline.dp`): its
     column's engine shards its stages; a runner per microbatch count."""
 
-    scalars = ("loss", "step_time_s")
+    scalars = ("loss", "step_time_s", "lr", "grad_norm")
 
     def __init__(self, cfg: PipelineConfig, rank: int, world_size: int, *, return_params: bool = False) -> None:
         from posttrain.models import tied_names
@@ -260,14 +266,14 @@ class PipelineDPTrainer(Trainer):
             result = self.runners[m].step(batch.inputs, batch.targets, extras=batch.extras, loss_divisor=mb.loss_divisor)
         if self.tie is not None:
             self.tie.sync()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        shards = with_copies(engine.shards(), self.tie.shards if self.tie is not None else [], 2)
+        recipe = optimizer_step(self.optimizer, cfg.optim, step, cfg.steps, shards, engine.device)
         wall = time.perf_counter() - t0
         self.result = result
         # each pipeline's last stage holds its share of the summed loss over the divisor
         loss = _step_loss(result.loss, mb.loss_divisor / mb.global_tokens)
         return {"step": step, "rank": self.rank, "loss": loss, "step_time_s": result.step_time_s, "wall_time_s": wall,
-                "microbatches": m, "tokens": sum(len(x) - 1 for x in samples)}
+                "microbatches": m, "tokens": sum(len(x) - 1 for x in samples), **recipe}
 
     def progress_line(self, step: int, row: dict) -> str | None:
         return _progress_line(self.cfg, step, row)
@@ -298,7 +304,8 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
     engine, result = trainer.engine, trainer.result
     return {"rank": rank, "pp_rank": trainer.grid.pp_rank, "dp_rank": trainer.grid.dp_rank,
             "losses": [r["loss"] for r in rows], "step_times": [r["step_time_s"] for r in rows],
-            "microbatches": [r["microbatches"] for r in rows], "result": None if result is None else asdict(result),
+            "grad_norms": [r["grad_norm"] for r in rows], "microbatches": [r["microbatches"] for r in rows],
+            "result": None if result is None else asdict(result),
             "params": trainer.params, "stages": sorted(trainer.mine), "resumed_from": trainer.resumed_from,
             "wall_times": [r["wall_time_s"] for r in rows], "step_tokens": [r["tokens"] for r in rows],
             "engine": dict(engine.stats, units=len(engine.units)) if engine.stats else None}
