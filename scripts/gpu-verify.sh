@@ -14,14 +14,15 @@ set -u
 OUT=${OUT:-out/gpu}
 BENCHES=${1:-odc}
 mkdir -p "$OUT"
+set -o pipefail
 export PYTHONUNBUFFERED=1
-# a hung test fails alone (pytest-timeout, where installed)
-python3 -c "import pytest_timeout" 2>/dev/null && export PYTEST_ADDOPTS="--timeout=${TEST_TIMEOUT:-150} ${PYTEST_ADDOPTS:-}"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+# a hung test fails alone (pytest-timeout, where installed)
+python3 -c "import pytest_timeout" 2>/dev/null && export PYTEST_ADDOPTS="--timeout=${TEST_TIMEOUT:-150} ${PYTEST_ADDOPTS:-}"
 PY=${PY:-python3}
 { nvidia-smi; $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; nproc; } >"$OUT/env.txt" 2>&1
 cores=$(nproc)
@@ -42,10 +43,12 @@ if [ "$cores" -ge 16 ]; then
 else
   GPU_CORES=0-$((cores - 1))
 fi
+rc=0
 if [ "${DOCTOR:-1}" = 1 ]; then
-  taskset -c "$GPU_CORES" timeout ${DOCTOR_TIMEOUT:-500} $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt"
+  taskset -c "$GPU_CORES" timeout ${DOCTOR_TIMEOUT:-500} $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt" || rc=$?
 fi
 # more GPU work after the doctor, while the CPU benchmarks still run (e.g. a measurement at another size)
 if [ -n "${AFTER_DOCTOR:-}" ]; then taskset -c "$GPU_CORES" bash -c "$AFTER_DOCTOR" 2>&1 | tee "$OUT/after-doctor.txt"; fi
 wait
-echo "gpu-verify: done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo "gpu-verify: done (doctor exit $rc); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $rc

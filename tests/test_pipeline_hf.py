@@ -48,7 +48,7 @@ def _reference(cfg: PipelineConfig, steps: int):
     step's gradients and the weights after ``steps`` AdamW steps."""
     model = load_pretrained(cfg.model_path)
     data = PipelineData(cfg, model.config)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     first = None
     for k in range(steps):
         batch = data.step(k)

@@ -73,6 +73,23 @@ def test_weight_decay_skips_one_dimensional_parameters():
     assert any(f == 0.0 for f in flags.values()) and any(f == 1.0 for f in flags.values())
 
 
+def test_the_run_s_adamw_settings_win_over_a_resumed_checkpoint_s_and_a_nan_norm_shows():
+    """A checkpoint's optimizer groups come back with its own betas, eps and weight decay (torch's
+    0.01 in checkpoints of older versions): the step sets this run's. A non-finite gradient gives
+    a NaN norm, not 0."""
+    from posttrain.dp import Shards
+
+    w = torch.nn.Parameter(torch.ones(2, 2))
+    opt = torch.optim.AdamW([w], lr=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    w.grad = torch.ones(2, 2)
+    got = optimizer_step(opt, ADAMW, 1, STEPS, [Shards([w], [1.0])], torch.device("cpu"))
+    g = opt.param_groups[0]
+    assert (g["betas"], g["eps"], g["weight_decay"]) == (ADAMW.adam_betas, ADAMW.adam_eps, 0.0)
+    assert got["grad_norm"] == pytest.approx(2.0) and got["lr"] == ADAMW.lr_at(1, STEPS)
+    w.grad = torch.full((2, 2), float("nan"))
+    assert math.isnan(optimizer_step(opt, ADAMW, 2, STEPS, [Shards([w], [1.0])], torch.device("cpu"))["grad_norm"])
+
+
 def _seqs(step: int, rank: int, count: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     return [torch.randint(0, CFG.vocab_size, (1, 7 + 4 * i), generator=g) for i in range(count)]

@@ -40,7 +40,7 @@ def _reference(cfg: TrainConfig) -> HFCausalLM:
     packed microbatch, its loss divided by the minibatch's loss units."""
     data = TrainData(cfg, 1)
     model = load_pretrained(cfg.model_path)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, fused=True)
     for step in range(cfg.steps):
         seqs = data.minibatch(step)
         ids = list(range(len(seqs)))

@@ -23,8 +23,8 @@ values, abort, dead-peer detection, close) for ranks of one host whose parameter
   mode (one slot per writer, summed by the owner) needs neither and is the protocol's.
 - Control plane: the shm transport with no regions (its header: barrier generations, published
   values, abort message, pids), so barriers, abort and dead-peer detection are the host's. Before
-  a rank announces a barrier it waits for its current stream: every gather and push it issued
-  has landed before a peer can read or zero that memory.
+  a rank announces a barrier it waits for its device (every stream): every gather and push it
+  issued has landed before a peer can read or zero that memory.
 
 Closing drops the peer views first, then this rank's allocation (torch keeps a shared block
 alive until every consumer released it).
@@ -55,6 +55,8 @@ __all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "check_one_devi
 ACCUMULATE = ("atomic", "locked")
 _ALIGN = 256  # device allocations and region starts: enough for any dtype and vector loads
 _INDEX_CHUNK = 1 << 20
+_TRITON_CHUNK = 1 << 30  # elements per kernel launch (its offsets are 32-bit)
+_CREATED = 200  # the control plane's barrier tag at creation (the protocol's are small numbers)
 
 
 def region_offsets(regions: Mapping[str, int], *, start: int = 0, align: int = _ALIGN) -> tuple[dict[str, tuple[int, int]], int]:
@@ -93,9 +95,11 @@ def _triton_kernel():
         tl.atomic_add(dst + offs, value, mask=mask, sem="relaxed")
 
     def launch(dst: torch.Tensor, src: torch.Tensor) -> None:
-        n = dst.numel()
         block = 1024
-        atomic_add[(triton.cdiv(n, block),)](dst, src, n, BLOCK=block)
+        with torch.cuda.device(dst.device):  # the kernel runs on the accumulator's device
+            for a in range(0, dst.numel(), _TRITON_CHUNK):
+                d, s_ = dst[a : a + _TRITON_CHUNK], src[a : a + _TRITON_CHUNK]
+                atomic_add[(triton.cdiv(d.numel(), block),)](d, s_, d.numel(), BLOCK=block)
 
     return launch
 
@@ -119,12 +123,16 @@ def accumulate_atomic(dst: torch.Tensor, src: torch.Tensor, *, kernel: str = "au
                              f"{tuple(src.shape)}")
     if dst.numel() == 0:
         return
-    launch = _triton_kernel() if dst.device.type == "cuda" and dst.dtype == torch.float32 else None
+    usable = dst.device.type == "cuda" and dst.dtype == torch.float32 and dst.is_contiguous()
+    launch = _triton_kernel() if usable else None
     if kernel == "triton" and launch is None:
-        raise RuntimeError("the Triton atomic-add kernel needs Triton and an fp32 accumulator on a CUDA device")
+        raise RuntimeError("the Triton atomic-add kernel needs Triton and a contiguous fp32 accumulator on a CUDA device")
     if kernel in ("auto", "triton") and launch is not None:
         launch(dst, src.contiguous())
         return
+    if dst.device.type != "cpu" and torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError("under torch.use_deterministic_algorithms, index_add_ on a GPU does not use atomics and "
+                           "concurrent writers would lose updates: use ODC's deterministic mode (per-writer slots)")
     src = src.to(dst.dtype)
     for a in range(0, dst.numel(), _INDEX_CHUNK):
         b = min(a + _INDEX_CHUNK, dst.numel())
@@ -173,19 +181,25 @@ class DeviceTransport:
         self.device = device
         self.accumulate_mode = accumulate
         self._closed = False
-        self._regions, self.segment_bytes = region_offsets(regions)
         self._buffers: list[torch.Tensor] = []
         try:
+            self._regions, self.segment_bytes = region_offsets(regions)
             own = torch.zeros(max(self.segment_bytes, _ALIGN), dtype=torch.uint8, device=device)
+            # One handle per peer: torch counts each handle's consumers as one (a handle opened by
+            # two peers would be released twice).
+            handles = [None if r == self.rank else reduce_tensor(own) for r in range(self.world_size)]
             everyone: list = [None] * self.world_size
-            dist.all_gather_object(everyone, (physical_id(device), reduce_tensor(own)), group=group)
+            dist.all_gather_object(everyone, (physical_id(device), sorted(self._regions.items()), handles), group=group)
             check_one_device([e[0] for e in everyone], self.global_ranks)
-            self._buffers = [own if r == self.rank else rebuild(*args) for r, (_, (rebuild, args)) in enumerate(everyone)]
-            for r, buf in enumerate(self._buffers):
-                if buf.numel() != own.numel():
-                    raise AssertionError(f"rank {self.global_ranks[r]} shares {buf.numel()} bytes, this rank "
-                                         f"{own.numel()}: ranks disagree on the region layout")
-            dist.barrier(group=group)  # every rank opened every peer's allocation
+            if len({repr(e[1]) for e in everyone}) != 1:
+                raise AssertionError(f"ranks disagree on the device region layout: {[e[1] for e in everyone]}")
+            try:
+                self._buffers = [own if r == self.rank else everyone[r][2][self.rank][0](*everyone[r][2][self.rank][1])
+                                 for r in range(self.world_size)]
+            except BaseException as exc:  # peers wait at the barrier below: tell them
+                self._control.abort(f"could not open a peer's GPU memory by CUDA IPC: {type(exc).__name__}: {exc}")
+                raise
+            self._control.barrier(_CREATED)  # every rank opened every peer's allocation (or one failed: raises)
         except BaseException:
             self.close()
             raise
@@ -229,7 +243,7 @@ class DeviceTransport:
         """The control plane's barrier, after this rank's queued device work has finished."""
         if self._closed:
             raise RuntimeError("the ODC transport is closed")
-        torch.accelerator.current_stream(self.device).synchronize()
+        torch.accelerator.synchronize(self.device)  # every stream: pushes may run on a side stream's backward
         self._control.barrier(tag)
 
     def abort(self, message: str) -> None:
@@ -242,7 +256,7 @@ class DeviceTransport:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            torch.accelerator.current_stream(self.device).synchronize()
+            torch.accelerator.synchronize(self.device)
         own = self._buffers[self.rank] if len(self._buffers) > self.rank else None
         self._buffers = []
         del own

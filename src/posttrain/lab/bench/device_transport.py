@@ -58,7 +58,7 @@ def _time(fn: Callable[[], None], iters: int, device: torch.device, active: bool
 
 
 def _worker(rank: int, world_size: int, sizes_mib: list[int], iters: int) -> list[dict]:
-    dev = torch.device("cuda", rank % torch.accelerator.device_count())
+    dev = torch.device("cuda", 0)  # both ranks on one GPU: the transport's setting (several GPUs: not written)
     torch.accelerator.set_device_index(dev.index)
     rows = []
     for mib in sizes_mib:
@@ -88,7 +88,6 @@ def _worker(rank: int, world_size: int, sizes_mib: list[int], iters: int) -> lis
             for name, fn in ops.items():
                 seconds = _time(fn, iters, dev, active=rank == 0 or mode == "both")
                 rows.append({"mib": mib, "mode": mode, "op": name, "s": seconds, "gb_s": n * 4 / seconds / 1e9})
-        # correctness of what was timed: every atomic and locked add landed once per call
         locked.barrier(2)
         locked.close()
     return rows

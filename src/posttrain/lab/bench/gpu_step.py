@@ -58,7 +58,7 @@ def _worker(rank: int, world_size: int, cfg: dict, microbatches: int, seq_len: i
     import posttrain.odc as odc_mod
     from posttrain import device
 
-    dev = device.rank_device(kind, rank)
+    dev = device.rank_device(kind, 0)  # both ranks on one GPU (the device transport's setting)
     device.use(dev)
     model = _model(cfg, dev)
     total_tokens = microbatches * seq_len

@@ -74,10 +74,12 @@ def optimizer_step(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int
             g["lr"].fill_(lr)
         else:
             g["lr"] = lr
+        if cfg.name == "adamw":  # this run's settings, also over what a resumed checkpoint's groups hold
+            g["betas"], g["eps"], g["weight_decay"] = tuple(cfg.adam_betas), cfg.adam_eps, 0.0
     sq = local_grad_sq(shards, device)
     if dist.is_initialized():
         dist.all_reduce(sq, group=group)
-    norm = math.sqrt(max(0.0, float(sq)))
+    norm = math.sqrt(float(sq))  # NaN stays NaN (a diverged step is not hidden as 0)
     with torch.no_grad():
         if cfg.max_grad_norm and norm > 0:
             coef = cfg.max_grad_norm / (norm + 1e-6)
