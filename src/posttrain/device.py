@@ -18,12 +18,13 @@ a memory figure, never for ``torch.cuda`` by name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "backend", "check_world", "cuda_available", "describe", "device_count", "local_rank",
+__all__ = ["DEVICES", "backend", "check_world", "cuda_available", "current", "describe", "device_count", "local_rank",
            "max_memory_allocated", "physical_id", "rank_device", "rank_kind", "reset_peak_memory", "resolve",
            "start_method", "synchronize", "use"]
 
@@ -144,6 +145,14 @@ def physical_id(device: torch.device) -> str:
     if device.type == "cpu":
         return "cpu"
     return f"{device.type}:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def current(device: torch.device):
+    """A context in which ``device`` is the current device (kernels launched by code that does not
+    take a device, such as Triton's, run there); nothing on the CPU."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def synchronize(device: torch.device) -> None:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
-from posttrain.device import physical_id
+from posttrain.device import current, physical_id
 
 from ._transport import ShmTransport
 
@@ -96,7 +96,7 @@ def _triton_kernel():
 
     def launch(dst: torch.Tensor, src: torch.Tensor) -> None:
         block = 1024
-        with torch.cuda.device(dst.device):  # the kernel runs on the accumulator's device
+        with current(dst.device):  # the kernel runs on the accumulator's device
             for a in range(0, dst.numel(), _TRITON_CHUNK):
                 d, s_ = dst[a : a + _TRITON_CHUNK], src[a : a + _TRITON_CHUNK]
                 atomic_add[(triton.cdiv(d.numel(), block),)](d, s_, d.numel(), BLOCK=block)
