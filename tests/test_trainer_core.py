@@ -126,3 +126,32 @@ def test_a_run_that_cannot_write_its_outputs_is_refused_before_any_rank(tmp_path
         check_run(ToyConfig(metrics=str(tmp_path)))
     with pytest.raises(ValueError, match="`save_every` needs `output_dir`"):
         ToyConfig(save_every=2)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_resumed_metrics_file_drops_the_steps_past_its_checkpoint(tmp_path, suffix):
+    """A run killed after step 4 with its checkpoint after step 2 (and a last line cut short)
+    resumes after step 2: the file keeps steps 0-2 and every resumed step appears once."""
+    from posttrain.train.core import MetricsLog
+
+    path = str(tmp_path / f"m{suffix}")
+    log = MetricsLog(path)
+    for step in range(5):
+        log.append([{"step": step, "rank": 0, "loss": 1.0 / (step + 1)}])
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"step": 5, "ra' if suffix == ".jsonl" else "5,0")
+    log = MetricsLog(path, resume_from=3)
+    for step in range(3, 6):
+        log.append([{"step": step, "rank": 0, "loss": 0.5}])
+    log.close()
+    if suffix == ".csv":
+        import csv
+
+        with open(path, newline="") as f:
+            steps = [int(r["step"]) for r in csv.DictReader(f)]
+    else:
+        import json
+
+        steps = [json.loads(line)["step"] for line in open(path)]
+    assert steps == [0, 1, 2, 3, 4, 5]

@@ -84,7 +84,7 @@ class Trainer(ABC):
         try:
             start = self.resumed_from = resume(cfg, self.state, self.optimizer) if cfg.checkpoint_dir else 0
             if self.rank == 0 and (cfg.metrics or cfg.tensorboard):
-                log = MetricsLog(cfg.metrics, cfg.tensorboard, resume=start > 0, scalars=self.scalars)
+                log = MetricsLog(cfg.metrics, cfg.tensorboard, resume_from=start, scalars=self.scalars)
             if cfg.progress and self.rank == 0:
                 from tqdm import tqdm
 
