@@ -61,6 +61,8 @@ def test_prompt_completion_text_and_token_ids(tok):
     ({"input_ids": [1]}, "at least 2 tokens"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
     ({"messages": [{"role": "user"}]}, "string 'role' and 'content'"),
+    ({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+     r"message 0 has role 'wizard', which the chat template does not know \(roles: system, user, assistant, tool\)"),
     ({"text": "hi"}, None),
 ])
 def test_bad_records_are_refused_clearly(tok, record, message):
@@ -70,6 +72,14 @@ def test_bad_records_are_refused_clearly(tok, record, message):
         return
     with pytest.raises(ValueError, match=message):
         encode_record(record, tok)
+
+
+def test_the_roles_a_template_knows_are_those_it_names():
+    from posttrain.data.formats import STANDARD_ROLES, template_roles
+
+    assert template_roles("{% for m in messages %}<|im_start|>{{ m['role'] }}{% endfor %}") == STANDARD_ROLES
+    named = "{% if message['role'] == 'ipython' %}I{% elif message.role == \"system\" %}S{% endif %}"
+    assert template_roles(named) == (*STANDARD_ROLES, "ipython")
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tok):

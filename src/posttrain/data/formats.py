@@ -22,6 +22,7 @@ prefix of the next), which the common templates do; one that rewrites earlier tu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,11 +86,30 @@ def _check_messages(messages: Any) -> None:
         raise ValueError("the conversation has no assistant message: nothing to train on")
 
 
+#: The roles every chat template is taken to know (templates that name only some, such as Llama
+#: 3's, which tests for ``system`` alone, print the others as they are).
+STANDARD_ROLES = ("system", "user", "assistant", "tool")
+_ROLE_TEST = re.compile(r"""role['"]?\]?\s*==\s*['"]([A-Za-z_][\w-]*)['"]""")
+
+
+def template_roles(template: str) -> tuple[str, ...]:
+    """The roles a chat template knows: :data:`STANDARD_ROLES` and those it compares a message's
+    role with (``message['role'] == 'ipython'``), in that order."""
+    named = sorted(set(_ROLE_TEST.findall(template)) - set(STANDARD_ROLES))
+    return (*STANDARD_ROLES, *named)
+
+
 def _encode_messages(messages: list[dict], tokenizer, train_on_prompt: bool) -> Encoded:
     _check_messages(messages)
-    if getattr(tokenizer, "chat_template", None) is None:
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
         raise ValueError("chat 'messages' need a tokenizer with a chat template (tokenizer_config.json "
                          "'chat_template'); this tokenizer has none")
+    known = template_roles(template if isinstance(template, str) else str(template))
+    for i, m in enumerate(messages):
+        if m["role"] not in known:
+            raise ValueError(f"message {i} has role {m['role']!r}, which the chat template does not know "
+                             f"(roles: {', '.join(known)})")
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("chat masks need a fast tokenizer (token offsets); this one is not")
 
