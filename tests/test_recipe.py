@@ -9,6 +9,7 @@ wrong elements (flat shards hold several parameters), or a flag that is not chec
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -189,3 +190,22 @@ def test_a_resumed_run_follows_the_uninterrupted_schedule_and_steps(dp, tmp_path
     assert resumed["resumed_from"] == 3
     for key in ("step", "lr", "grad_norm", "loss"):
         assert [r[key] for r in resumed["metrics"]] == [r[key] for r in rows[3:]], key
+
+
+@pytest.mark.full
+def test_mfu_is_the_step_s_model_flops_over_the_peak_given_or_measured():
+    """``mfu`` = the step's model FLOPs (the balancer's FlopsCost of each sequence) / step time /
+    (peak x ranks); without ``peak_tflops`` the peak is a matrix product measured at the start."""
+    from posttrain.device import matmul_tflops
+    from posttrain.train.sft import TrainConfig, TrainData, train_worker
+    from posttrain.train.sft.loop import step_cost
+
+    cfg = TrainConfig(steps=2, sequences=4, max_len=48, max_tokens=64, dim=32, num_layers=2, peak_tflops=0.5)
+    rows = run_ranks(train_worker, 2, cfg)[0]["metrics"]
+    data = TrainData(cfg, 2)
+    cost = step_cost(cfg, data.vocab_size)
+    for r in rows:
+        flops = sum(cost(len(s) - 1) for s in data.minibatch(r["step"]))
+        assert r["mfu"] == pytest.approx(flops / r["step_time_s"] / (0.5e12 * 2), rel=1e-9)
+    measured = run_ranks(train_worker, 2, replace(cfg, peak_tflops=0.0))[0]["metrics"]
+    assert 0 < measured[0]["mfu"] < 1.5 and matmul_tflops(torch.device("cpu")) > 0

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DEVICES", "backend", "check_world", "cuda_available", "current", "describe", "device_count", "local_rank",
-           "max_memory_allocated", "physical_id", "rank_device", "rank_kind", "reset_peak_memory", "resolve",
+           "matmul_tflops", "max_memory_allocated", "physical_id", "rank_device", "rank_kind", "reset_peak_memory", "resolve",
            "start_method", "synchronize", "use"]
 
 #: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
@@ -153,6 +153,28 @@ def current(device: torch.device):
     if device.type == "cpu":
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, *, n: int | None = None,
+                  repeats: int = 5) -> float:
+    """TFLOP/s of an ``n`` x ``n`` matrix product in ``dtype`` on ``device`` (the median of
+    ``repeats`` after a warm-up): the peak a model-FLOPs utilization divides by when none is given.
+    ``n`` defaults to 512 on the CPU and 4096 on an accelerator."""
+    import statistics
+    import time
+
+    n = n or (512 if device.type == "cpu" else 4096)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    for i in range(repeats + 1):
+        synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 def synchronize(device: torch.device) -> None:

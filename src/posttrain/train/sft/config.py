@@ -46,6 +46,9 @@ class TrainConfig(RunConfig):
         max_tokens: most tokens in one microbatch (at least ``max_len``; default ``max_len``).
         dim: model hidden size.
         num_layers: transformer blocks.
+        peak_tflops: a device's peak rate in the training dtype, TFLOP/s, that ``mfu`` (model
+            FLOPs utilization) divides by; 0: measured at the start by a short matrix product on
+            every rank (:func:`posttrain.device.matmul_tflops`).
     """
 
     balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
@@ -66,6 +69,7 @@ class TrainConfig(RunConfig):
     num_layers: int = 4
     eval_data: str | None = None
     eval_every: int = 0
+    peak_tflops: float = 0.0
 
     TRAINER: ClassVar[str] = "the SFT trainer"
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("profile", "data", "sequences", "max_len", "seed", "train_on_prompt",
@@ -86,6 +90,8 @@ class TrainConfig(RunConfig):
         for name, choices in (("balance", METHODS), ("profile", PROFILES), ("model", MODELS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if not self.peak_tflops >= 0:
+            raise ValueError(f"peak_tflops={self.peak_tflops} must be non-negative (0: measured at the start)")
         for name in ("sequences", "dim", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")

@@ -159,10 +159,20 @@ def evaluate(cfg: TrainConfig, engine: DataParallelEngine, samples: list[Sample]
     return float(total[0] / total[1]) if total[1] > 0 else None
 
 
+def _measured_peak(device: torch.device, precision: str) -> float:
+    """Every rank's matrix-product rate in the compute dtype, averaged (a collective)."""
+    from posttrain.device import matmul_tflops
+
+    rate = torch.tensor([matmul_tflops(device, torch.bfloat16 if precision == "bf16" else torch.float32)],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(rate)
+    return float(rate) / dist.get_world_size()
+
+
 class SFTTrainer(Trainer):
     """One rank of a supervised fine-tuning run on a data-parallel engine (see the module docstring)."""
 
-    scalars = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization", "lr", "grad_norm")
+    scalars = ("loss", "eval_loss", "tokens_per_s", "step_time_s", "utilization", "lr", "grad_norm", "mfu")
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int) -> None:
         # the launcher's resolution (auto in a rank started elsewhere: its process group's device)
@@ -178,6 +188,8 @@ class SFTTrainer(Trainer):
         self.engine.set_comm_hook(self.rec.add)
         self.eval_samples = self.data.eval_samples()
         self.cost = step_cost(cfg, self.data.vocab_size)
+        #: the peak rate mfu divides by (TFLOP/s a device): given, or the ranks' mean of a short matmul
+        self.peak_tflops = cfg.peak_tflops or _measured_peak(self.device, cfg.engine.precision)
         self._stats: dict[str, torch.Tensor] = {}
         super().__init__(cfg, rank, world_size, state=self.engine, optimizer=self.training.optimizer,
                          label=f"{cfg.engine.label}+{cfg.balance}")
@@ -228,6 +240,7 @@ class SFTTrainer(Trainer):
             "utilization": own["compute_s"] / step_time,
             "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
             "lr": recipe["lr"], "grad_norm": recipe["grad_norm"],
+            "mfu": sum(self.cost(len(s) - 1) for s in seqs) / step_time / (self.peak_tflops * 1e12 * world_size),
         }
         if self.eval_samples and cfg.due(step, cfg.eval_every):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
@@ -240,7 +253,7 @@ class SFTTrainer(Trainer):
         util = float((col["compute_s"] / row["step_time_s"]).mean())
         return (f"step {step:4d}  loss {row['loss']:.4f}  {row['tokens']:6d} tokens  {row['tokens_per_s']:8.0f} tokens/s  "
                 f"lr {row['lr']:.2e}  grad norm {row['grad_norm']:.3f}  "
-                f"util {util:.2f}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}"
+                f"util {util:.2f}  mfu {row['mfu']:.1%}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}"
                 + (f"  eval loss {ev:.4f}" if ev is not None else ""))
 
     def export(self) -> None:
