@@ -209,3 +209,31 @@ def test_mfu_is_the_step_s_model_flops_over_the_peak_given_or_measured():
         assert r["mfu"] == pytest.approx(flops / r["step_time_s"] / (0.5e12 * 2), rel=1e-9)
     measured = run_ranks(train_worker, 2, replace(cfg, peak_tflops=0.0))[0]["metrics"]
     assert 0 < measured[0]["mfu"] < 1.5 and matmul_tflops(torch.device("cpu")) > 0
+
+
+def test_epochs_and_steps_exclude_each_other_and_epochs_need_data(cli):
+    rc, _, err = cli("train", "--epochs", "1", "--steps", "5")
+    assert rc == 2 and err.strip() == "posttrain: error: give --epochs or --steps, not both"
+    rc, _, err = cli("train", "--epochs", "1")
+    assert rc == 2 and err.strip() == "posttrain: error: --epochs needs --data (synthetic sequences have no epochs)"
+
+
+@pytest.mark.full
+def test_epochs_set_the_steps_and_each_epoch_covers_every_record_once(tmp_path):
+    """1.5 epochs of 10 records at 4 a step: 4 steps; the first 10 records trained are the 10
+    records (a seeded shuffle); the metrics say the epoch."""
+    import json
+
+    from posttrain.train.sft import TrainConfig, TrainData, run_training
+
+    path = tmp_path / "ids.jsonl"
+    records = [[1 + i, 2 + i, 3 + i, 4 + i, 5 + (i % 3)] for i in range(10)]
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in records))
+    cfg = TrainConfig(data=str(path), vocab_size=32, sequences=4, max_tokens=16, dim=32, num_layers=1, epochs=1.5)
+    results = run_training(cfg, world_size=2, quiet=True)
+    rows = results[0]["metrics"]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["epoch"] for r in rows] == pytest.approx([0.4, 0.8, 1.2, 1.6])
+    data = TrainData(replace(cfg, steps=4, epochs=0.0), 2)
+    seen = [tuple(s.input_ids.tolist()) for step in range(3) for s in data.minibatch(step)][:10]
+    assert sorted(seen) == sorted(tuple(r) for r in records)

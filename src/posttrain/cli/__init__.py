@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    args._argv = argv  # what was given on the command line (flags that exclude each other)
     try:
         rc = args.func(args)
     except ValueError as e:  # a parameter the library or a trainer refused: named by its flag

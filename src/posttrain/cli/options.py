@@ -297,6 +297,7 @@ def add_command(sub: argparse._SubParsersAction, name: str, cls: type, run: Any,
         add_config_file_argument(p)
 
     def func(args: argparse.Namespace) -> int:
+        _check_excludes(p, cls, getattr(args, "_argv", ()))
         rc = run(config_from_args(cls, args))
         return rc if isinstance(rc, int) else 0
 
@@ -305,6 +306,24 @@ def add_command(sub: argparse._SubParsersAction, name: str, cls: type, run: Any,
 
 
 __all__ += ["add_command"]
+
+
+def _check_excludes(parser: argparse.ArgumentParser, cls: type, argv, prefix: str = "") -> None:
+    """Refuse, in one line, two flags given together where a field's metadata says
+    ``{"excludes": "other_field"}`` (``--epochs`` and ``--steps``)."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+
+    def given(flag: str) -> bool:
+        return any(t == flag or t.startswith(flag + "=") for t in argv)
+
+    for f in dataclasses.fields(cls):
+        path = prefix + f.name
+        if _is_section(cls, f):
+            _check_excludes(parser, _resolve(cls, f.name), argv, path + ".")
+        elif f.metadata.get("excludes"):
+            a, b = flags.get(path), flags.get(prefix + f.metadata["excludes"])
+            if a and b and given(a) and given(b):
+                raise ValueError(f"give {a} or {b}, not both")
 
 
 def add_config_file_argument(parser: argparse.ArgumentParser) -> None:

@@ -183,7 +183,8 @@ class RunConfig:
             raise ValueError("`save_every` needs `output_dir`")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not one of auto, cpu, cuda")
-        self.optim.check_run(self.steps)
+        if not getattr(self, "epochs", 0):  # (a run of epochs checks once its steps are known)
+            self.optim.check_run(self.steps)
 
     @property
     def device_kind(self) -> str:

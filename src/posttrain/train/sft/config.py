@@ -46,6 +46,9 @@ class TrainConfig(RunConfig):
         max_tokens: most tokens in one microbatch (at least ``max_len``; default ``max_len``).
         dim: model hidden size.
         num_layers: transformer blocks.
+        epochs: passes over ``data`` instead of ``steps`` (which it then sets:
+            ``ceil(epochs x usable sequences / sequences)``, known once the data is tokenized; each
+            epoch is a new seeded shuffle, and a resumed run goes on at the same record).
         peak_tflops: a device's peak rate in the training dtype, TFLOP/s, that ``mfu`` (model
             FLOPs utilization) divides by; 0: measured at the start by a short matrix product on
             every rank (:func:`posttrain.device.matmul_tflops`).
@@ -69,6 +72,7 @@ class TrainConfig(RunConfig):
     num_layers: int = 4
     eval_data: str | None = None
     eval_every: int = 0
+    epochs: float = field(default=0.0, metadata={"excludes": "steps"})
     peak_tflops: float = 0.0
 
     TRAINER: ClassVar[str] = "the SFT trainer"
@@ -90,6 +94,10 @@ class TrainConfig(RunConfig):
         for name, choices in (("balance", METHODS), ("profile", PROFILES), ("model", MODELS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if not self.epochs >= 0:
+            raise ValueError(f"epochs={self.epochs} must be positive (0: run `steps` steps)")
+        if self.epochs and self.data is None:
+            raise ValueError("`epochs` needs `data` (synthetic sequences have no epochs)")
         if not self.peak_tflops >= 0:
             raise ValueError(f"peak_tflops={self.peak_tflops} must be non-negative (0: measured at the start)")
         for name in ("sequences", "dim", "num_layers"):

@@ -3,6 +3,7 @@ exporting a data-parallel checkpoint."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 
@@ -40,6 +41,10 @@ def run_training(cfg: TrainConfig, *, world_size: int | None = 2, quiet: bool = 
     check_run(cfg, outputs, world_size)  # a device, outputs, a mismatched checkpoint: one line, before any work
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
     data = TrainData(cfg, world_size, log=say)
+    if cfg.epochs:
+        steps = math.ceil(cfg.epochs * data.num_sequences / cfg.sequences)
+        say(f"epochs {cfg.epochs:g} of {data.num_sequences} sequences, {cfg.sequences} a step: {steps} steps")
+        cfg = replace(cfg, steps=steps, epochs=0.0)  # (checks the run again: a warm-up as long as the run)
     if data.dropped:
         say(f"skip_long: left out {data.dropped} of {len(data.dataset)} sequences longer than {cfg.max_tokens + 1} tokens")
     if data.truncated:

@@ -240,6 +240,7 @@ class SFTTrainer(Trainer):
             "utilization": own["compute_s"] / step_time,
             "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
             "lr": recipe["lr"], "grad_norm": recipe["grad_norm"],
+            "epoch": (step + 1) * cfg.sequences / self.data.num_sequences if self.data.num_sequences else None,
             "mfu": sum(self.cost(len(s) - 1) for s in seqs) / step_time / (self.peak_tflops * 1e12 * world_size),
         }
         if self.eval_samples and cfg.due(step, cfg.eval_every):
