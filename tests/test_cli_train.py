@@ -134,7 +134,7 @@ def test_config_file_sets_flags_and_the_command_line_wins(cli, tmp_path):
                     f'layers = 1\nmetrics = "{metrics}"\n')
     rc, out, err = cli("train", "--config", str(toml))
     assert rc == 0, err
-    assert "fsdp+same_micro on 2 CPU processes, gpt 1x32" in out and "1 steps" in out
+    assert "fsdp+same_micro on 2 CPU processes, gpt 1x32" in out and "sequences per step, 1 step" in out
     assert len(metrics.read_text().splitlines()) == 2  # one step, two ranks
     rc, out, err = cli("train", "--config", str(toml), "--steps", "2", "--dp", "odc")
     assert rc == 0, err

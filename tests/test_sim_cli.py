@@ -73,7 +73,7 @@ def test_plan_pipeline_recommends_no_offload_when_that_fits_as_fast_and_the_leas
     assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "4", "--top", "8"]) == 0
     out = capsys.readouterr().out
     [(star, first), *_] = _plan_rows(out)
-    assert star and first[4] == "0" and "offload 0 chunk(s) per rank" in out and "why: fits without offload" in out
+    assert star and first[4] == "0" and "offload 0 chunks per rank" in out and "why: fits without offload" in out
     assert any(r[4] != "0" and r[5] == first[5] for _, r in _plan_rows(out))  # an offloading tie, not picked
     assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "0.3", "--top", "1"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""posttrain command line.
+"""posttrain: fast LLM post-training (SFT and RL) with ODC and PipeOffload; `posttrain COMMAND --help` lists a command's options.
 
     posttrain demo                          # FSDP2 and ODC on a tiny GPT, 2 CPU processes: where the speedup comes from
     posttrain train --dp fsdp --balance same_micro --steps 20 --metrics out/fsdp.csv
@@ -28,9 +28,9 @@
     python -m posttrain demo                # the same without the console script
 
 Every command's options come from the configuration dataclasses of the code it runs
-(``posttrain.cli.options``), which is also the one place that maps a parameter to its flag: the
-library and the trainers name parameters in their errors (``max_tokens=64``), this command line
-prints the flag (``--max-tokens=64``).
+(posttrain.cli.options), which is also the one place that maps a parameter to its flag: the
+library and the trainers name parameters in their errors (max_tokens=64), this command line
+prints the flag (--max-tokens=64).
 """
 
 from __future__ import annotations

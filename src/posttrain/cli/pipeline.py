@@ -38,17 +38,19 @@ def _run(c: PipelineCommand) -> int:
     from dataclasses import replace
 
     from posttrain.lab.plots import plot_pipeline
+    from posttrain.text import count
     from posttrain.train.sft.pipeline import format_report, measured_weight_keep, predicted_peaks, run_pipeline
 
     cfg = replace(c.run, progress=True)
     if cfg.dp_size > 1:
-        print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.dp_size} data-parallel pipelines "
-              f"({cfg.engine.label}, "
-              f"{cfg.balance}), offload {cfg.offload}; {cfg.steps} steps on "
-              f"{cfg.num_ranks * cfg.dp_size} CPU processes", flush=True)
+        print(f"{cfg.schedule}: {count(cfg.num_ranks, 'rank')} x {count(cfg.num_chunks, 'chunk')}, "
+              f"{count(cfg.dp_size, 'data-parallel pipeline')} ({cfg.engine.label}, {cfg.balance}), offload "
+              f"{cfg.offload}; {count(cfg.steps, 'step')} on "
+              f"{count(cfg.num_ranks * cfg.dp_size, 'CPU process', 'CPU processes')}", flush=True)
     else:
-        print(f"{cfg.schedule}: {cfg.num_ranks} ranks x {cfg.num_chunks} chunks, {cfg.num_microbatches} microbatches, "
-              f"offload {cfg.offload}; {cfg.steps} steps on {cfg.num_ranks} CPU processes", flush=True)
+        print(f"{cfg.schedule}: {count(cfg.num_ranks, 'rank')} x {count(cfg.num_chunks, 'chunk')}, "
+              f"{count(cfg.num_microbatches, 'microbatch', 'microbatches')}, offload {cfg.offload}; "
+              f"{count(cfg.steps, 'step')} on {count(cfg.num_ranks, 'CPU process', 'CPU processes')}", flush=True)
     results = run_pipeline(cfg)
     if not results:
         print(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {cfg.steps} steps"

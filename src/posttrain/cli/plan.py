@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.pipeline import GROUPED_SCHEDULES
+from posttrain.text import count
 
 from .options import add_command, field_flags, name_flags
 from .simulate import DPSetting, ScheduleOptions, WorkloadOptions
@@ -123,9 +124,9 @@ def _pipeline(o: PlanPipeline) -> int:
              f" --weight-ms {bw.weight_grad_s * ms:.6g} --activation-mib {bw.activation_bytes / 2**20:.6g}"
              f" --host-gbps {bw.host_bandwidth / 1e9:.6g}"
              + (f" --weight-keep {bw.weight_keep:.6g}" if bw.weight_keep != 1 else ""))
-    print(f"recommended: {best.schedule}, {best.num_chunks} chunk(s) per rank"
+    print(f"recommended: {best.schedule}, {count(best.num_chunks, 'chunk')} per rank"
           + (f", group size {best.group_size}" if best.schedule in GROUPED_SCHEDULES else "")
-          + f", offload {best.offload_chunks} chunk(s) per rank: step {best.makespan * ms:.2f} ms, peak "
+          + f", offload {count(best.offload_chunks, 'chunk')} per rank: step {best.makespan * ms:.2f} ms, peak "
           f"{best.peak_bytes / 2**30:.2f} GiB")
     print(f"  why: {why}")
     print(f"  see it: posttrain simulate pipeline {flags}")

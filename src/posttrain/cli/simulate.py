@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from posttrain.text import count
 from posttrain.train.sft import TrainConfig
 
 from .options import add_command
@@ -373,8 +374,8 @@ def _pipeline(o: SimulatePipeline) -> int:
     res = simulate_pipeline(s.schedule, num_ranks=s.num_ranks, num_microbatches=s.num_microbatches,
                             num_chunks=s.chunks, group_size=s.group_size, offload_chunks=chunks, workload=w)
     ms = 1e3
-    print(f"{s.schedule}: {s.num_ranks} ranks x {res.num_chunks} chunks, {s.num_microbatches} microbatches, "
-          f"offload {chunks} chunk(s) per rank")
+    print(f"{s.schedule}: {count(s.num_ranks, 'rank')} x {count(res.num_chunks, 'chunk')}, "
+          f"{count(s.num_microbatches, 'microbatch', 'microbatches')}, offload {count(chunks, 'chunk')} per rank")
     print(f"makespan {res.makespan * ms:.2f} ms (without offload {res.base_makespan * ms:.2f} ms, overhead "
           f"{res.overhead:+.1%}); bubble {res.bubble_fraction:.1%}")
     print(f"k = (D2H + H2D) / (F + I + W) = {w.k:.2f} "

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from posttrain.balance import METHODS, plan_minibatch
 from posttrain.pipeline import ONE_CHUNK_SCHEDULES, SCHEDULES
+from posttrain.text import count
 
 from .cluster import Cluster
 from .costs import SimModel
@@ -134,7 +135,7 @@ def recommend_pipeline(fits: Sequence[PipelineSimResult], *, tolerance: float = 
                       f"({len(plain)} fit without offload; this is the fastest)")
     if plain:
         alt = min(plain, key=lambda r: r.makespan)
-        need = (f"without offload the fastest that fits ({alt.schedule}, {alt.num_chunks} chunk(s)) takes "
+        need = (f"without offload the fastest that fits ({alt.schedule}, {count(alt.num_chunks, 'chunk')}) takes "
                 f"{alt.makespan / best.makespan - 1:+.1%} longer")
     else:
         need = "nothing fits without offload"

@@ -7,6 +7,7 @@ import os
 from transformers import AutoTokenizer
 
 from posttrain.rl import load_rewards
+from posttrain.text import count
 from posttrain.train.core import check_run, launch, launch_world
 
 from .config import RLConfig
@@ -35,7 +36,8 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     load_rewards(cfg.reward)
     if cfg.prompts_per_step < world_size:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {world_size} ranks")
-    say(f"posttrain rl: {cfg.advantage} with {cfg.engine.label}+{cfg.balance} updates on {world_size} CPU processes, "
+    say(f"posttrain rl: {cfg.advantage} with {cfg.engine.label}+{cfg.balance} updates on "
+        f"{count(world_size, 'CPU process', 'CPU processes')}, "
         f"{cfg.prompts_per_step} of {len(prompts)} prompts x {cfg.samples_per_prompt} samples per step, {cfg.steps} steps",
         flush=True)
     if meta is not None:

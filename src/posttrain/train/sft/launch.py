@@ -8,6 +8,7 @@ import os
 from dataclasses import replace
 
 from posttrain.launch import run_job
+from posttrain.text import count
 from posttrain.train.core import check_output_path, check_run, config_from_dict, latest_checkpoint, launch, launch_world
 
 from .config import TrainConfig
@@ -51,9 +52,10 @@ def run_training(cfg: TrainConfig, *, world_size: int | None = 2, quiet: bool = 
         say(f"truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
     source = cfg.data or f"{cfg.profile} synthetic"
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
-    where = "CPU processes" if kind == "cpu" else f"processes, one {kind} device each"
-    say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {world_size} {where}, {model} "
-        f"{cfg.engine.precision}, {cfg.sequences} {source} sequences per step, {cfg.steps} steps", flush=True)
+    where = (count(world_size, "CPU process", "CPU processes") if kind == "cpu"
+             else f"{count(world_size, 'process', 'processes')}, one {kind} device each")
+    say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {where}, {model} "
+        f"{cfg.engine.precision}, {cfg.sequences} {source} sequences per step, {count(cfg.steps, 'step')}", flush=True)
     results = launch(train_worker, world_size, replace(cfg, device=kind), device=kind)
     if results is None:
         return None

@@ -28,7 +28,8 @@ class PipelineConfig(RunConfig):
     over the ranks that run it, and is not used otherwise).
 
     Attributes:
-        schedule: the schedule (one of posttrain.pipeline.SCHEDULES).
+        schedule: the schedule: gpipe, 1f1b, interleaved_1f1b, group_interleaved,
+            group_interleaved_zb, interleaved_zb, zb_h1, zb_h1_tight or zbv (docs/pipeline.md).
         num_ranks: pipeline ranks, one CPU process each (a rank runs one stage per chunk).
         chunks: model chunks per rank (default: 1 for gpipe, 1f1b, zb_h1 and zb_h1_tight, which
             take only 1; 2 for zbv, which takes only 2, and for the interleaved families).
@@ -50,9 +51,9 @@ class PipelineConfig(RunConfig):
             built-in model; its blocks are spread over the stages by cost.
         data: train on this data (the formats, masks and loss aggregation of ``posttrain
             train``; needs ``model_path``) instead of the synthetic task: each step takes
-            ``sequences`` records and packs them into ``num_microbatches`` microbatches of at most
-            ``max_tokens`` tokens, balanced by cost; the loss is normalized over the step's trained
-            tokens (or sequences).
+            ``sequences`` records and packs them into microbatches (``num_microbatches`` of them,
+            each holding at most ``max_tokens``), balanced by cost; the loss is normalized over the
+            step's trained tokens (or sequences).
         tokenizer: tokenizer directory for ``data`` (default: ``model_path``'s).
         sequences: records per step with ``data``.
         max_tokens: most tokens in one packed microbatch with ``data``.
