@@ -26,7 +26,8 @@ def sft(tmp_path_factory):
     # Deterministic: the run is bitwise reproducible, so where it ends does not drift between
     # runs (this task's loss falls steeply at a point that depends on tiny rounding differences).
     cfg = TrainConfig(model_path=paths["model"], data=paths["train"], eval_data=paths["eval"], eval_every=100,
-                      sequences=32, max_tokens=256, steps=400, optim=OptimConfig(lr=3e-3),
+                      sequences=32, max_tokens=256, steps=400,
+                      optim=OptimConfig(lr=3e-3, lr_schedule="cosine", warmup_steps=40, max_grad_norm=1.0),
                       engine=EngineConfig(deterministic=True), output_dir=str(out))
     metrics = run_training(cfg, world_size=2, quiet=True)[0]["metrics"]
     return {**paths, "trained": str(out), "metrics": metrics, "before": before}
@@ -43,7 +44,8 @@ def test_grpo_raises_the_reward_of_sampled_answers(sft, tmp_path):
     # docs/rl.md's run: sampling at temperature 1.5 the SFT model answers right about 3 times in
     # 10; GRPO sharpens the policy (docs/rl.md has the measured means).
     cfg = RLConfig(model_path=sft["trained"], prompts=sft["train"], samples_per_prompt=8, prompts_per_step=8,
-                   max_new_tokens=8, steps=40, optim=OptimConfig(lr=1e-3), temperature=1.5,
+                   max_new_tokens=8, steps=40, temperature=1.5,
+                   optim=OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=4, max_grad_norm=1.0),
                    engine=EngineConfig(deterministic=True),
                    metrics=str(tmp_path / "rl.jsonl"))
     rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]

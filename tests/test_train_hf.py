@@ -180,7 +180,7 @@ def test_export_command_turns_a_checkpoint_into_the_same_model(tmp_path, tiny_mo
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model-path", "/nonexistent"], "--model-path /nonexistent: no config.json"),
+    (["--model-path", "/nonexistent"], "--model-path /nonexistent: no such directory"),
     (["--data", "/nonexistent.jsonl"], "--data /nonexistent.jsonl: no such file"),
     (["--output-dir", "FILE/sub", "--model", "llama"], "is a file, so nothing can be created under it"),
     (["--checkpoint-dir", "FILE"], "--checkpoint-dir FILE is a file"),

@@ -104,14 +104,15 @@ class Trainer(ABC):
                         log.append(every)
                 if cfg.checkpoint_dir and cfg.due(step, cfg.checkpoint_every):
                     save_checkpoint(cfg, self.state, self.optimizer, step, self.rank)
-                if cfg.output_dir and cfg.due(step, cfg.save_every):
+                exported = bool(cfg.output_dir and cfg.due(step, cfg.save_every))
+                if exported:
                     self.export()
-                    if bar is not None:
-                        bar.write(f"wrote {cfg.output_dir} after step {step + 1}")
-                if bar is not None:
+                if bar is not None:  # the step's line, then what was written after it
                     line = self.progress_line(step, row)
                     if line:
                         bar.write(line)
+                    if exported:
+                        bar.write(f"wrote {cfg.output_dir} after step {step + 1}")
                     bar.update(1)
             self.finish()
         finally:

@@ -65,6 +65,8 @@ def model_vocab_size(cfg: TrainConfig) -> int | None:
         return None
     from transformers import AutoConfig
 
+    if not os.path.isdir(cfg.model_path):
+        raise ValueError(f"`model_path` {cfg.model_path}: no such directory")
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
         raise ValueError(f"`model_path` {cfg.model_path}: no config.json (expected a transformers model directory)")
     return int(AutoConfig.from_pretrained(cfg.model_path).vocab_size)
