@@ -128,10 +128,16 @@ def _engine_costs(cfg: TrainConfig, dp: str, world_size: int, log, *, mode: str 
         ideal = statistics.mean(max(r["plan"][k] for r in per_rank) for k in range(len(plans)))
         mbs = max(plans[0].num_microbatches)
     per_step = statistics.median(_per_step(s) for s in _steady(results))
-    extra = max(0.0, run["step_time_s"] - ideal - per_step) / (mbs * cfg.num_layers)
+    left = run["step_time_s"] - ideal - per_step
+    extra = max(0.0, left) / (mbs * cfg.num_layers)
+    if left > 0:
+        result = f"{extra * 1e3:.3f} ms per layer and microbatch"
+    else:  # the run came out no slower than its compute and optimizer: nothing this machine can resolve
+        result = (f"below what this run resolves (step minus compute and optimizer: {left * 1e3:+.1f} ms, "
+                  "within the noise), taken as 0 ms per layer and microbatch")
     log(f"  {c.engine.label} on equal lengths: step {run['step_time_s'] * 1e3:.1f} ms, compute alone {ideal * 1e3:.1f} ms, "
-        f"optimizer and sync {per_step * 1e3:.1f} ms, {mbs} microbatches x {cfg.num_layers} layers -> "
-        f"{extra * 1e3:.3f} ms per layer and microbatch", flush=True)
+        f"optimizer and sync {per_step * 1e3:.1f} ms, {mbs} microbatches x {cfg.num_layers} layers -> {result}",
+        flush=True)
     return {"per_layer_microbatch": extra, "per_step": per_step, "microbatches": mbs}
 
 
