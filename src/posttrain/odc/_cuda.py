@@ -6,10 +6,10 @@ regions per rank, views of a peer's region, accumulate into a peer's region, bar
 values, abort, dead-peer detection, close) for ranks of one host whose parameters live on a GPU:
 
 - Data plane: one device allocation per rank holds its regions (laid out by
-  :func:`region_offsets`, as in a shm segment). Each rank shares its allocation once, at
-  creation, by CUDA IPC through torch's multiprocessing reductions
-  (:func:`torch.multiprocessing.reductions.reduce_tensor`: a handle plus torch's reference
-  counting, the producer keeps the memory while consumers hold it); the handles travel in one
+  :func:`region_offsets`, as in a shm segment). At creation each rank shares its allocation by
+  CUDA IPC through torch's multiprocessing reductions, one handle per peer
+  (:func:`torch.multiprocessing.reductions.reduce_tensor`: torch counts one consumer per handle,
+  and the producer keeps the memory while consumers hold it); the handles travel in one
   ``all_gather_object`` over the group (gloo: objects stay on the CPU). A peer's region is then
   a tensor view into the peer's memory: a gather is a ``copy_`` from it, an accumulate an add
   into it, both plain kernels on the caller's stream. CUDA IPC serves processes on one GPU too,
@@ -44,7 +44,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from posttrain.device import current, physical_id
 
-from ._transport import ShmTransport
+from ._transport import ShmTransport, region_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -57,20 +57,6 @@ _ALIGN = 256  # device allocations and region starts: enough for any dtype and v
 _INDEX_CHUNK = 1 << 20
 _TRITON_CHUNK = 1 << 30  # elements per kernel launch (its offsets are 32-bit)
 _CREATED = 200  # the control plane's barrier tag at creation (the protocol's are small numbers)
-
-
-def region_offsets(regions: Mapping[str, int], *, start: int = 0, align: int = _ALIGN) -> tuple[dict[str, tuple[int, int]], int]:
-    """``name -> (byte offset, bytes)`` of each region laid out in order from ``start``, each
-    start aligned to ``align``; and the total bytes. Raises on a negative size."""
-    offsets: dict[str, tuple[int, int]] = {}
-    pos = start
-    for name, nbytes in regions.items():
-        if int(nbytes) < 0:
-            raise ValueError(f"region {name!r} has negative size {nbytes}")
-        pos = -(-pos // align) * align
-        offsets[name] = (pos, int(nbytes))
-        pos += int(nbytes)
-    return offsets, -(-pos // align) * align
 
 
 @functools.cache

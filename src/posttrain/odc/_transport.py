@@ -93,8 +93,18 @@ def _pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def region_offsets(regions: Mapping[str, int], *, start: int = 0, align: int = 256) -> tuple[dict[str, tuple[int, int]], int]:
+    """``name -> (byte offset, bytes)`` of each region laid out in order from ``start``, each
+    start aligned to ``align``; and the total bytes. Raises on a negative size."""
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = start
+    for name, nbytes in regions.items():
+        if int(nbytes) < 0:
+            raise ValueError(f"region {name!r} has negative size {nbytes}")
+        pos = -(-pos // align) * align
+        offsets[name] = (pos, int(nbytes))
+        pos += int(nbytes)
+    return offsets, -(-pos // align) * align
 
 
 class ShmTransport:
@@ -137,15 +147,8 @@ class ShmTransport:
         self._thread_lock = threading.Lock()
         self._fds: list[int] = []
 
-        offsets: dict[str, tuple[int, int]] = {}
-        pos = _HEADER_BYTES
-        for name, nbytes in regions.items():
-            if nbytes < 0:
-                raise ValueError(f"region {name!r} has negative size {nbytes}")
-            offsets[name] = (pos, int(nbytes))
-            pos = _align(pos + int(nbytes))
+        offsets, self.segment_bytes = region_offsets(regions, start=_HEADER_BYTES, align=_ALIGN)
         self._regions = offsets
-        self.segment_bytes = pos
 
         # One collective exchange agrees on the token and checks host and layout.
         token = secrets.token_hex(8) if self.rank == 0 else None
