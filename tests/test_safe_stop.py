@@ -30,8 +30,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def _start(tmp_path):
-    """A long run; returns (process, its ranks, its TMPDIR) once both ranks are training."""
+    """A long run; returns (process, its ranks and reaper, its TMPDIR) once both ranks are training."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     metrics = tmp_path / "m.jsonl"
@@ -44,10 +52,12 @@ def _start(tmp_path):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run did not start"
         time.sleep(0.2)
-    ranks = _children(proc.pid)
-    assert len(ranks) == 2 and all(_alive(r) for r in ranks)
+    kids = _children(proc.pid)
+    reaper = [k for k in kids if "_reaper.py" in _cmdline(k)]
+    ranks = [k for k in kids if k not in reaper]
+    assert len(ranks) == 2 and all(_alive(r) for r in ranks) and len(reaper) == 1
     assert [p.name for p in tmp.iterdir() if p.name.startswith("posttrain-rdzv-")]
-    return proc, ranks, tmp
+    return proc, ranks + reaper, tmp
 
 
 def _gone(ranks, tmp, within: float) -> None:
@@ -89,3 +99,44 @@ def test_a_dead_rank_ends_the_job_with_one_line_and_a_log(tmp_path):
     log = lines[0].rsplit("tracebacks: ", 1)[1].rstrip(")")
     assert log.startswith(str(tmp)) and "rank 1 died" in open(log).read()
     _gone(ranks, tmp, within=5)
+
+
+_STUCK_JOB = """
+import ctypes, os, sys, time
+from posttrain.launch import run_ranks
+
+def stuck(rank, world_size, marker):
+    open(f"{marker}.{rank}", "w").close()
+    ctypes.PyDLL(None).sleep(120)  # native code holding the GIL: the rank's own watchdog cannot run
+
+run_ranks(stuck, 2, sys.argv[1], timeout_s=600)
+"""
+
+
+def test_ranks_stuck_in_native_code_die_with_a_killed_launcher(tmp_path):
+    """The reaper stops ranks whose watchdog thread cannot run, and removes the rendezvous."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    marker = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK_JOB, str(marker)], env={**os.environ, "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"started.{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    kids = _children(proc.pid)
+    assert len(kids) == 3  # two ranks and the reaper
+    proc.kill()
+    proc.wait()
+    _gone(kids, tmp, within=10)
+
+
+def test_the_next_job_removes_rendezvous_dirs_of_dead_launchers(tmp_path):
+    from posttrain.launch import sweep_rendezvous
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"posttrain-rdzv-{dead.pid}-abc").mkdir()
+    (tmp_path / f"posttrain-rdzv-{os.getpid()}-def").mkdir()  # a live launcher's: kept
+    (tmp_path / "posttrain-rdzv-xyz").mkdir()  # not named by a pid: kept
+    assert sweep_rendezvous(str(tmp_path)) == [f"posttrain-rdzv-{dead.pid}-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"posttrain-rdzv-{os.getpid()}-def", "posttrain-rdzv-xyz"]

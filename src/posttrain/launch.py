@@ -10,10 +10,15 @@ when the deadline passes are killed, so a hung job cannot hang the caller.
 
 Stopping is safe: the ranks ignore SIGINT (the launcher handles Ctrl-C for the job); SIGINT or
 SIGTERM to the launcher kills every rank and removes the rendezvous directory before
-:class:`Interrupted` propagates; a launcher killed outright (SIGKILL) is noticed by a watchdog
-thread in every rank, which exits within a second (rank 0 removing the rendezvous directory
-first). When a rank fails, the others get :data:`FAILURE_GRACE_S` seconds to report their own
-errors, then are killed.
+:class:`Interrupted` propagates. A launcher killed outright (SIGKILL) cannot clean up: its
+reaper (:mod:`posttrain._reaper`, a small process in a session of its own) kills the ranks and
+removes the rendezvous directory, and a watchdog thread in every rank ends it within a second
+as well (rank 0 removing the directory first); should the reaper die too, the next job removes
+the directories of launchers no longer running. When a rank fails, the others get
+:data:`FAILURE_GRACE_S` seconds to report their own errors, then are killed.
+
+A rank that raises :class:`RunError` (a failure the user acts on: a non-finite loss, a full
+disk, a damaged checkpoint) makes :func:`run_job` raise that one line, without tracebacks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import os
 import queue as queue_mod
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -37,7 +44,7 @@ import torch.distributed as dist
 
 from posttrain.device import start_method
 
-__all__ = ["FAILURE_GRACE_S", "Interrupted", "RanksFailedError", "run_job", "run_ranks"]
+__all__ = ["FAILURE_GRACE_S", "Interrupted", "RanksFailedError", "RunError", "run_job", "run_ranks", "sweep_rendezvous"]
 
 #: Seconds the surviving ranks of a failed job get to report their own errors before being killed.
 FAILURE_GRACE_S = 10.0
@@ -49,6 +56,10 @@ class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
+
+
+class RunError(RuntimeError):
+    """A run stopped for a reason its message states in one line (no traceback needed)."""
 
 
 class RanksFailedError(RuntimeError):
@@ -76,8 +87,15 @@ class RanksFailedError(RuntimeError):
     def value_error(self) -> str | None:
         """The message of a ``ValueError`` (bad input) some rank raised, if any: the
         user-facing cause, without the rank tracebacks."""
+        return self._raised("ValueError")
+
+    def run_error(self) -> str | None:
+        """The message of a :class:`RunError` some rank raised, if any."""
+        return self._raised("posttrain.launch.RunError") or self._raised("RunError")
+
+    def _raised(self, name: str) -> str | None:
         for r in sorted(self.errors):
-            _, sep, msg = self.errors[r].rpartition("\nValueError: ")
+            _, sep, msg = self.errors[r].rpartition(f"\n{name}: ")
             if sep:
                 return msg.strip()
         return None
@@ -182,7 +200,9 @@ def run_ranks(
     torch.set_num_threads(1)
     ctx = mp.get_context(start or start_method(backend))
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="posttrain-rdzv-") as tmp:
+    sweep_rendezvous()
+    with _Reaper(tempfile.mkdtemp(prefix=f"{_RDZV_PREFIX}{os.getpid()}-")) as reaper:
+        tmp = reaper.directory
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
@@ -201,6 +221,7 @@ def run_ranks(
         try:
             for p in procs:
                 p.start()
+                reaper.watch(p.pid)
             outputs, errors = _collect(procs, results, world_size, timeout_s)
         except BaseException:
             for p in procs:
@@ -261,14 +282,93 @@ def _collect(procs: list, results: Any, world_size: int, timeout_s: float) -> tu
     return outputs, errors
 
 
+_RDZV_PREFIX = "posttrain-rdzv-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_rendezvous(root: str | None = None) -> list[str]:
+    """Remove the rendezvous directories (``posttrain-rdzv-PID-*`` under ``root``, default the
+    temporary folder) of launchers that are no longer running: what a launcher killed together
+    with its reaper leaves. The directories removed."""
+    root = root or tempfile.gettempdir()
+    gone = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return gone
+    for name in names:
+        pid = name[len(_RDZV_PREFIX):].split("-", 1)[0]
+        if name.startswith(_RDZV_PREFIX) and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            gone.append(name)
+    return gone
+
+
+class _Reaper:
+    """The job's rendezvous directory and reaper process (:mod:`posttrain._reaper`): told every
+    rank's pid, the reaper kills them and removes the directory should this launcher die before
+    the job ends; on leaving, the directory is removed, then the reaper told ``done``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> _Reaper:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", script, str(os.getpid()), self.directory],
+                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        except OSError:  # no reaper: the ranks' own watchdogs still stop them
+            self.proc = None
+        return self
+
+    def watch(self, pid: int) -> None:
+        self._say(f"{pid}\n")
+
+    def _say(self, text: str) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.write(text.encode())
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.proc is None:
+            return
+        self._say("done\n")
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def run_job(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
     """:func:`run_ranks` for commands: a rank that rejected its input (raised ``ValueError``)
-    raises that ``ValueError`` here, one line for the user; other failures stay
-    :class:`RanksFailedError`."""
+    raises that ``ValueError`` here, and one that raised :class:`RunError` that ``RunError``: one
+    line for the user; other failures stay :class:`RanksFailedError`."""
     try:
         return run_ranks(fn, world_size, *args, timeout_s=timeout_s, **kwargs)
     except RanksFailedError as e:
         msg = e.value_error()
-        if msg is None:
-            raise
-        raise ValueError(msg) from None
+        if msg is not None:
+            raise ValueError(msg) from None
+        msg = e.run_error()
+        if msg is not None:
+            raise RunError(msg) from None
+        raise

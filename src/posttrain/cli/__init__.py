@@ -38,7 +38,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -101,7 +103,7 @@ def _command_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from posttrain.launch import Interrupted, RanksFailedError
+    from posttrain.launch import Interrupted, RanksFailedError, RunError
 
     from .options import apply_config_file, name_flags
 
@@ -114,11 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     args._argv = argv  # what was given on the command line (flags that exclude each other)
+    def terminated(signum, frame):  # SIGTERM unwinds like Ctrl-C: temporary files go, children stop
+        raise Interrupted(signum)
+
+    old_term = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         rc = args.func(args)
     except ValueError as e:  # a parameter the library or a trainer refused: named by its flag
         print(f"posttrain: error: {name_flags(str(e), _command_flags(parser, argv))}", file=sys.stderr)
         rc = 2
+    except RunError as e:  # the run stopped for a reason it states
+        print(f"posttrain: error: {e}", file=sys.stderr)
+        rc = 1
     except RanksFailedError as e:
         print(f"posttrain: error: {e.summary()} (tracebacks: {_log_failure(e)})", file=sys.stderr)
         rc = 1
@@ -127,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain: {name}; every rank stopped (a --checkpoint-dir run resumes from its last checkpoint)",
               file=sys.stderr)
         rc = 130 if not isinstance(e, Interrupted) or e.signum == 2 else 143
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Under torchrun, a process that used FSDP2 on gloo sometimes aborts during interpreter
         # teardown ("terminate called without an active exception"; torch 2.13 CPU, reproduced
