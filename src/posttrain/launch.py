@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.device import start_method
+from posttrain.errors import RunError
 
 __all__ = ["FAILURE_GRACE_S", "Interrupted", "RanksFailedError", "RunError", "run_job", "run_ranks", "sweep_rendezvous"]
 
@@ -56,10 +57,6 @@ class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
-
-
-class RunError(RuntimeError):
-    """A run stopped for a reason its message states in one line (no traceback needed)."""
 
 
 class RanksFailedError(RuntimeError):
@@ -91,7 +88,7 @@ class RanksFailedError(RuntimeError):
 
     def run_error(self) -> str | None:
         """The message of a :class:`RunError` some rank raised, if any."""
-        return self._raised("posttrain.launch.RunError") or self._raised("RunError")
+        return self._raised("posttrain.errors.RunError") or self._raised("RunError")
 
     def _raised(self, name: str) -> str | None:
         for r in sorted(self.errors):

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain: error: {name_flags(str(e), _command_flags(parser, argv))}", file=sys.stderr)
         rc = 2
     except RunError as e:  # the run stopped for a reason it states
-        print(f"posttrain: error: {e}", file=sys.stderr)
+        print(f"posttrain: error: {name_flags(str(e), _command_flags(parser, argv))}", file=sys.stderr)
         rc = 1
     except RanksFailedError as e:
         print(f"posttrain: error: {e.summary()} (tracebacks: {_log_failure(e)})", file=sys.stderr)

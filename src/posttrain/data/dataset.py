@@ -19,7 +19,9 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from posttrain.errors import RunError, disk_full, no_space
 
 from .formats import IGNORE_INDEX, encode_record
 
@@ -77,6 +81,36 @@ def _line_shards(path: str, num_shards: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _die_with(launcher: int) -> None:
+    """In a tokenizing worker (a process other than ``launcher``, which started it): have the
+    kernel kill this process when its parent dies, even by SIGKILL (Linux), and end at once if
+    that already happened."""
+    if not launcher or os.getpid() == launcher:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
+def _sweep_work_dirs(root: Path) -> None:
+    """Remove the half-built caches (``.NAME.PID.XXXXXXXX``) of tokenizing runs that died."""
+    for p in root.glob(".*.*"):
+        m = re.fullmatch(r"\..+\.(\d+)\.[a-z0-9_]{8}", p.name)
+        if not m or not p.is_dir():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
 def _encode_row(record: Any, where: str, tokenizer, train_on_prompt: bool) -> dict:
     try:
         enc = encode_record(record, tokenizer, train_on_prompt=train_on_prompt)
@@ -87,7 +121,8 @@ def _encode_row(record: Any, where: str, tokenizer, train_on_prompt: bool) -> di
 
 
 def _jsonl_rows(shards: list[tuple[int, int, int]], path: str, tokenizer_path: str | None, tokenizer_obj,
-                train_on_prompt: bool) -> Iterator[dict]:
+                train_on_prompt: bool, launcher: int = 0) -> Iterator[dict]:
+    _die_with(launcher)
     tokenizer = tokenizer_obj if tokenizer_obj is not None else (_load_tokenizer(tokenizer_path) if tokenizer_path else None)
     for start, end, first_line in shards:
         with open(path, "rb") as f:
@@ -205,7 +240,12 @@ def load_tokenized(source: str | os.PathLike, tokenizer=None, *, tokenizer_path:
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
     cache = _cache_dir(path, key)
     if not (cache / "posttrain.json").exists():
-        _build_cache(path, is_folder, cache, tokenizer, tokenizer_path, train_on_prompt, num_proc, progress, log)
+        try:
+            _build_cache(path, is_folder, cache, tokenizer, tokenizer_path, train_on_prompt, num_proc, progress, log)
+        except Exception as e:
+            if no_space(e):
+                raise RunError(disk_full(f"the tokenized cache of `data` {path}", cache.parent)) from None
+            raise
     if not progress:
         datasets.disable_progress_bars()
     table = datasets.load_from_disk(str(cache / "table"))
@@ -237,7 +277,8 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
     tok_obj = None if shared else tokenizer
     log(f"tokenizing {path} ({size / 2**20:.1f} MiB, {num_proc} process{'es' if num_proc > 1 else ''}) into {cache}")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+    _sweep_work_dirs(cache.parent)
+    work = Path(tempfile.mkdtemp(prefix=f".{cache.name}.{os.getpid()}.", dir=cache.parent))
     try:
         if is_folder:
             loaded = datasets.load_from_disk(str(path))
@@ -245,20 +286,27 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
                 loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
             records: list | None = None
             n = len(loaded)
+            if not n:
+                raise ValueError(f"`data` {path}: the dataset holds no records")
             bounds = [(n * k // num_proc, n * (k + 1) // num_proc) for k in range(num_proc)]
             gen, kwargs = _folder_rows, {"shards": bounds, "folder": str(path), "tokenizer_path": shared,
-                                          "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt}
+                                          "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt, "launcher": os.getpid()}
         else:
+            if not _has_content(path):
+                raise ValueError(f"`data` {path}: the file is empty" + (" (blank lines only)" if size else ""))
             records = _json_array(path)
             if records is not None:
+                if not records:
+                    raise ValueError(f"`data` {path}: the file holds an empty list, no records")
                 n = len(records)
                 parts = [(records[n * k // num_proc: n * (k + 1) // num_proc], n * k // num_proc) for k in range(num_proc)]
                 gen, kwargs = _array_rows, {"shards": parts, "path": str(path), "tokenizer_path": shared,
-                                             "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt}
+                                             "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt,
+                                             "launcher": os.getpid()}
             else:
                 gen, kwargs = _jsonl_rows, {"shards": _line_shards(str(path), max(1, num_proc)), "path": str(path),
                                              "tokenizer_path": shared, "tokenizer_obj": tok_obj,
-                                             "train_on_prompt": train_on_prompt}
+                                             "train_on_prompt": train_on_prompt, "launcher": os.getpid()}
         nproc = min(num_proc, len(kwargs["shards"])) if num_proc > 1 else None
         try:
             table = datasets.Dataset.from_generator(gen, gen_kwargs=kwargs, features=features, num_proc=nproc,
@@ -282,6 +330,15 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _has_content(path: Path) -> bool:
+    """Whether the file holds anything but whitespace (read until the first such byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return True
+    return False
+
+
 def _json_array(path: Path) -> list | None:
     """The records of a file holding one JSON array, or ``None`` (JSON lines)."""
     with open(path, "rb") as f:
@@ -296,13 +353,16 @@ def _json_array(path: Path) -> list | None:
     return data
 
 
-def _array_rows(shards, path, tokenizer_path, tokenizer_obj, train_on_prompt) -> Iterator[dict]:
+def _array_rows(shards, path, tokenizer_path, tokenizer_obj, train_on_prompt, launcher=0) -> Iterator[dict]:
+    _die_with(launcher)
     for records, offset in shards:
         yield from _record_rows(records, path, tokenizer_path, tokenizer_obj, train_on_prompt, offset)
 
 
-def _folder_rows(shards, folder, tokenizer_path, tokenizer_obj, train_on_prompt) -> Iterator[dict]:
+def _folder_rows(shards, folder, tokenizer_path, tokenizer_obj, train_on_prompt, launcher=0) -> Iterator[dict]:
     import datasets
+
+    _die_with(launcher)
 
     loaded = datasets.load_from_disk(folder)
     if isinstance(loaded, datasets.DatasetDict):

@@ -22,6 +22,7 @@ prefix of the next), which the common templates do; one that rewrites earlier tu
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -138,6 +139,20 @@ def _encode_messages(messages: list[dict], tokenizer, train_on_prompt: bool) -> 
     return Encoded(ids, labels)
 
 
+#: Token ids are stored as 64-bit integers; the model's vocabulary is checked once it is known.
+_MAX_ID = 2**63 - 1
+
+
+def _check_ids(key: str, ids: list, *, ignore: bool) -> None:
+    """Refuse the first entry of ``ids`` that is not a token id (an integer in [0, 2**63), or
+    ``IGNORE_INDEX`` in labels), naming it and its position."""
+    for pos, t in enumerate(ids):
+        if isinstance(t, int) and not isinstance(t, bool) and (0 <= t <= _MAX_ID or (ignore and t == IGNORE_INDEX)):
+            continue
+        what = f"{IGNORE_INDEX} where not trained, " if ignore else ""
+        raise ValueError(f"'{key}'[{pos}] is {json.dumps(t)}, not a token id ({what}an integer from 0 to 2**63-1)")
+
+
 def encode_record(record: Any, tokenizer=None, *, train_on_prompt: bool = False) -> Encoded:
     """``record`` as token ids and labels (see the module docstring).
 
@@ -171,15 +186,17 @@ def encode_record(record: Any, tokenizer=None, *, train_on_prompt: bool = False)
         out = Encoded(ids, list(ids))
     else:
         ids = record["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        if not isinstance(ids, list):
             raise ValueError("'input_ids' must be a list of non-negative token ids")
+        _check_ids("input_ids", ids, ignore=False)
         labels = record.get("labels")
         if labels is None or train_on_prompt:
             labels = list(ids)
-        elif not isinstance(labels, list) or len(labels) != len(ids) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and (t >= 0 or t == IGNORE_INDEX) for t in labels):
+        elif not isinstance(labels, list) or len(labels) != len(ids):
             raise ValueError(f"'labels' must be a list of {len(ids)} token ids (one per input id), {IGNORE_INDEX} "
                              "where not trained")
+        else:
+            _check_ids("labels", labels, ignore=True)
         out = Encoded(list(ids), list(labels))
     if len(out.input_ids) < 2:
         raise ValueError(f"a sequence needs at least 2 tokens, got {len(out.input_ids)}")

@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from posttrain.errors import writing
+
 from .checkpoint import resume, save_checkpoint
 from .config import RunConfig
 from .metrics import MetricsLog
@@ -101,12 +103,14 @@ class Trainer(ABC):
                         every = [None] * self.world_size if self.rank == 0 else None
                         dist.gather_object(row, every, dst=0)
                     if log is not None:
-                        log.append(every)
+                        with writing("`metrics`", cfg.metrics or cfg.tensorboard):
+                            log.append(every)
                 if cfg.checkpoint_dir and cfg.due(step, cfg.checkpoint_every):
                     save_checkpoint(cfg, self.state, self.optimizer, step, self.rank)
                 exported = bool(cfg.output_dir and cfg.due(step, cfg.save_every))
                 if exported:
-                    self.export()
+                    with writing(f"`output_dir` {cfg.output_dir} after step {step + 1}", cfg.output_dir):
+                        self.export()
                 if bar is not None:  # the step's line, then what was written after it
                     line = self.progress_line(step, row)
                     if line:

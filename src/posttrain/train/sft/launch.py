@@ -7,9 +7,11 @@ import math
 import os
 from dataclasses import replace
 
+from posttrain.errors import writing
 from posttrain.launch import run_job
 from posttrain.text import count
 from posttrain.train.core import check_output_path, check_run, config_from_dict, latest_checkpoint, launch, launch_world
+from posttrain.train.core.checkpoint import load, verify_checkpoint
 
 from .config import TrainConfig
 from .loop import build_training, export_model, train_worker
@@ -83,14 +85,13 @@ def _find_checkpoint(path: str) -> tuple[str, dict]:
 
 
 def _export_worker(rank: int, world_size: int, cfg: TrainConfig, path: str, vocab_size: int) -> str | None:
-    import torch.distributed.checkpoint as dcp
-
     run = build_training(cfg, vocab_size)
     try:
         state = run.engine.state_dict(run.optimizer)
-        dcp.load(state, checkpoint_id=path)
+        load(state, path)
         run.engine.load_state_dict(state, run.optimizer)
-        return export_model(cfg, run.engine, run.model, rank, run.tied)
+        with writing(f"OUT_DIR {cfg.output_dir}", cfg.output_dir):
+            return export_model(cfg, run.engine, run.model, rank, run.tied)
     finally:
         run.engine.close()
 
@@ -104,6 +105,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
     from dataclasses import replace
 
     path, meta = _find_checkpoint(checkpoint)
+    verify_checkpoint(path, meta)
     saved = meta.get("full_config")
     if not saved:
         raise ValueError(f"{path}: the checkpoint does not record its run's configuration; it cannot be exported")
@@ -130,7 +132,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
 def _export_pipeline_checkpoint(path: str, meta: dict, out_dir: str, *, log=print) -> str:
     """A ``posttrain pipeline`` checkpoint holds parameters under the model's own names: load them
     into the unsplit model on this process and write it."""
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoTokenizer
 
     from posttrain.models import load_pretrained, save_pretrained, tied_names
@@ -146,8 +147,9 @@ def _export_pipeline_checkpoint(path: str, meta: dict, out_dir: str, *, log=prin
     log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")
     model = load_pretrained(model_path)
     state = {"model": {n: p.detach() for n, p in model.named_parameters()}}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    load(state, path, no_dist=True)
     tok = AutoTokenizer.from_pretrained(saved.get("tokenizer") or model_path)
-    save_pretrained([state["model"]], out_dir, config=model.config, tokenizer=tok,
-                    generation_config=getattr(model.hf, "generation_config", None), skip=tied_names(model))
+    with writing(f"OUT_DIR {out_dir}", out_dir):
+        save_pretrained([state["model"]], out_dir, config=model.config, tokenizer=tok,
+                        generation_config=getattr(model.hf, "generation_config", None), skip=tied_names(model))
     return out_dir
