@@ -41,6 +41,10 @@ class OptimConfig:
             normalization weights).
         adam_betas: AdamW's ``(beta1, beta2)``.
         adam_eps: AdamW's epsilon.
+        on_nonfinite: what a step whose loss or gradient norm is not finite (NaN, infinite)
+            does: ``stop`` the run before the update (the weights, checkpoints and ``output_dir``
+            stay as the previous step left them; the command exits 1) or ``skip`` the update
+            (the step counts, its row says ``skipped_update``).
     """
 
     name: Literal["adamw", "sgd"] = "adamw"
@@ -53,6 +57,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
+    on_nonfinite: Literal["stop", "skip"] = field(default="stop", metadata={"choices": lambda: ("stop", "skip")})
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
@@ -80,6 +85,8 @@ class OptimConfig:
             raise ValueError(f"adam_betas={','.join(map(str, self.adam_betas))} must be two numbers in [0, 1)")
         if not self.adam_eps > 0:
             raise ValueError(f"adam_eps={self.adam_eps} must be positive")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r} is not one of stop, skip")
 
     def warmup(self, steps: int) -> int:
         """Warm-up steps of a run of ``steps`` steps."""

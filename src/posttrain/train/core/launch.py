@@ -3,8 +3,9 @@ forked CPU processes on this machine, or this process's rank under ``torchrun``.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from posttrain.launch import run_job
 from .checkpoint import check_resumable
 from .config import RunConfig
 
-__all__ = ["check_output_path", "check_run", "launch", "launch_world", "under_torchrun"]
+__all__ = ["OutputLock", "check_output_path", "check_run", "claim_outputs", "launch", "launch_world", "under_torchrun"]
 
 
 def check_output_path(flag: str, path: str | None, *, directory: bool) -> None:
@@ -56,6 +57,78 @@ def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None,
     for flag, path in {"`metrics`": cfg.metrics, **(outputs or {})}.items():
         check_output_path(flag, path, directory=False)
     return check_resumable(cfg)
+
+
+class OutputLock:
+    """An exclusive claim on an output path for a run's life, so that a second run given the same
+    path is refused at once rather than interleaving its writes with the first's.
+
+    The claim is ``flock`` on ``.NAME.posttrain-lock`` beside the path (beside rather than inside:
+    an ``output_dir`` is replaced whole when written). The kernel drops it when every process
+    holding it has exited, however they ended (ranks forked from the launcher share it), so a
+    lock file left by a killed run is taken over; a released lock's file is removed.
+    """
+
+    def __init__(self, flag: str, path: str) -> None:
+        self.flag, self.path = flag, path
+        full = os.path.abspath(path)
+        self.lock = os.path.join(os.path.dirname(full), f".{os.path.basename(full)}.posttrain-lock")
+        self.fd: int | None = None
+
+    def __enter__(self) -> OutputLock:
+        import fcntl
+
+        os.makedirs(os.path.dirname(self.lock), exist_ok=True)
+        while True:
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ValueError(f"{self.flag} {self.path} is in use by another run (process {holder}); wait for it "
+                                 f"to end or give another {self.flag}") from None
+            try:  # the file may have been removed by a run releasing it between open and flock
+                same = os.path.samestat(os.fstat(fd), os.stat(self.lock))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.lock)
+        os.close(self.fd)
+        self.fd = None
+
+
+@contextlib.contextmanager
+def claim_outputs(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None, *,
+                  lead: bool = True) -> Iterator[None]:
+    """Hold :class:`OutputLock` on every output path of the run (``checkpoint_dir``,
+    ``output_dir``, ``metrics``, ``tensorboard`` and ``outputs``) for the block; only where
+    ``lead`` (under ``torchrun``, rank 0 claims for every rank).
+
+    Raises:
+        ValueError: another run holds one of them (named, with its process).
+    """
+    paths = {"`checkpoint_dir`": cfg.checkpoint_dir, "`output_dir`": cfg.output_dir, "`metrics`": cfg.metrics,
+             "`tensorboard`": cfg.tensorboard, **(outputs or {})}
+    with contextlib.ExitStack() as stack:
+        if lead:
+            seen = set()
+            for flag, path in paths.items():
+                if path and os.path.abspath(path) not in seen:
+                    seen.add(os.path.abspath(path))
+                    stack.enter_context(OutputLock(flag, path))
+        yield
 
 
 def under_torchrun() -> bool:

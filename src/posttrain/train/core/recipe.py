@@ -15,6 +15,12 @@ passes are done), :func:`optimizer_step`:
    more dimensions only (a mask per element where one tensor holds several parameters: flat ODC's
    shards), exactly what AdamW with a decay and a no-decay parameter group does;
 4. steps the optimizer and zeroes the gradients.
+
+A step whose gradient norm, or any rank's loss, is not finite is not applied: with
+``on_nonfinite="stop"`` every rank raises :class:`~posttrain.errors.RunError` naming the step
+(before the update, so no checkpoint or export holds such weights); with ``"skip"`` the gradients
+are dropped and the step's row says ``skipped_update``. The loss's finiteness travels in the norm's
+all-reduce (a second element), so the check costs no collective.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.dp import Shards
+from posttrain.errors import RunError
 
 from .config import OptimConfig
 
@@ -65,9 +72,15 @@ def local_grad_sq(shards: Sequence[Shards], device: torch.device) -> torch.Tenso
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, steps: int,
-                   shards: Sequence[Shards], device: torch.device, group: dist.ProcessGroup | None = None) -> dict:
+                   shards: Sequence[Shards], device: torch.device, group: dist.ProcessGroup | None = None,
+                   loss: torch.Tensor | float | None = None) -> dict:
     """Steps 1-4 of [Note: the step's recipe] (a collective over ``group``, default the world);
-    returns ``{"lr": ..., "grad_norm": ...}`` (the norm before clipping)."""
+    returns ``{"lr": ..., "grad_norm": ..., "skipped_update": ...}`` (the norm before clipping; whether
+    the update was skipped as not finite). ``loss``: this rank's loss of the step, if known.
+
+    Raises:
+        RunError: the step is not finite and ``cfg.on_nonfinite`` is ``stop`` (on every rank).
+    """
     lr = cfg.lr_at(step, steps)
     for g in optimizer.param_groups:
         if isinstance(g["lr"], torch.Tensor):
@@ -76,10 +89,22 @@ def optimizer_step(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int
             g["lr"] = lr
         if cfg.name == "adamw":  # this run's settings, also over what a resumed checkpoint's groups hold
             g["betas"], g["eps"], g["weight_decay"] = tuple(cfg.adam_betas), cfg.adam_eps, 0.0
-    sq = local_grad_sq(shards, device)
+    both = torch.zeros(2, dtype=torch.float64, device=device)
+    both[0] = local_grad_sq(shards, device)
+    if loss is not None and not math.isfinite(float(loss)):
+        both[1] = 1.0
     if dist.is_initialized():
-        dist.all_reduce(sq, group=group)
-    norm = math.sqrt(float(sq))  # NaN stays NaN (a diverged step is not hidden as 0)
+        dist.all_reduce(both, group=group)
+    sq, bad_loss = both.tolist()
+    norm = math.sqrt(sq) if sq >= 0 else math.nan  # NaN stays NaN (a diverged step is not hidden as 0)
+    if bad_loss or not math.isfinite(norm):
+        what = f"the loss is not finite on {int(bad_loss)} rank{'s' if bad_loss > 1 else ''}" if bad_loss else ""
+        what = "; ".join(x for x in (what, f"the gradient norm is {norm}" if not math.isfinite(norm) else "") if x)
+        if cfg.on_nonfinite == "stop":
+            raise RunError(f"step {step}: {what}; stopped before updating the weights (give `on_nonfinite` skip "
+                           "to step over such steps)")
+        optimizer.zero_grad()
+        return {"lr": lr, "grad_norm": norm, "skipped_update": True}
     with torch.no_grad():
         if cfg.max_grad_norm and norm > 0:
             coef = cfg.max_grad_norm / (norm + 1e-6)
@@ -100,4 +125,4 @@ def optimizer_step(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int
                         local.mul_(1.0 - lr * cfg.weight_decay)
     optimizer.step()
     optimizer.zero_grad()
-    return {"lr": lr, "grad_norm": norm}
+    return {"lr": lr, "grad_norm": norm, "skipped_update": False}

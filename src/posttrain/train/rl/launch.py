@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from posttrain.rl import load_rewards
 from posttrain.text import count
-from posttrain.train.core import check_run, launch, launch_world
+from posttrain.train.core import check_run, claim_outputs, launch, launch_world
 
 from .config import RLConfig
 from .loop import load_prompts, rl_worker
@@ -26,8 +26,12 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
         raise ValueError("posttrain rl needs `model_path` (a transformers model directory) and `prompts` (a JSONL file)")
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
         raise ValueError(f"`model_path` {cfg.model_path}: no config.json (expected a transformers model directory)")
-    say = print if (lead and not quiet) else (lambda *a, **k: None)
     meta = check_run(cfg, {"`record`": cfg.record})  # unwritable outputs, a mismatched checkpoint: one line
+    with claim_outputs(cfg, {"`record`": cfg.record}, lead=lead):  # no second run on these outputs meanwhile
+        return _run_rl(cfg, world_size, lead, print if (lead and not quiet) else (lambda *a, **k: None), meta)
+
+
+def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) -> list[dict] | None:
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:

@@ -42,6 +42,7 @@ from posttrain.rl import (
     loss_units,
     policy_loss,
 )
+from posttrain.text import count
 from posttrain.train.core import Trainer
 from posttrain.train.core.recipe import optimizer_step
 
@@ -228,7 +229,7 @@ class RLTrainer(Trainer):
                     for s, a in zip(samples, adv.values)]}) + "\n")
         t1 = time.perf_counter()
         totals = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
-        updates = 0
+        updates = skipped = 0
         norms: list[float] = []
         if rollouts:
             for epoch in range(cfg.ppo_epochs):
@@ -243,6 +244,7 @@ class RLTrainer(Trainer):
                         totals[k] += st[k]
                     norms.append(st["grad_norm"])
                     updates += 1
+                    skipped += int(st["skipped_update"])
         t_upd = time.perf_counter() - t1
         gen_max = torch.tensor([t_gen, t_upd, t_ref], dtype=torch.float64)
         dist.all_reduce(gen_max, op=dist.ReduceOp.MAX)
@@ -254,7 +256,7 @@ class RLTrainer(Trainer):
             **({f"reward_mean/{name}": statistics.fmean(s["parts"][i] for s in samples)
                 for i, (name, _) in enumerate(self.rewards)} if len(self.rewards) > 1 else {}),
             "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
-            "zero_advantage_groups": len(zero), "updates": updates,
+            "zero_advantage_groups": len(zero), "updates": updates, "skipped_updates": skipped,
             "lr": cfg.optim.lr_at(step, cfg.steps), "grad_norm": statistics.fmean(norms) if norms else None,
             "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
             "entropy": totals["entropy"] / tok_n,
@@ -266,6 +268,8 @@ class RLTrainer(Trainer):
 
     def progress_line(self, step: int, row: dict) -> str:
         norm = f"  grad norm {row['grad_norm']:.3f}" if row["grad_norm"] is not None else ""
+        if row.get("skipped_updates"):
+            norm += f"  (not finite: {count(row['skipped_updates'], 'update')} skipped)"
         return (f"step {step:4d}  reward {row['reward_mean']:.3f}  len {row['response_len_mean']:.1f}  "
                 f"lr {row['lr']:.2e}{norm}  "
                 f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "

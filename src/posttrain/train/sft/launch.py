@@ -10,7 +10,16 @@ from dataclasses import replace
 from posttrain.errors import writing
 from posttrain.launch import run_job
 from posttrain.text import count
-from posttrain.train.core import check_output_path, check_run, config_from_dict, latest_checkpoint, launch, launch_world
+from posttrain.train.core import (
+    OutputLock,
+    check_output_path,
+    check_run,
+    claim_outputs,
+    config_from_dict,
+    latest_checkpoint,
+    launch,
+    launch_world,
+)
 from posttrain.train.core.checkpoint import load, verify_checkpoint
 
 from .config import TrainConfig
@@ -40,8 +49,13 @@ def run_training(cfg: TrainConfig, *, world_size: int | None = 2, quiet: bool = 
     world_size, lead = launch_world(world_size, kind)
     if world_size % cfg.engine.replicas:
         raise ValueError(f"replicas={cfg.engine.replicas} does not divide world_size={world_size}")
-    say = print if (lead and not quiet) else (lambda *a, **k: None)
     check_run(cfg, outputs, world_size)  # a device, outputs, a mismatched checkpoint: one line, before any work
+    with claim_outputs(cfg, outputs, lead=lead):  # no second run on these outputs while this one lives
+        return _run_training(cfg, world_size, print if (lead and not quiet) else (lambda *a, **k: None))
+
+
+def _run_training(cfg: TrainConfig, world_size: int, say) -> list[dict] | None:
+    kind = cfg.device_kind
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
     data = TrainData(cfg, world_size, log=say)
     if cfg.epochs:
@@ -125,17 +139,14 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
     # the data file's, which must still be there).
     vocab = model_vocab_size(cfg) or TrainData(cfg, 1).vocab_size
     log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")
-    run_job(_export_worker, 1, cfg, path, vocab, timeout_s=24 * 3600)
+    with OutputLock("OUT_DIR", out_dir):
+        run_job(_export_worker, 1, cfg, path, vocab, timeout_s=24 * 3600)
     return out_dir
 
 
 def _export_pipeline_checkpoint(path: str, meta: dict, out_dir: str, *, log=print) -> str:
     """A ``posttrain pipeline`` checkpoint holds parameters under the model's own names: load them
     into the unsplit model on this process and write it."""
-    from transformers import AutoTokenizer
-
-    from posttrain.models import load_pretrained, save_pretrained, tied_names
-
     saved = meta["full_config"]
     model_path = saved.get("model_path")
     if not model_path:
@@ -145,6 +156,16 @@ def _export_pipeline_checkpoint(path: str, meta: dict, out_dir: str, *, log=prin
                          "and tokenizer")
     check_output_path("OUT_DIR", out_dir, directory=True)
     log(f"exporting {path} ({meta['steps_done']} steps) to {out_dir}")
+    with OutputLock("OUT_DIR", out_dir):
+        _write_pipeline_export(path, saved, model_path, out_dir)
+    return out_dir
+
+
+def _write_pipeline_export(path: str, saved: dict, model_path: str, out_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    from posttrain.models import load_pretrained, save_pretrained, tied_names
+
     model = load_pretrained(model_path)
     state = {"model": {n: p.detach() for n, p in model.named_parameters()}}
     load(state, path, no_dist=True)

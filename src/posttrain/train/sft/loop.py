@@ -223,7 +223,8 @@ class SFTTrainer(Trainer):
             t_sync = time.perf_counter()
         rec.add("sync", t_sync, time.perf_counter())
         with rec.span("optimizer"):
-            recipe = optimizer_step(self.optimizer, cfg.optim, step, cfg.steps, [engine.shards()], self.device)
+            recipe = optimizer_step(self.optimizer, cfg.optim, step, cfg.steps, [engine.shards()], self.device,
+                                    loss=loss_sum)
             synchronize(self.device)  # once a step: the step's time includes its queued kernels
         busy = time.perf_counter() - t0
         comm = sum(rec.total(k) for k in COMM_KINDS)
@@ -239,7 +240,7 @@ class SFTTrainer(Trainer):
             "optimizer_s": own["optimizer_s"], "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
             "utilization": own["compute_s"] / step_time,
             "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
-            "lr": recipe["lr"], "grad_norm": recipe["grad_norm"],
+            "lr": recipe["lr"], "grad_norm": recipe["grad_norm"], "skipped_update": recipe["skipped_update"],
             "epoch": (step + 1) * cfg.sequences / self.data.num_sequences if self.data.num_sequences else None,
             "mfu": sum(self.cost(len(s) - 1) for s in seqs) / step_time / (self.peak_tflops * 1e12 * world_size),
         }
@@ -248,14 +249,16 @@ class SFTTrainer(Trainer):
         return row
 
     def progress_line(self, step: int, row: dict) -> str | None:
-        if not (step % max(1, self.cfg.steps // 10) == 0 or step + 1 == self.cfg.steps or row["eval_loss"] is not None):
+        if not (step % max(1, self.cfg.steps // 10) == 0 or step + 1 == self.cfg.steps or row["eval_loss"] is not None
+                or row["skipped_update"]):
             return None
         col, ev = self._stats, row["eval_loss"]
         util = float((col["compute_s"] / row["step_time_s"]).mean())
         return (f"step {step:4d}  loss {row['loss']:.4f}  {row['tokens']:6d} tokens  {row['tokens_per_s']:8.0f} tokens/s  "
                 f"lr {row['lr']:.2e}  grad norm {row['grad_norm']:.3f}  "
                 f"util {util:.2f}  mfu {row['mfu']:.1%}  microbatches/rank {[int(x) for x in col['microbatches'].tolist()]}"
-                + (f"  eval loss {ev:.4f}" if ev is not None else ""))
+                + (f"  eval loss {ev:.4f}" if ev is not None else "")
+                + ("  (not finite: update skipped)" if row["skipped_update"] else ""))
 
     def export(self) -> None:
         export_model(self.cfg, self.engine, self.training.model, self.rank, self.training.tied)

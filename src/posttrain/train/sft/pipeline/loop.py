@@ -22,7 +22,7 @@ from posttrain.launch import run_job
 from posttrain.models import build_model
 from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
-from posttrain.train.core import Trainer, check_run
+from posttrain.train.core import Trainer, check_run, claim_outputs
 from posttrain.train.core.recipe import optimizer_step, with_copies
 
 from .checkpoint import ColumnState, PipelineState
@@ -128,7 +128,8 @@ class PipelineTrainer(Trainer):
                           if id(p) in ids and p.grad is not None}
         shards = Shards(self.params, decay_flags(self.params))
         tied = [self.tied] if self.tie_group is not None and self.rank in self.ends else []
-        recipe = optimizer_step(opt, cfg.optim, step, cfg.steps, with_copies(shards, tied, 2), self.params[0].device)
+        recipe = optimizer_step(opt, cfg.optim, step, cfg.steps, with_copies(shards, tied, 2), self.params[0].device,
+                                loss=result.loss)
         self.result = result
         return {"step": step, "rank": self.rank, "loss": _step_loss(result.loss), "stage_loss": result.loss,
                 "step_time_s": result.step_time_s, **recipe}
@@ -267,7 +268,7 @@ class PipelineDPTrainer(Trainer):
         if self.tie is not None:
             self.tie.sync()
         shards = with_copies(engine.shards(), self.tie.shards if self.tie is not None else [], 2)
-        recipe = optimizer_step(self.optimizer, cfg.optim, step, cfg.steps, shards, engine.device)
+        recipe = optimizer_step(self.optimizer, cfg.optim, step, cfg.steps, shards, engine.device, loss=result.loss)
         wall = time.perf_counter() - t0
         self.result = result
         # each pipeline's last stage holds its share of the summed loss over the divisor
@@ -322,16 +323,17 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
     """
     cfg.build()  # schedule errors surface here, before any process starts
     meta = check_run(cfg)  # unwritable outputs, a mismatched checkpoint: one line, before any data is read
-    if cfg.model_path:
-        check_model_and_data(cfg)
-    if meta is not None and meta["steps_done"] >= cfg.steps:
-        return []  # nothing left to do
-    if cfg.dp_size > 1:
-        world = cfg.num_ranks * cfg.dp_size
-        out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s)
-        return [out[r] for r in range(world)]
-    out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
-    return [out[r] for r in range(cfg.num_ranks)]
+    with claim_outputs(cfg):  # no second run on these outputs while this one lives
+        if cfg.model_path:
+            check_model_and_data(cfg)
+        if meta is not None and meta["steps_done"] >= cfg.steps:
+            return []  # nothing left to do
+        if cfg.dp_size > 1:
+            world = cfg.num_ranks * cfg.dp_size
+            out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s)
+            return [out[r] for r in range(world)]
+        out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
+        return [out[r] for r in range(cfg.num_ranks)]
 
 
 def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
