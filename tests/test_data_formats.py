@@ -56,7 +56,10 @@ def test_prompt_completion_text_and_token_ids(tok):
 
 @pytest.mark.parametrize("record, message", [
     ({"ids": [1]}, "expected one of 'messages'"),
-    ({"input_ids": [1, "x"]}, "non-negative token ids"),
+    ({"input_ids": [1, "x"]}, r"'input_ids'\[1\] is \"x\", not a token id"),
+    ({"input_ids": [1, 10**29]}, r"'input_ids'\[1\] is 100000000000000000000000000000, not a token id"),
+    ({"input_ids": [1, -100]}, r"'input_ids'\[1\] is -100, not a token id"),
+    ({"input_ids": [1, 2], "labels": [1, 2.5]}, r"'labels'\[1\] is 2.5, not a token id \(-100 where not trained"),
     ({"input_ids": [1, 2], "labels": [1]}, "must be a list of 2"),
     ({"input_ids": [1]}, "at least 2 tokens"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
@@ -146,6 +149,11 @@ def test_json_arrays_and_datasets_folders(tmp_path, tok):
     ('{"input_ids": [1, 2]}\n{oops\n', r"bad.jsonl:2: not valid JSON"),
     ('{"input_ids": [1, 2]}\n\n{"input_ids": [3]}\n', r"bad.jsonl:3: a sequence needs at least 2 tokens"),
     ('{"text": 5}\n', r"bad.jsonl:1: 'text' must be a string"),
+    ('{"input_ids": [1, 2]}\n{"input_ids": [3, 100000000000000000000000000000]}\n',
+     r"bad.jsonl:2: 'input_ids'\[1\] is 100000000000000000000000000000, not a token id"),
+    ("", r"^`data` \S+bad.jsonl: the file is empty$"),
+    ("\n  \n", r"^`data` \S+bad.jsonl: the file is empty \(blank lines only\)$"),
+    ("[]", r"^`data` \S+bad.jsonl: the file holds an empty list, no records$"),
 ])
 def test_a_bad_line_is_named_by_file_and_line(tmp_path, tok, content, message):
     (tmp_path / "bad.jsonl").write_text(content)

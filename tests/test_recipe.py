@@ -77,7 +77,11 @@ def test_weight_decay_skips_one_dimensional_parameters():
 def test_the_run_s_adamw_settings_win_over_a_resumed_checkpoint_s_and_a_nan_norm_shows():
     """A checkpoint's optimizer groups come back with its own betas, eps and weight decay (torch's
     0.01 in checkpoints of older versions): the step sets this run's. A non-finite gradient gives
-    a NaN norm, not 0."""
+    a NaN norm, not 0, and stops the run before the update (or skips the update, if asked); so
+    does a rank's non-finite loss."""
+    from dataclasses import replace
+
+    from posttrain.errors import RunError
     from posttrain.dp import Shards
 
     w = torch.nn.Parameter(torch.ones(2, 2))
@@ -87,8 +91,19 @@ def test_the_run_s_adamw_settings_win_over_a_resumed_checkpoint_s_and_a_nan_norm
     g = opt.param_groups[0]
     assert (g["betas"], g["eps"], g["weight_decay"]) == (ADAMW.adam_betas, ADAMW.adam_eps, 0.0)
     assert got["grad_norm"] == pytest.approx(2.0) and got["lr"] == ADAMW.lr_at(1, STEPS)
+    before = w.detach().clone()
     w.grad = torch.full((2, 2), float("nan"))
-    assert math.isnan(optimizer_step(opt, ADAMW, 2, STEPS, [Shards([w], [1.0])], torch.device("cpu"))["grad_norm"])
+    with pytest.raises(RunError, match=r"^step 2: the gradient norm is nan; stopped before updating the weights"):
+        optimizer_step(opt, ADAMW, 2, STEPS, [Shards([w], [1.0])], torch.device("cpu"))
+    assert torch.equal(w.detach(), before)
+    skip = replace(ADAMW, on_nonfinite="skip")
+    got = optimizer_step(opt, skip, 2, STEPS, [Shards([w], [1.0])], torch.device("cpu"))
+    assert math.isnan(got["grad_norm"]) and got["skipped_update"] and w.grad is None and torch.equal(w.detach(), before)
+    w.grad = torch.ones(2, 2)  # a finite gradient, an infinite loss
+    with pytest.raises(RunError, match=r"^step 3: the loss is not finite on 1 rank; stopped"):
+        optimizer_step(opt, ADAMW, 3, STEPS, [Shards([w], [1.0])], torch.device("cpu"), loss=float("inf"))
+    assert optimizer_step(opt, skip, 3, STEPS, [Shards([w], [1.0])], torch.device("cpu"), loss=float("inf"))["skipped_update"]
+    assert torch.equal(w.detach(), before)
 
 
 def _seqs(step: int, rank: int, count: int) -> list[torch.Tensor]:

@@ -19,7 +19,6 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from posttrain._files import work_dir
 from posttrain.errors import RunError, disk_full, no_space
 
 from .formats import IGNORE_INDEX, encode_record
@@ -81,34 +81,34 @@ def _line_shards(path: str, num_shards: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _die_with(launcher: int) -> None:
-    """In a tokenizing worker (a process other than ``launcher``, which started it): have the
-    kernel kill this process when its parent dies, even by SIGKILL (Linux), and end at once if
-    that already happened."""
-    if not launcher or os.getpid() == launcher:
+#: The pid of this process while it tokenizes with worker processes (0 otherwise).
+_TOKENIZING = 0
+
+
+def _die_with_parent() -> None:
+    """In a process forked while this one tokenizes (a ``datasets`` worker): have the kernel kill
+    it when its parent dies, even by SIGKILL (Linux), and end at once if that already happened.
+    Runs right after the fork, before the worker waits for its first task."""
+    if not _TOKENIZING or os.getppid() != _TOKENIZING:
         return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the command's handler: the pool's terminate() ends it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tokenizing process's to handle
+    # A worker's errors reach the tokenizing process through datasets (named by file and line);
+    # what it would print itself is the noise of being stopped mid-record on an interrupt.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
-    if os.getppid() != launcher:
+        return
+    if os.getppid() != _TOKENIZING:
         os._exit(1)
 
 
-def _sweep_work_dirs(root: Path) -> None:
-    """Remove the half-built caches (``.NAME.PID.XXXXXXXX``) of tokenizing runs that died."""
-    for p in root.glob(".*.*"):
-        m = re.fullmatch(r"\..+\.(\d+)\.[a-z0-9_]{8}", p.name)
-        if not m or not p.is_dir():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:
-            pass
+os.register_at_fork(after_in_child=_die_with_parent)
 
 
 def _encode_row(record: Any, where: str, tokenizer, train_on_prompt: bool) -> dict:
@@ -121,8 +121,7 @@ def _encode_row(record: Any, where: str, tokenizer, train_on_prompt: bool) -> di
 
 
 def _jsonl_rows(shards: list[tuple[int, int, int]], path: str, tokenizer_path: str | None, tokenizer_obj,
-                train_on_prompt: bool, launcher: int = 0) -> Iterator[dict]:
-    _die_with(launcher)
+                train_on_prompt: bool) -> Iterator[dict]:
     tokenizer = tokenizer_obj if tokenizer_obj is not None else (_load_tokenizer(tokenizer_path) if tokenizer_path else None)
     for start, end, first_line in shards:
         with open(path, "rb") as f:
@@ -277,8 +276,7 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
     tok_obj = None if shared else tokenizer
     log(f"tokenizing {path} ({size / 2**20:.1f} MiB, {num_proc} process{'es' if num_proc > 1 else ''}) into {cache}")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_work_dirs(cache.parent)
-    work = Path(tempfile.mkdtemp(prefix=f".{cache.name}.{os.getpid()}.", dir=cache.parent))
+    work = work_dir(cache.parent, f".{cache.name}.", orphans=".")  # (and those of any killed tokenizing run)
     try:
         if is_folder:
             loaded = datasets.load_from_disk(str(path))
@@ -290,7 +288,7 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
                 raise ValueError(f"`data` {path}: the dataset holds no records")
             bounds = [(n * k // num_proc, n * (k + 1) // num_proc) for k in range(num_proc)]
             gen, kwargs = _folder_rows, {"shards": bounds, "folder": str(path), "tokenizer_path": shared,
-                                          "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt, "launcher": os.getpid()}
+                                          "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt}
         else:
             if not _has_content(path):
                 raise ValueError(f"`data` {path}: the file is empty" + (" (blank lines only)" if size else ""))
@@ -301,19 +299,27 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
                 n = len(records)
                 parts = [(records[n * k // num_proc: n * (k + 1) // num_proc], n * k // num_proc) for k in range(num_proc)]
                 gen, kwargs = _array_rows, {"shards": parts, "path": str(path), "tokenizer_path": shared,
-                                             "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt,
-                                             "launcher": os.getpid()}
+                                             "tokenizer_obj": tok_obj, "train_on_prompt": train_on_prompt}
             else:
                 gen, kwargs = _jsonl_rows, {"shards": _line_shards(str(path), max(1, num_proc)), "path": str(path),
                                              "tokenizer_path": shared, "tokenizer_obj": tok_obj,
-                                             "train_on_prompt": train_on_prompt, "launcher": os.getpid()}
+                                             "train_on_prompt": train_on_prompt}
         nproc = min(num_proc, len(kwargs["shards"])) if num_proc > 1 else None
+        global _TOKENIZING
+        _TOKENIZING = os.getpid()  # the workers forked now die with this process
         try:
             table = datasets.Dataset.from_generator(gen, gen_kwargs=kwargs, features=features, num_proc=nproc,
                                                     cache_dir=str(work / "build"), keep_in_memory=False)
         except datasets.exceptions.DatasetGenerationError as e:
             cause = e.__cause__ or e.__context__
             raise (cause if isinstance(cause, ValueError) else ValueError(str(e))) from None
+        except Exception as e:  # an interrupt met while waiting on the workers may surface as another error
+            stop = _interrupt_in(e)
+            if stop is not None:
+                raise stop from None
+            raise
+        finally:
+            _TOKENIZING = 0
         if len(table) == 0:
             raise ValueError(f"{path}: no records")
         max_id = int(max(table["max_id"]))
@@ -328,6 +334,20 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _interrupt_in(exc: BaseException) -> BaseException | None:
+    """The SIGINT/SIGTERM interrupt that ``exc`` was raised while handling, if any (``datasets``
+    raises its own errors while stopping its workers)."""
+    from posttrain.launch import Interrupted
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _has_content(path: Path) -> bool:
@@ -353,16 +373,13 @@ def _json_array(path: Path) -> list | None:
     return data
 
 
-def _array_rows(shards, path, tokenizer_path, tokenizer_obj, train_on_prompt, launcher=0) -> Iterator[dict]:
-    _die_with(launcher)
+def _array_rows(shards, path, tokenizer_path, tokenizer_obj, train_on_prompt) -> Iterator[dict]:
     for records, offset in shards:
         yield from _record_rows(records, path, tokenizer_path, tokenizer_obj, train_on_prompt, offset)
 
 
-def _folder_rows(shards, folder, tokenizer_path, tokenizer_obj, train_on_prompt, launcher=0) -> Iterator[dict]:
+def _folder_rows(shards, folder, tokenizer_path, tokenizer_obj, train_on_prompt) -> Iterator[dict]:
     import datasets
-
-    _die_with(launcher)
 
     loaded = datasets.load_from_disk(folder)
     if isinstance(loaded, datasets.DatasetDict):

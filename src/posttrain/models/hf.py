@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+from posttrain._files import work_dir
 
 from .gpt import packed_positions
 
@@ -148,7 +149,7 @@ def save_pretrained(parts: Iterable[dict[str, torch.Tensor]], out_dir: str | os.
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent)) if write else None
+    tmp = work_dir(out.parent, f".{out.name}.") if write else None  # (removes those of killed exports)
     try:
         files: list[tuple[str, list[str]]] = []
         total = 0

@@ -42,8 +42,8 @@ class OptimConfig:
         adam_betas: AdamW's ``(beta1, beta2)``.
         adam_eps: AdamW's epsilon.
         on_nonfinite: what a step whose loss or gradient norm is not finite (NaN, infinite)
-            does: ``stop`` the run before the update (the weights, checkpoints and ``output_dir``
-            stay as the previous step left them; the command exits 1) or ``skip`` the update
+            does: ``stop`` the run before the update (the weights, checkpoints and the exported
+            model stay as the previous step left them; the command exits 1) or ``skip`` the update
             (the step counts, its row says ``skipped_update``).
     """
 

@@ -83,6 +83,7 @@ class Trainer(ABC):
         cfg = self.cfg
         rows: list[dict[str, Any]] = []
         log = bar = None
+        done = False
         try:
             start = self.resumed_from = resume(cfg, self.state, self.optimizer) if cfg.checkpoint_dir else 0
             if self.rank == 0 and (cfg.metrics or cfg.tensorboard):
@@ -119,10 +120,16 @@ class Trainer(ABC):
                         bar.write(f"wrote {cfg.output_dir} after step {step + 1}")
                     bar.update(1)
             self.finish()
+            done = True
         finally:
             if bar is not None:
                 bar.close()
             if log is not None:
-                log.close()
+                try:
+                    with writing("`metrics`", cfg.metrics or cfg.tensorboard):
+                        log.close()
+                except Exception:
+                    if done:  # else the error that ended the run is the one to report
+                        raise
             self.close()
         return rows
