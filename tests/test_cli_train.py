@@ -187,6 +187,9 @@ def test_every_trainer_takes_the_engine_and_optimizer_sections_from_the_same_fla
     (["--max-len", "100", "--max-tokens", "64"],
      "--max-tokens=64 is smaller than the longest sequence (--max-len=100); raise --max-tokens"),
     (["--layers", "0"], "--layers=0 must be at least 1"),
+    (["--max-tokens", "0"], "--max-tokens=0 is smaller than the longest sequence"),
+    (["--model", "llama", "--dim", "7"], "--dim=7 gives attention heads of 7 channels, and llama's rotary position "
+                                         "embeddings need an even number; give a multiple of 32 as --dim"),
     (["--dp", "fsdp", "--deterministic"], "--deterministic is for the ODC engines (--dp odc or odc-fsdp2)"),
     (["--replicas", "0"], "--replicas=0 must be at least 1"),
     (["--sequences", "3", "--world-size", "4"], "--sequences=3 is fewer than the 4 ranks"),  # refused at run time

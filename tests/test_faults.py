@@ -62,6 +62,14 @@ def _popen(args, tmp):
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
+def _started(proc, children: int, within: float = 120.0) -> None:
+    """Wait until ``proc`` has ``children`` child processes (or has ended)."""
+    deadline = time.monotonic() + within
+    while len(_children(proc.pid)) < children and proc.poll() is None:
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.05)
+
+
 def _leftovers(tmp) -> list[str]:
     return [p.name for p in tmp.iterdir() if p.name.startswith("posttrain-rdzv-")]
 
@@ -227,7 +235,7 @@ def test_a_full_disk_is_one_line_naming_the_device_and_leaves_nothing_partial(tm
 
 # --- two runs on one output ---------------------------------------------------------------------
 
-def test_a_second_run_on_an_output_in_use_is_refused_and_a_dead_runs_lock_taken_over(tmp_path, run_cli):
+def test_a_second_run_on_an_output_in_use_is_refused_and_a_dead_runs_lock_taken_over(tmp_path, run_cli, cli):
     from posttrain.train.core import OutputLock
 
     ck = tmp_path / "ck"
@@ -241,21 +249,23 @@ def test_a_second_run_on_an_output_in_use_is_refused_and_a_dead_runs_lock_taken_
         with pytest.raises(ValueError, match="in use by another run"):
             OutputLock("`checkpoint_dir`", str(ck)).__enter__()  # the same process, another claim: refused too
     assert not (tmp_path / ".ck.posttrain-lock").exists()  # released: its file removed
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from posttrain.train.core import OutputLock; "
-                               f"OutputLock('x', {str(ck)!r}).__enter__(); print('held', flush=True); time.sleep(60)"],
+    lock = str(tmp_path / ".ck.posttrain-lock")  # a process holding it as OutputLock does, then killed
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, time; "
+                               f"fd = os.open({lock!r}, os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+                               "os.write(fd, b'1'); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     holder.kill()
     holder.wait()
     assert (tmp_path / ".ck.posttrain-lock").exists()  # left by the killed process...
-    done = run_cli(*args)
-    assert done.returncode == 0, done.stderr  # ...and taken over
+    rc, _, err = cli(*args)
+    assert rc == 0, err  # ...and taken over
     assert not (tmp_path / ".ck.posttrain-lock").exists()
 
 
 # --- the launcher killed ------------------------------------------------------------------------
 
-def test_tokenizing_workers_die_with_the_launcher_and_their_work_is_cleaned_next_time(tmp_path, tiny_model):
+def test_tokenizing_workers_die_with_the_launcher_and_their_work_is_cleaned_next_time(tmp_path, tiny_model, cli):
     model = tiny_model()
     big = tmp_path / "data" / "big.jsonl"
     big.parent.mkdir()
@@ -268,7 +278,7 @@ def test_tokenizing_workers_die_with_the_launcher_and_their_work_is_cleaned_next
         while len(_children(proc.pid)) < 2:  # the tokenizing workers started
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        time.sleep(1.0)
+        time.sleep(0.5)
         workers = _children(proc.pid)
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # Ctrl-C reaches the whole process group
@@ -283,34 +293,33 @@ def test_tokenizing_workers_die_with_the_launcher_and_their_work_is_cleaned_next
             assert lines == [f"posttrain: interrupted by {signal.Signals(sig).name}; every rank stopped (a "
                              "--checkpoint-dir run resumes from its last checkpoint)"], err
         else:
-            assert len(work) == 1  # a half-built cache: removed by the next tokenizing run beside it
+            assert len(work) == 1, (work, err)  # a half-built cache: removed by the next tokenizing run beside it
             small = _chat(big.parent / "small.jsonl")
-            done = subprocess.run([sys.executable, "-m", "posttrain", *_train_args(model, small, "--steps", "1")],
-                                  capture_output=True, text=True, env=_ENV)
-            assert done.returncode == 0, done.stderr
+            rc, _, err = cli(*_train_args(model, small, "--steps", "1"))
+            assert rc == 0, err
             assert not [p for p in (big.parent / ".posttrain-cache").iterdir() if p.name.startswith(".")]
     assert not _leftovers(tmp_path)
 
 
-def test_killed_at_random_points_a_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_model):
-    """SIGKILL of the launcher at seeded random moments (tokenizing, training, checkpointing after
-    every step, exporting): nothing left running or behind, and the resumed run's losses equal an
-    uninterrupted run's, every step once in the metrics."""
+def test_killed_at_random_points_a_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_model, cli):
+    """SIGKILL of the launcher at seeded random moments of training with a checkpoint after every
+    step, and of exporting (tokenizing: the test above): nothing left running or behind, and the
+    resumed run's losses equal an uninterrupted run's, every step once in the metrics."""
     model = tiny_model()
-    data = _chat(tmp_path / "chat.jsonl", n=60)
-    steps = ["--steps", "8", "--checkpoint-every", "1"]
-    ref = subprocess.run([sys.executable, "-m", "posttrain", *_train_args(
-        model, data, *steps, "--checkpoint-dir", str(tmp_path / "ref"), "--metrics", str(tmp_path / "ref.jsonl"))],
-        capture_output=True, text=True, env=_ENV)
-    assert ref.returncode == 0, ref.stderr
+    data = _chat(tmp_path / "chat.jsonl", n=40)
+    steps = ["--steps", "12", "--checkpoint-every", "1"]
+    rc, _, err = cli(*_train_args(model, data, *steps, "--checkpoint-dir", str(tmp_path / "ref"), "--metrics",
+                                  str(tmp_path / "ref.jsonl")))  # (in this process: no start-up to wait for)
+    assert rc == 0, err
     want = _rows(tmp_path / "ref.jsonl")
     rng = random.Random(0)
     args = _train_args(model, data, *steps, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics",
                        str(tmp_path / "m.jsonl"))
     kills = 0
-    for _ in range(4):
+    for _ in range(3):
         proc = _popen(args, tmp_path)
-        time.sleep(rng.uniform(0.5, 9.0))
+        _started(proc, 3)  # two ranks and the reaper: the data is tokenized, the ranks set up
+        time.sleep(rng.uniform(0.0, 1.5))  # then steps and checkpoints every step: about 0.2 s each
         kids = _children(proc.pid)
         proc.kill()
         proc.communicate()
@@ -321,22 +330,22 @@ def test_killed_at_random_points_a_run_resumes_to_the_uninterrupted_result(tmp_p
         if latest.exists():  # whatever it names is complete
             assert (tmp_path / "ck" / latest.read_text() / "posttrain.json").exists()
     assert kills >= 2
-    done = subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, env=_ENV)
-    assert done.returncode == 0, done.stderr
+    rc, _, err = cli(*args)
+    assert rc == 0, err
     got = _rows(tmp_path / "m.jsonl")
     assert got.keys() == want.keys()
     assert all(abs(got[k] - want[k]) < 1e-6 for k in want), {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     out = tmp_path / "exported"
-    for _ in range(3):
+    for _ in range(2):
         proc = _popen(["export", str(tmp_path / "ck"), str(out)], tmp_path)
-        time.sleep(rng.uniform(0.5, 4.0))
+        _started(proc, 2)  # the exporting rank and the reaper
+        time.sleep(rng.uniform(0.0, 1.5))
         kids = _children(proc.pid)
         proc.kill()
         proc.communicate()
         _wait_gone(kids)
         assert not _leftovers(tmp_path)
         assert not out.exists() or (out / "model.safetensors.index.json").exists()  # never partial
-    done = subprocess.run([sys.executable, "-m", "posttrain", "export", str(tmp_path / "ck"), str(out)],
-                          capture_output=True, text=True, env=_ENV)
-    assert done.returncode == 0, done.stderr
+    rc, _, err = cli("export", str(tmp_path / "ck"), str(out))
+    assert rc == 0, err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")) == []  # no temporaries

@@ -81,8 +81,8 @@ def test_the_run_s_adamw_settings_win_over_a_resumed_checkpoint_s_and_a_nan_norm
     does a rank's non-finite loss."""
     from dataclasses import replace
 
-    from posttrain.errors import RunError
     from posttrain.dp import Shards
+    from posttrain.errors import RunError
 
     w = torch.nn.Parameter(torch.ones(2, 2))
     opt = torch.optim.AdamW([w], lr=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -115,6 +115,12 @@ class TrainConfig(RunConfig):
             raise ValueError("`eval_every` needs `eval_data`")
         if self.output_dir and self.model_path is None and self.model == "gpt":
             raise ValueError("`output_dir` writes a transformers model: give `model_path` (or `model` llama)")
+        if self.model_path is None and self.model == "llama":
+            head = self.dim // self.model_config().num_heads
+            if head % 2:
+                raise ValueError(f"dim={self.dim} gives attention heads of {head} channels, and llama's rotary "
+                                 "position embeddings need an even number; give a multiple of 32 as `dim` (heads of "
+                                 "32 channels)")
         if self.data is None:
             if self.max_len < 8:
                 raise ValueError(f"max_len={self.max_len} must be at least 8")
