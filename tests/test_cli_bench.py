@@ -264,3 +264,25 @@ def test_measure_bounds_times_odc_own_plan_beside_the_chosen_one(monkeypatch):
     assert got["partition"]["tokens_per_s"] == pytest.approx(tokens / 2.5)
     assert got["partition"]["plan_tokens_per_s"] == pytest.approx(tokens / 5.0)
     assert got["even"]["tokens_per_s"] == pytest.approx(tokens / 2.0)
+
+
+def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):
+    """Exact counts: AdamW's state is two moments of the adapters' elements; flat ODC pushes only
+    the adapters' gradients and gathers the frozen base as before."""
+    out = tmp_path / "l.json"
+    rc, printed, err = cli("bench", "lora", "--dim", "64", "--layers", "2", "--rank", "2", "--steps", "2", "--rounds",
+                           "1", "--json", str(out))
+    assert rc == 0, err
+    rows = {(r["engine"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    # llama 2x64: 2 heads of 32, 1 KV head; rank 2: A is 2 x in, B is out x 2
+    per_layer = sum(2 * 64 + out_dim * 2 for out_dim in (64, 32, 32, 64))  # q, k, v, o
+    assert rows[("fsdp", "lora")]["optimizer_state_numel"] == 2 * 2 * per_layer
+    assert 2 * 2 * per_layer <= rows[("odc", "lora")]["optimizer_state_numel"] <= 2 * 2 * per_layer + 8  # padding
+    for dp in ("odc", "fsdp"):
+        assert rows[(dp, "lora")]["optimizer_state_numel"] < rows[(dp, "full")]["optimizer_state_numel"] / 20
+    odc_full, odc_lora = rows[("odc", "full")], rows[("odc", "lora")]
+    assert 0 < odc_lora["push_bytes_per_step"] < odc_full["push_bytes_per_step"] / 20
+    assert 1.0 <= odc_lora["gather_bytes_per_step"] / odc_full["gather_bytes_per_step"] < 1.2
+    assert "LoRA rank 2 on q_proj,k_proj,v_proj,o_proj vs full fine-tuning" in printed
+    rc, _, err = cli("bench", "lora", "--steps", "1")
+    assert rc == 2 and "--steps=1 must be at least 2" in err

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "pipeline": ("pipeline", "PipelineBench", "saved-activation peaks per schedule and offload; our runner vs torch's"),
     "pipeline-dp": ("pipeline_dp", "PipelineDPBench",
                     "pipeline x data parallelism on long-tail data: ODC+diff_micro vs FSDP2"),
+    "lora": ("lora", "LoraBench", "LoRA adapters vs full fine-tuning: optimizer state, bytes pushed, step time"),
 }
 
 

@@ -23,7 +23,7 @@ from posttrain.train.core import (
 from posttrain.train.core.checkpoint import load, verify_checkpoint
 
 from .config import TrainConfig
-from .loop import build_training, export_model, train_worker
+from .loop import build_training, check_lora, export_model, train_worker
 from .metrics import summarize
 from .minibatches import TrainData, model_vocab_size
 
@@ -56,6 +56,7 @@ def run_training(cfg: TrainConfig, *, world_size: int | None = 2, quiet: bool = 
 
 def _run_training(cfg: TrainConfig, world_size: int, say) -> list[dict] | None:
     kind = cfg.device_kind
+    check_lora(cfg)  # LoRA targets the model lacks: one line, before tokenizing
     # Tokenize (once, cached) and validate the data against the world size before starting ranks.
     data = TrainData(cfg, world_size, log=say)
     if cfg.epochs:

@@ -33,6 +33,7 @@ from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_
 from posttrain.device import rank_device, rank_kind, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
+from posttrain.models.lora import adapter_files, add_lora, merged
 from posttrain.spans import COMM_KINDS, Recorder
 from posttrain.train.core import Trainer
 from posttrain.train.core.recipe import optimizer_step
@@ -61,11 +62,31 @@ def build_training(cfg: TrainConfig, vocab_size: int, device: torch.device | Non
     CPU), sharded by ``cfg.engine``, and its optimizer (a collective)."""
     torch.manual_seed(cfg.seed)
     model = load_pretrained(cfg.model_path) if cfg.model_path else build_model(cfg.model, cfg.model_config(vocab_size))
+    if cfg.lora is not None:  # peft's adapters; the base frozen (seeded: every rank the same)
+        add_lora(model, cfg.lora, seed=cfg.seed)
     tied = tied_names(model)  # (before moving: ties are found by identity)
     if device is not None and device.type != "cpu":
         model.to(device)
     engine = build_engine(model, cfg.engine)
-    return Training(model, engine, cfg.optim.build(engine.parameters()), tied)
+    trainable = [p for p in engine.parameters() if p.requires_grad]  # (no optimizer state for a frozen base)
+    return Training(model, engine, cfg.optim.build(trainable), tied)
+
+
+def check_lora(cfg: TrainConfig) -> None:
+    """Refuse, before tokenizing, LoRA targets the model lacks (one line naming those it has):
+    the model is built on the meta device, no weight is read."""
+    if cfg.lora is None:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.models.lora import check_targets
+
+    with torch.device("meta"):
+        if cfg.model_path:
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_path))
+        else:
+            hf = build_model(cfg.model, cfg.model_config()).hf
+    check_targets(cfg.lora, hf, getattr(hf.config, "model_type", None))
 
 
 def step_cost(cfg: TrainConfig, vocab_size: int) -> FlopsCost:
@@ -129,8 +150,15 @@ def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module,
             gen = GenerationConfig.from_pretrained(cfg.model_path)
         except OSError:
             gen = getattr(hf, "generation_config", None)
-    out = save_pretrained(engine.iter_full_state(), cfg.output_dir, config=hf.config, tokenizer=tokenizer,
-                          generation_config=gen, skip=tied, write=rank == 0)
+    parts = engine.iter_full_state()
+    if cfg.lora is not None and not cfg.merge_lora:
+        out = adapter_files(parts, cfg.output_dir, cfg.lora, getattr(hf.config, "model_type", None),
+                            base=cfg.model_path, tokenizer=tokenizer, write=rank == 0)
+    else:
+        if cfg.lora is not None:
+            parts = merged(parts, cfg.lora.scale)
+        out = save_pretrained(parts, cfg.output_dir, config=hf.config, tokenizer=tokenizer,
+                              generation_config=gen, skip=tied, write=rank == 0)
     dist.barrier()
     return out
 
@@ -272,9 +300,24 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
     Returns:
         ``{"metrics": [one dict per step], "spans": the last step's spans (:class:`~posttrain.spans.Span`),
-        "resumed_from": step}``. Every rank's metrics rows hold its own times and the step's
-        global figures.
+        "resumed_from": step, "engine_stats": the engine's communication counters,
+        "optimizer_state_numel": elements of this rank's optimizer state tensors}``. Every rank's
+        metrics rows hold its own times and the step's global figures.
     """
     trainer = SFTTrainer(cfg, rank, world_size)
     rows = trainer.run()
-    return {"metrics": rows, "spans": list(trainer.rec.spans), "resumed_from": trainer.resumed_from}
+    return {"metrics": rows, "spans": list(trainer.rec.spans), "resumed_from": trainer.resumed_from,
+            "engine_stats": dict(trainer.engine.stats), "optimizer_state_numel": optimizer_state_numel(trainer.optimizer)}
+
+
+def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
+    """Elements of the per-parameter state tensors this rank's optimizer holds (AdamW's two
+    moments; scalars such as the step count left out; a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                total += (v.to_local() if isinstance(v, DTensor) else v).numel()
+    return total

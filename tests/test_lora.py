@@ -1,0 +1,131 @@
+"""LoRA through peft on every engine: the adapters train as a single process's peft model on the
+same data does, the base stays frozen (never pushed, no optimizer state), the output directory is
+an adapter peft loads or, merged, a whole model; bad LoRA flags are one line before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from posttrain.data.tasks import chat_task_records
+from posttrain.dp import EngineConfig
+from posttrain.models import HFCausalLM, load_pretrained
+from posttrain.models.lora import LoraSpec, add_lora, merged
+from posttrain.train.core import OptimConfig
+from posttrain.train.sft import TrainConfig, TrainData, loss_units, microbatch_loss, run_training
+
+
+def _chat_file(tmp_path, n=24, seed=0):
+    path = tmp_path / "chat.jsonl"
+    records = chat_task_records(n, seed=seed, min_digits=1, max_digits=10)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def _reference(cfg: TrainConfig) -> HFCausalLM:
+    """One process, no engine: the model with the same adapters (same seed) and AdamW over them,
+    each step's whole minibatch as one packed microbatch."""
+    data = TrainData(cfg, 1)
+    torch.manual_seed(cfg.seed)
+    model = load_pretrained(cfg.model_path)
+    add_lora(model, cfg.lora, seed=cfg.seed)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr, weight_decay=0.0)
+    for step in range(cfg.steps):
+        seqs = data.minibatch(step)
+        ids = list(range(len(seqs)))
+        microbatch_loss(model, seqs, ids, 1.0 / loss_units(seqs, ids, cfg.loss_agg), cfg.loss_agg).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("family, dp", [("llama", "odc"), ("qwen2", "fsdp"), ("mistral", "odc-fsdp2")])
+def test_lora_adapters_train_as_one_peft_process_and_peft_loads_them(tmp_path, tiny_model, family, dp):
+    from peft import PeftModel
+
+    src = tiny_model(family)
+    max_tokens = 320 if family == "qwen2" else 160
+    cfg = TrainConfig(engine=EngineConfig(dp), model_path=src, data=_chat_file(tmp_path), sequences=8,
+                      max_tokens=max_tokens, steps=3, optim=OptimConfig(lr=2e-2), output_dir=str(tmp_path / "out"),
+                      lora_rank=4, lora_targets=("q_proj", "v_proj", "down_proj"))
+    results = run_training(cfg, world_size=2, quiet=True)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("adapter")) == ["adapter_config.json",
+                                                                                    "adapter_model.safetensors"]
+    ref = _reference(cfg)
+    probe = torch.tensor([list(range(3, 40))])
+    base = transformers.AutoModelForCausalLM.from_pretrained(src)
+    untrained = _logits(base, probe)
+    loaded = PeftModel.from_pretrained(base, str(out))
+    got, want = _logits(loaded, probe), _logits(ref, probe)
+    assert not torch.allclose(want, untrained, atol=1e-3)  # the adapters moved the output
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    # the frozen base: no optimizer state for it, and (flat ODC) nothing of it pushed
+    trainable = sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    state = sum(r["optimizer_state_numel"] for r in results)
+    assert 2 * trainable <= state <= 2 * trainable + 64  # AdamW's two moments of the adapters (flat ODC pads)
+    if dp == "odc":
+        pushed = sum(r["engine_stats"]["push_bytes"] for r in results)
+        assert 0 < pushed <= 2 * 3 * 4 * trainable  # at most a full fp32 gradient per rank and step
+
+
+def test_merge_lora_writes_a_whole_model_equal_to_the_adapted_one_and_export_does_too(tmp_path, tiny_model, cli):
+    src = tiny_model("llama")
+    cfg = TrainConfig(engine=EngineConfig("odc"), model_path=src, data=_chat_file(tmp_path), sequences=8,
+                      max_tokens=160, steps=2, optim=OptimConfig(lr=2e-2), output_dir=str(tmp_path / "out"),
+                      lora_rank=8, lora_alpha=4, merge_lora=True, checkpoint_dir=str(tmp_path / "ck"))
+    run_training(cfg, world_size=2, quiet=True)
+    probe = torch.tensor([list(range(3, 40))])
+    want = _logits(_reference(cfg), probe)
+    rc, _, err = cli("export", str(tmp_path / "ck"), str(tmp_path / "exported"))
+    assert rc == 0, err
+    for out in (tmp_path / "out", tmp_path / "exported"):
+        assert (out / "model.safetensors.index.json").exists() and not (out / "adapter_config.json").exists()
+        names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert "model.layers.0.self_attn.q_proj.weight" in names and not [n for n in names if "lora" in n]
+        got = _logits(transformers.AutoModelForCausalLM.from_pretrained(str(out)), probe)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_merged_folds_each_adapter_into_its_weight_across_parts():
+    spec = LoraSpec(rank=2, alpha=6)
+    w, a, b, bias = torch.randn(3, 4), torch.randn(2, 4), torch.randn(3, 2), torch.randn(3)
+    parts = [{"m.q.base_layer.weight": w, "m.q.lora_A.default.weight": a, "other": torch.ones(1)},
+             {"m.q.lora_B.default.weight": b, "m.q.base_layer.bias": bias}]
+    out = {}
+    for part in merged(parts, spec.scale):
+        out.update(part)
+    assert sorted(out) == ["m.q.bias", "m.q.weight", "other"]
+    torch.testing.assert_close(out["m.q.weight"], w + 3.0 * b @ a)
+    with pytest.raises(ValueError, match="without all of"):
+        list(merged([{"m.q.lora_A.default.weight": a}], 1.0))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "4", "--lora-targets", "q_proj,wq"],
+     "--lora-targets=wq: the model has no such linear layer; it has down_proj, gate_proj, k_proj, lm_head, o_proj, "
+     "q_proj, up_proj, v_proj"),
+    (["--merge-lora"], "--merge-lora needs --lora-rank"),
+    (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank"),
+    (["--lora-rank", "-1"], "--lora-rank=-1 must be positive"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout=1.0 must be in [0, 1)"),
+])
+def test_bad_lora_flags_are_one_line_before_tokenizing(cli, tiny_model, tmp_path, argv, message):
+    data = _chat_file(tmp_path)
+    rc, out, err = cli("train", "--model-path", tiny_model("llama"), "--data", data, "--steps", "1", *argv)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert "tokenizing" not in out
+
+
+def test_lora_needs_a_transformers_model(cli):
+    rc, _, err = cli("train", "--lora-rank", "4", "--steps", "1")
+    assert rc == 2 and "--lora-rank adds peft adapters to a transformers model" in err, err
