@@ -129,3 +129,46 @@ def test_bad_lora_flags_are_one_line_before_tokenizing(cli, tiny_model, tmp_path
 def test_lora_needs_a_transformers_model(cli):
     rc, _, err = cli("train", "--lora-rank", "4", "--steps", "1")
     assert rc == 2 and "--lora-rank adds peft adapters to a transformers model" in err, err
+
+
+def test_rl_trains_adapters_and_samples_from_the_merged_policy(tmp_path, tiny_model, monkeypatch, cli):
+    """GRPO with LoRA: the rollout model gets the policy with its adapters merged every step (its
+    logits at step 1's load equal the merged export of the checkpoint after step 0, and differ
+    from the base's), and the output is the merged model."""
+    import torch.distributed as dist
+
+    from posttrain.rl import HFRollout
+    from posttrain.train.rl import RLConfig, run_rl
+
+    src = tiny_model("llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(4, seed=3)))
+    (tmp_path / "length_reward.py").write_text("def reward(prompt, response):\n    return float(len(response))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = torch.tensor([list(range(3, 30))])
+    seen = tmp_path / "rollout"
+    seen.mkdir()
+    original = HFRollout.load_weights
+
+    def load_and_probe(self, parts):
+        original(self, parts)
+        if dist.get_rank() == 0:
+            k = len(list(seen.iterdir()))
+            torch.save(_logits(self.model, probe), seen / f"{k}.pt")
+
+    monkeypatch.setattr(HFRollout, "load_weights", load_and_probe)
+    cfg = RLConfig(model_path=src, prompts=str(prompts), reward="length_reward:reward", samples_per_prompt=4,
+                   prompts_per_step=2, max_new_tokens=8, steps=2, max_tokens=128, optim=OptimConfig(lr=5e-2),
+                   checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1, output_dir=str(tmp_path / "out"),
+                   lora_rank=4, merge_lora=True)
+    rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
+    assert rows[0]["updates"] > 0
+    base = _logits(transformers.AutoModelForCausalLM.from_pretrained(src), probe)
+    first, second = (torch.load(seen / f"{k}.pt") for k in (0, 1))
+    torch.testing.assert_close(first, base, atol=1e-5, rtol=1e-5)  # zero-initialized B: the base
+    rc, _, err = cli("export", str(tmp_path / "ck" / "step-000001"), str(tmp_path / "after-step-0"))
+    assert rc == 0, err
+    after = _logits(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "after-step-0")), probe)
+    assert not torch.allclose(after, base, atol=1e-3)  # the update moved the adapters
+    torch.testing.assert_close(second, after, atol=2e-4, rtol=1e-4)
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()

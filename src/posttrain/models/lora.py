@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["LoraSpec", "adapter_files", "add_lora", "check_targets", "linear_names", "merged"]
+__all__ = ["LoraSpec", "adapter_files", "add_lora", "check_targets", "linear_names", "merged", "write_model"]
 
 _ADAPTER = "default"
 
@@ -171,3 +171,20 @@ def merged(parts: Iterable[dict[str, torch.Tensor]], scale: float) -> Iterator[d
             yield out
     if pending:
         raise ValueError(f"adapted layers without all of base weight, lora_A and lora_B: {sorted(pending)[:3]}")
+
+
+def write_model(parts: Iterable[dict[str, torch.Tensor]], out_dir: str | os.PathLike, spec: LoraSpec | None,
+                merge: bool, *, config, tokenizer=None, generation_config=None, skip=(), base: str | None = None,
+                write: bool = True) -> str | None:
+    """A run's ``output_dir`` from its full parameters ``parts``: the model (without ``spec``),
+    the adapter directory, or (``merge``) the model with the adapters merged; see
+    :func:`posttrain.models.save_pretrained` for ``write`` and the rest."""
+    from .hf import save_pretrained
+
+    if spec is not None and not merge:
+        return adapter_files(parts, out_dir, spec, getattr(config, "model_type", None), base=base,
+                             tokenizer=tokenizer, write=write)
+    if spec is not None:
+        parts = merged(parts, spec.scale)
+    return save_pretrained(parts, out_dir, config=config, tokenizer=tokenizer, generation_config=generation_config,
+                           skip=skip, write=write)

@@ -84,6 +84,8 @@ def check_resumable(cfg: RunConfig) -> dict | None:
             )
     for field in cfg.state_fields():
         was, now = config_value(saved, field), config_value(cfg, field)
+        if isinstance(now, tuple):  # (the checkpoint's JSON holds lists)
+            now = list(now)
         if was is not None and was != now:
             raise ValueError(
                 f"checkpoint {path} holds a run with {field}={was!r}, this run has {field}={now!r}; "

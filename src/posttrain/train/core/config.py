@@ -14,7 +14,7 @@ import torch
 
 from posttrain.dp import EngineConfig
 
-__all__ = ["LR_SCHEDULES", "OptimConfig", "RunConfig", "config_from_dict", "config_value"]
+__all__ = ["LR_SCHEDULES", "LoraFields", "OptimConfig", "RunConfig", "config_from_dict", "config_value"]
 
 
 #: Learning-rate schedules (:meth:`OptimConfig.lr_at`).
@@ -124,6 +124,56 @@ class OptimConfig:
             return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.adam_betas), eps=self.adam_eps,
                                      weight_decay=0.0, fused=True)
         return torch.optim.SGD(params, lr=self.lr, foreach=True)
+
+
+@dataclass(frozen=True)
+class LoraFields:
+    """LoRA adapters in place of full fine-tuning (a trainer's configuration that offers them
+    derives from this before :class:`RunConfig`).
+
+    Attributes:
+        lora_rank: train LoRA adapters of this rank through peft instead of every weight (0:
+            full fine-tuning); the base stays frozen and sharded, and ``output_dir`` gets a peft
+            adapter directory.
+        lora_alpha: the adapters' updates are scaled by this over the rank (0: twice the rank).
+        lora_dropout: dropout on the adapters' input while training.
+        lora_targets: the linear layers that get adapters, by the last part of their names
+            (``q_proj,v_proj``; default: peft's choice for the model's architecture).
+        merge_lora: write ``output_dir`` as a whole model with the adapters merged into its
+            weights instead of an adapter directory.
+    """
+
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    merge_lora: bool = False
+
+    @property
+    def lora(self):
+        """The run's :class:`~posttrain.models.lora.LoraSpec` (``None``: full fine-tuning)."""
+        from posttrain.models.lora import LoraSpec
+
+        if not self.lora_rank:
+            return None
+        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets))
+
+    def state_fields(self) -> tuple[str, ...]:
+        return ("lora_rank", "lora_targets", *super().state_fields())
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank} must be positive (0: full fine-tuning)")
+        if not self.lora_rank:
+            given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets", "merge_lora") if getattr(self, f)]
+            if given:
+                raise ValueError(f"`{given[0]}` needs `lora_rank` (LoRA adapters of that rank)")
+        else:
+            if not 0 <= self.lora_dropout < 1:
+                raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+            if self.lora_alpha < 0:
+                raise ValueError(f"lora_alpha={self.lora_alpha} must be positive (0: twice the rank)")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ from typing import ClassVar, Literal
 
 from posttrain.balance import METHODS
 from posttrain.rl import ESTIMATORS, LOSS_AGGS
-from posttrain.train.core.config import OptimConfig, RunConfig
+from posttrain.train.core.config import LoraFields, OptimConfig, RunConfig
 
 __all__ = ["RLConfig"]
 
 
 @dataclass(frozen=True)
-class RLConfig(RunConfig):
+class RLConfig(LoraFields, RunConfig):
     """One GRPO/RLOO run (the engine, optimizer, checkpoint and output fields:
     :class:`~posttrain.train.core.RunConfig`).
 

@@ -32,6 +32,9 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
 
 
 def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) -> list[dict] | None:
+    from posttrain.train.sft.loop import check_lora
+
+    check_lora(cfg)  # LoRA targets the model lacks: one line, before any work
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:

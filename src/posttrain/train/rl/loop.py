@@ -33,6 +33,7 @@ import torch.nn as nn
 from posttrain.balance import FlopsCost, plan_minibatch
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import load_pretrained
+from posttrain.models.lora import add_lora, merged, write_model
 from posttrain.rl import (
     HFRollout,
     Rollout,
@@ -165,6 +166,8 @@ class RLTrainer(Trainer):
         self.rewards = load_rewards(cfg.reward)
         self.weights = cfg.reward_weights or (1.0,) * len(self.rewards)
         self.policy = load_pretrained(cfg.model_path)
+        if cfg.lora is not None:  # peft's adapters on the policy; the rollout model gets them merged
+            add_lora(self.policy, cfg.lora, seed=cfg.seed)
         self.tied = tied_names(self.policy)
         self.cost = FlopsCost.from_config(self.policy.config)
         self.engine = build_engine(self.policy, cfg.engine)
@@ -177,7 +180,8 @@ class RLTrainer(Trainer):
         except BaseException:
             self.close()
             raise
-        super().__init__(cfg, rank, world_size, state=self.engine, optimizer=cfg.optim.build(self.engine.parameters()),
+        trainable = [p for p in self.engine.parameters() if p.requires_grad]
+        super().__init__(cfg, rank, world_size, state=self.engine, optimizer=cfg.optim.build(trainable),
                          label=f"rl {cfg.engine.label}+{cfg.balance}")
 
     def train_step(self, step: int) -> dict:
@@ -189,7 +193,8 @@ class RLTrainer(Trainer):
         dist.barrier()
         t0 = time.perf_counter()
         self.rollout.wake()
-        self.rollout.load_weights(engine.iter_full_state())
+        parts = engine.iter_full_state()
+        self.rollout.load_weights(parts if cfg.lora is None else merged(parts, cfg.lora.scale))
         mine = list(range(rank, len(batch), world_size))
         responses = self.rollout.generate([batch[i].ids for i in mine], n, seed=cfg.seed * 7919 + step * 131 + rank)
         local = []
@@ -277,11 +282,10 @@ class RLTrainer(Trainer):
                 + (" (skipped)" if self.cfg.skip_equal_reward_groups else " (trained)"))
 
     def export(self) -> None:
-        from posttrain.models import save_pretrained
-
-        save_pretrained(self.engine.iter_full_state(), self.cfg.output_dir, config=self.policy.config,
-                        tokenizer=self.tok, generation_config=getattr(self.rollout.model, "generation_config", None),
-                        skip=self.tied, write=self.rank == 0)
+        cfg = self.cfg
+        write_model(self.engine.iter_full_state(), cfg.output_dir, cfg.lora, cfg.merge_lora, config=self.policy.config,
+                    tokenizer=self.tok, generation_config=getattr(self.rollout.model, "generation_config", None),
+                    skip=self.tied, base=cfg.model_path, write=self.rank == 0)
         dist.barrier()
 
     def close(self) -> None:

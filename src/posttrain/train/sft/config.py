@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from posttrain.balance import METHODS
 from posttrain.data import PROFILES
 from posttrain.models import MODELS, GPTConfig
-from posttrain.train.core.config import RunConfig
+from posttrain.train.core.config import LoraFields, RunConfig
 
 __all__ = ["SYNTHETIC_VOCAB", "TrainConfig"]
 
@@ -16,7 +16,7 @@ SYNTHETIC_VOCAB = 64
 
 
 @dataclass(frozen=True)
-class TrainConfig(RunConfig):
+class TrainConfig(LoraFields, RunConfig):
     """One supervised fine-tuning run on a data-parallel engine (the engine, optimizer,
     checkpoint and output fields: :class:`~posttrain.train.core.RunConfig`).
 
@@ -52,15 +52,6 @@ class TrainConfig(RunConfig):
         peak_tflops: a device's peak rate in the training dtype, TFLOP/s, that ``mfu`` (model
             FLOPs utilization) divides by; 0: measured at the start by a short matrix product on
             every rank (:func:`posttrain.device.matmul_tflops`).
-        lora_rank: train LoRA adapters of this rank through peft instead of every weight (0:
-            full fine-tuning); the base stays frozen and sharded, and ``output_dir`` gets a peft
-            adapter directory.
-        lora_alpha: the adapters' scale is ``lora_alpha / lora_rank`` (0: twice the rank).
-        lora_dropout: dropout on the adapters' input while training.
-        lora_targets: the linear layers that get adapters, by the last part of their names
-            (``q_proj,v_proj``; default: peft's choice for the model's architecture).
-        merge_lora: write ``output_dir`` as a whole model with the adapters merged into its
-            weights instead of an adapter directory.
     """
 
     balance: Literal["round_robin", "local_sort", "same_micro", "diff_micro"] = "diff_micro"
@@ -83,11 +74,6 @@ class TrainConfig(RunConfig):
     eval_every: int = 0
     epochs: float = field(default=0.0, metadata={"excludes": "steps"})
     peak_tflops: float = 0.0
-    lora_rank: int = 0
-    lora_alpha: float = 0.0
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = ()
-    merge_lora: bool = False
 
     TRAINER: ClassVar[str] = "the SFT trainer"
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("profile", "data", "sequences", "max_len", "seed", "train_on_prompt",
@@ -95,16 +81,7 @@ class TrainConfig(RunConfig):
 
     def state_fields(self) -> tuple[str, ...]:
         gpt = ("max_tokens",) if self.model == "gpt" else ()  # sizes its position table
-        return ("model_path", "model", "dim", "num_layers", "lora_rank", "lora_targets", *super().state_fields(), *gpt)
-
-    @property
-    def lora(self):
-        """The run's :class:`~posttrain.models.lora.LoraSpec` (``None``: full fine-tuning)."""
-        from posttrain.models.lora import LoraSpec
-
-        if not self.lora_rank:
-            return None
-        return LoraSpec(self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets))
+        return ("model_path", "model", "dim", "num_layers", *super().state_fields(), *gpt)
 
     @property
     def sequences_per_step(self) -> int:
@@ -121,20 +98,9 @@ class TrainConfig(RunConfig):
             raise ValueError(f"epochs={self.epochs} must be positive (0: run `steps` steps)")
         if self.epochs and self.data is None:
             raise ValueError("`epochs` needs `data` (synthetic sequences have no epochs)")
-        if self.lora_rank < 0:
-            raise ValueError(f"lora_rank={self.lora_rank} must be positive (0: full fine-tuning)")
-        if not self.lora_rank:
-            given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets", "merge_lora") if getattr(self, f)]
-            if given:
-                raise ValueError(f"`{given[0]}` needs `lora_rank` (LoRA adapters of that rank)")
-        else:
-            if self.model_path is None and self.model == "gpt":
-                raise ValueError("`lora_rank` adds peft adapters to a transformers model: give `model_path` "
-                                 "(or `model` llama)")
-            if not 0 <= self.lora_dropout < 1:
-                raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
-            if self.lora_alpha < 0:
-                raise ValueError(f"lora_alpha={self.lora_alpha} must be positive (0: twice the rank)")
+        if self.lora_rank and self.model_path is None and self.model == "gpt":
+            raise ValueError("`lora_rank` adds peft adapters to a transformers model: give `model_path` "
+                             "(or `model` llama)")
         if not self.peak_tflops >= 0:
             raise ValueError(f"peak_tflops={self.peak_tflops} must be non-negative (0: measured at the start)")
         for name in ("sequences", "dim", "num_layers"):

@@ -128,7 +128,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, log=print) -> str:
         return _export_pipeline_checkpoint(path, meta, out_dir, log=log)
     kw = dict(saved)
     if "prompts" in saved:  # an RL run's: the model, engine and optimizer are what export needs of it
-        kw = {k: v for k, v in saved.items() if k in ("model_path", "engine", "optim", "seed", "steps")}
+        kw = {k: v for k, v in saved.items() if k in ("model_path", "engine", "optim", "seed", "steps", "lora_rank",
+                                                      "lora_alpha", "lora_dropout", "lora_targets", "merge_lora")}
     cfg = config_from_dict(TrainConfig, kw)
     cfg = replace(cfg, engine=replace(cfg.engine, replicas=1), output_dir=out_dir, save_every=0, checkpoint_dir=None,
                   progress=False)

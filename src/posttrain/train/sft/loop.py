@@ -32,8 +32,8 @@ import torch.nn as nn
 from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_minibatch
 from posttrain.device import rank_device, rank_kind, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
-from posttrain.models import build_model, load_pretrained, save_pretrained, tied_names, token_loss_sum
-from posttrain.models.lora import adapter_files, add_lora, merged
+from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
+from posttrain.models.lora import add_lora, write_model
 from posttrain.spans import COMM_KINDS, Recorder
 from posttrain.train.core import Trainer
 from posttrain.train.core.recipe import optimizer_step
@@ -72,9 +72,10 @@ def build_training(cfg: TrainConfig, vocab_size: int, device: torch.device | Non
     return Training(model, engine, cfg.optim.build(trainable), tied)
 
 
-def check_lora(cfg: TrainConfig) -> None:
+def check_lora(cfg) -> None:
     """Refuse, before tokenizing, LoRA targets the model lacks (one line naming those it has):
-    the model is built on the meta device, no weight is read."""
+    the model of ``cfg`` (a :class:`TrainConfig` or an RL run's) is built on the meta device, no
+    weight is read."""
     if cfg.lora is None:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -150,15 +151,8 @@ def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module,
             gen = GenerationConfig.from_pretrained(cfg.model_path)
         except OSError:
             gen = getattr(hf, "generation_config", None)
-    parts = engine.iter_full_state()
-    if cfg.lora is not None and not cfg.merge_lora:
-        out = adapter_files(parts, cfg.output_dir, cfg.lora, getattr(hf.config, "model_type", None),
-                            base=cfg.model_path, tokenizer=tokenizer, write=rank == 0)
-    else:
-        if cfg.lora is not None:
-            parts = merged(parts, cfg.lora.scale)
-        out = save_pretrained(parts, cfg.output_dir, config=hf.config, tokenizer=tokenizer,
-                              generation_config=gen, skip=tied, write=rank == 0)
+    out = write_model(engine.iter_full_state(), cfg.output_dir, cfg.lora, cfg.merge_lora, config=hf.config,
+                      tokenizer=tokenizer, generation_config=gen, skip=tied, base=cfg.model_path, write=rank == 0)
     dist.barrier()
     return out
 
