@@ -172,3 +172,59 @@ def test_rl_trains_adapters_and_samples_from_the_merged_policy(tmp_path, tiny_mo
     assert not torch.allclose(after, base, atol=1e-3)  # the update moved the adapters
     torch.testing.assert_close(second, after, atol=2e-4, rtol=1e-4)
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory, chat_tokenizer_dir):
+    from conftest import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("deep-llama"), chat_tokenizer_dir, layers=4)
+
+
+@pytest.mark.parametrize("schedule, chunks, dp_size, dp", [
+    ("1f1b", 1, 1, "odc"),
+    ("zbv", 2, 1, "odc"),       # split backward: W of a frozen base computes nothing
+    ("1f1b", 1, 2, "odc"),      # pipeline x flat ODC: each stage's adapters sharded over its column
+])
+def test_pipeline_lora_trains_as_one_peft_process(deep_llama, tmp_path, schedule, chunks, dp_size, dp, cli):
+    from peft import PeftModel
+
+    from posttrain.train.sft.pipeline import PipelineConfig, run_pipeline
+    from posttrain.train.sft.pipeline.data import PipelineData, packed_loss
+
+    cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=chunks, dp_size=dp_size, engine=EngineConfig(dp),
+                         model_path=deep_llama, data=_chat_file(tmp_path, n=48), sequences=8, max_tokens=160,
+                         steps=2, optim=OptimConfig(lr=2e-2), output_dir=str(tmp_path / "out"), lora_rank=4,
+                         checkpoint_dir=str(tmp_path / "ck"),
+                         lora_targets=("q_proj", "v_proj", "up_proj"), **({"num_microbatches": 4} if dp_size == 1 else {}))
+    run_pipeline(cfg)
+    torch.manual_seed(cfg.seed)
+    ref = load_pretrained(deep_llama)
+    add_lora(ref, cfg.lora, seed=cfg.seed)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=cfg.optim.lr, weight_decay=0.0)
+    if dp_size == 1:
+        data = PipelineData(cfg, ref.config)
+        for k in range(cfg.steps):
+            batch = data.step(k)
+            for x, t, e in zip(batch.inputs, batch.targets, batch.extras):
+                (packed_loss(ref(x, **e), t) / batch.loss_divisor).backward()
+            opt.step()
+            opt.zero_grad()
+    else:  # the minibatch's loss over all its trained tokens, as pipeline x DP averages it
+        data = TrainData(TrainConfig(model_path=deep_llama, data=cfg.data, sequences=8, max_tokens=160), 1)
+        for k in range(cfg.steps):
+            seqs = data.minibatch(k)
+            ids = list(range(len(seqs)))
+            microbatch_loss(ref, seqs, ids, 1.0 / loss_units(seqs, ids, "token-mean"), "token-mean").backward()
+            opt.step()
+            opt.zero_grad()
+    probe = torch.tensor([list(range(3, 40))])
+    base = transformers.AutoModelForCausalLM.from_pretrained(deep_llama)
+    assert not torch.allclose(_logits(base, probe), _logits(ref, probe), atol=1e-3)  # the adapters moved
+    want = _logits(ref, probe)
+    rc, _, err = cli("export", str(tmp_path / "ck"), str(tmp_path / "exported"))  # the checkpoint: the same adapter
+    assert rc == 0, err
+    for out in ("out", "exported"):
+        fresh = transformers.AutoModelForCausalLM.from_pretrained(deep_llama)
+        loaded = PeftModel.from_pretrained(fresh, str(tmp_path / out))
+        torch.testing.assert_close(_logits(loaded, probe), want, atol=2e-4, rtol=1e-4, msg=out)

@@ -166,13 +166,21 @@ def _export_pipeline_checkpoint(path: str, meta: dict, out_dir: str, *, log=prin
 def _write_pipeline_export(path: str, saved: dict, model_path: str, out_dir: str) -> None:
     from transformers import AutoTokenizer
 
-    from posttrain.models import load_pretrained, save_pretrained, tied_names
+    from posttrain.models import load_pretrained, tied_names
+    from posttrain.models.lora import LoraSpec, add_lora, write_model
 
     model = load_pretrained(model_path)
-    state = {"model": {n: p.detach() for n, p in model.named_parameters()}}
+    spec = None
+    if saved.get("lora_rank"):  # the run's adapters: their names are what the checkpoint holds
+        spec = LoraSpec(saved["lora_rank"], saved.get("lora_alpha", 0.0), saved.get("lora_dropout", 0.0),
+                        tuple(saved.get("lora_targets") or ()))
+        add_lora(model, spec, seed=saved.get("seed", 0))
+    # (with adapters: only they are read; the frozen base is model_path's, which a pipeline x DP
+    # checkpoint of a flat ODC column does not hold)
+    state = {"model": {n: p.detach() for n, p in model.named_parameters() if spec is None or p.requires_grad}}
     load(state, path, no_dist=True)
     tok = AutoTokenizer.from_pretrained(saved.get("tokenizer") or model_path)
     with writing(f"OUT_DIR {out_dir}", out_dir):
-        save_pretrained([state["model"]], out_dir, config=model.config, tokenizer=tok,
-                        generation_config=getattr(model.hf, "generation_config", None), skip=tied_names(model))
-    return out_dir
+        write_model([state["model"]], out_dir, spec, bool(saved.get("merge_lora")), config=model.config,
+                    tokenizer=tok, generation_config=getattr(model.hf, "generation_config", None),
+                    skip=tied_names(model), base=model_path)

@@ -9,7 +9,7 @@ from posttrain.dp import engine_class
 from posttrain.models import MODELS
 from posttrain.models.gpt import GPTConfig
 from posttrain.pipeline import SCHEDULES, OffloadPolicy, build_schedule, check_schedule_options, default_chunks
-from posttrain.train.core.config import OptimConfig, RunConfig
+from posttrain.train.core.config import LoraFields, OptimConfig, RunConfig
 
 __all__ = ["PipelineConfig"]
 
@@ -22,7 +22,7 @@ def _engines(capability: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class PipelineConfig(RunConfig):
+class PipelineConfig(LoraFields, RunConfig):
     """One pipeline run (the engine, optimizer, checkpoint and output fields:
     :class:`~posttrain.train.core.RunConfig`; with ``dp_size`` > 1 the engine shards each stage
     over the ranks that run it, and is not used otherwise).
@@ -115,6 +115,9 @@ class PipelineConfig(RunConfig):
                                num_chunks=self.chunks, group_size=self.group_size)
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r} is not one of {', '.join(MODELS)}")
+        if self.lora_rank and self.model_path is None and self.model == "gpt":
+            raise ValueError("`lora_rank` adds peft adapters to a transformers model: give `model_path` "
+                             "(or `model` llama)")
         for name in ("num_ranks", "num_microbatches", "dim", "num_layers", "num_heads", "vocab_size", "seq_len",
                      "batch"):
             if getattr(self, name) < 1:

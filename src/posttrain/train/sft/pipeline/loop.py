@@ -51,12 +51,18 @@ def microbatch_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def build_pipeline_model(cfg: PipelineConfig):
     """The unsplit model of ``cfg``: ``model_path``'s with its weights, else the built-in one (seeded)."""
+    torch.manual_seed(cfg.seed)
     if cfg.model_path:
         from posttrain.models import load_pretrained
 
-        return load_pretrained(cfg.model_path)
-    torch.manual_seed(cfg.seed)
-    return build_model(cfg.model, cfg.model_config())
+        model = load_pretrained(cfg.model_path)
+    else:
+        model = build_model(cfg.model, cfg.model_config())
+    if cfg.lora is not None:  # peft's adapters, the base frozen (seeded: every rank the same)
+        from posttrain.models.lora import add_lora
+
+        add_lora(model, cfg.lora, seed=cfg.seed)
+    return model
 
 
 def _model_config(model):
@@ -109,7 +115,8 @@ class PipelineTrainer(Trainer):
         self.grads: dict[str, torch.Tensor] = {}
         self.result = None
         super().__init__(cfg, rank, world_size, state=PipelineState(model, self.params),
-                         optimizer=cfg.optim.build(self.params), label=f"pipeline {cfg.schedule}")
+                         optimizer=cfg.optim.build([p for p in self.params if p.requires_grad]),
+                         label=f"pipeline {cfg.schedule}")
 
     def train_step(self, step: int) -> dict:
         cfg, opt = self.cfg, self.optimizer
@@ -181,7 +188,8 @@ def _export(cfg: PipelineConfig, model, own: dict[str, torch.Tensor], rank: int,
     (default: the world)."""
     from transformers import AutoTokenizer
 
-    from posttrain.models import save_pretrained, tied_names
+    from posttrain.models import tied_names
+    from posttrain.models.lora import write_model
 
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
 
@@ -193,10 +201,9 @@ def _export(cfg: PipelineConfig, model, own: dict[str, torch.Tensor], rank: int,
 
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_path)
     hf = getattr(model, "hf", model)
-    save_pretrained(parts(), cfg.output_dir, config=hf.config, tokenizer=tok,
-                    generation_config=getattr(hf, "generation_config", None),
-                    skip=tied_names(model) if skip is None else skip,
-                    write=rank == 0)
+    write_model(parts(), cfg.output_dir, cfg.lora, cfg.merge_lora, config=hf.config, tokenizer=tok,
+                generation_config=getattr(hf, "generation_config", None),
+                skip=tied_names(model) if skip is None else skip, base=cfg.model_path, write=rank == 0)
     dist.barrier(group=group)
 
 
@@ -240,7 +247,8 @@ class PipelineDPTrainer(Trainer):
         self.result = None
         self.params: dict[str, torch.Tensor] = {}
         super().__init__(cfg, rank, world_size, state=ColumnState(engine, self.names),
-                         optimizer=cfg.optim.build(engine.parameters()), label=f"pipeline {cfg.schedule} x dp")
+                         optimizer=cfg.optim.build([p for p in engine.parameters() if p.requires_grad]),
+                         label=f"pipeline {cfg.schedule} x dp")
 
     def train_step(self, step: int) -> dict:
         from posttrain.train.sft.loop import loss_units
