@@ -96,6 +96,24 @@ def test_pipeline_on_a_transformers_model_equals_the_unsplit_model(deep_model, c
         assert hf.lm_head.weight is hf.model.embed_tokens.weight  # still tied after export
 
 
+def test_pipeline_epochs_set_the_steps_from_the_data(cli, deep_model, chat_data, tmp_path):
+    """--epochs: the steps follow from the usable records (said first), each row has its epoch,
+    and --epochs excludes --steps and needs --data."""
+    metrics = tmp_path / "m.jsonl"
+    args = ["pipeline", "--model-path", deep_model("llama"), "--pp-size", "2", "--microbatches", "4",
+            "--sequences", "16", "--max-tokens", "256", "--plot", ""]
+    rc, stdout, err = cli(*args, "--data", chat_data, "--epochs", "0.75", "--metrics", str(metrics))
+    assert rc == 0, err
+    assert "epochs 0.75 of 64 records, 16 a step: 3 steps" in stdout
+    assert "1f1b: 2 ranks x 1 chunk, 4 microbatches, offload none; 3 steps" in stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert sorted({(r["step"], r["epoch"]) for r in rows}) == [(0, 0.25), (1, 0.5), (2, 0.75)]
+    rc, _, err = cli(*args, "--data", chat_data, "--epochs", "1", "--steps", "3")
+    assert rc == 2 and "--epochs" in err and "--steps" in err, err
+    rc, _, err = cli(*args, "--epochs", "1")
+    assert rc == 2 and "--epochs needs --data" in err, err
+
+
 def test_stages_are_balanced_by_cost_and_refuse_other_models(deep_model):
     assert balanced_block_ranges(4, 2, last_extra=1.0) == [(0, 3), (3, 4)]  # the head weighs one block
     assert balanced_block_ranges(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]

@@ -39,9 +39,14 @@ def _run(c: PipelineCommand) -> int:
 
     from posttrain.lab.plots import plot_pipeline
     from posttrain.text import count
+    from posttrain.train.core import check_run
     from posttrain.train.sft.pipeline import format_report, measured_weight_keep, predicted_peaks, run_pipeline
+    from posttrain.train.sft.pipeline.loop import resolve_epochs
 
     cfg = replace(c.run, progress=True)
+    if cfg.epochs:  # the steps follow from the tokenized data (outputs and checkpoint checked first)
+        check_run(cfg)
+        cfg = resolve_epochs(cfg, log=print)
     if cfg.dp_size > 1:
         print(f"{cfg.schedule}: {count(cfg.num_ranks, 'rank')} x {count(cfg.num_chunks, 'chunk')}, "
               f"{count(cfg.dp_size, 'data-parallel pipeline')} ({cfg.engine.label}, {cfg.balance}), offload "

@@ -65,6 +65,9 @@ class PipelineConfig(LoraFields, RunConfig):
         checkpoint_dir: save checkpoints here and resume from the newest one found there (on any
             number of ranks, chunks or schedule: parameters are saved under the model's names).
         steps: optimizer steps.
+        epochs: passes over ``data`` instead of ``steps`` (which it then sets:
+            ``ceil(epochs x usable records / sequences)``, known once the data is tokenized; each
+            epoch is a new seeded shuffle, and a resumed run goes on at the same record).
         dp_size: data-parallel pipelines, each on its share of a step's records (``num_ranks`` x
             ``dp_size`` processes); each stage's parameters are sharded over the ``dp_size`` ranks
             that run it, by the run's engine (needs ``data``; docs/pipeline.md).
@@ -97,6 +100,7 @@ class PipelineConfig(LoraFields, RunConfig):
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     truncate: bool = False
     skip_long: bool = False
+    epochs: float = field(default=0.0, metadata={"excludes": "steps"})
     dp_size: int = 1
     balance: Literal["same_micro", "diff_micro", "local_sort", "round_robin"] = "diff_micro"
 
@@ -115,6 +119,10 @@ class PipelineConfig(LoraFields, RunConfig):
                                num_chunks=self.chunks, group_size=self.group_size)
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r} is not one of {', '.join(MODELS)}")
+        if not self.epochs >= 0:
+            raise ValueError(f"epochs={self.epochs} must be positive (0: run `steps` steps)")
+        if self.epochs and self.data is None:
+            raise ValueError("`epochs` needs `data` (the synthetic task has no epochs)")
         if self.lora_rank and self.model_path is None and self.model == "gpt":
             raise ValueError("`lora_rank` adds peft adapters to a transformers model: give `model_path` "
                              "(or `model` llama)")

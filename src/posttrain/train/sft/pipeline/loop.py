@@ -9,6 +9,7 @@ step's gradients in one process, for parity checks.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 
@@ -139,7 +140,7 @@ class PipelineTrainer(Trainer):
                                 loss=result.loss)
         self.result = result
         return {"step": step, "rank": self.rank, "loss": _step_loss(result.loss), "stage_loss": result.loss,
-                "step_time_s": result.step_time_s, **recipe}
+                "step_time_s": result.step_time_s, **recipe, "epoch": _epoch(cfg, step, self.data)}
 
     def progress_line(self, step: int, row: dict) -> str | None:
         return _progress_line(self.cfg, step, row)
@@ -159,6 +160,12 @@ def _progress_line(cfg: PipelineConfig, step: int, row: dict) -> str | None:
     extra = f"  microbatches {row['microbatches']}" if "microbatches" in row else ""
     return (f"step {step:4d}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad norm {row['grad_norm']:.3f}  "
             f"step {row['step_time_s']:.3f}s{extra}")
+
+
+def _epoch(cfg: PipelineConfig, step: int, data: PipelineData | None) -> float | None:
+    """Records seen after step ``step`` over the usable records (``None`` on synthetic data)."""
+    n = data.data.num_sequences if data is not None else 0
+    return (step + 1) * cfg.sequences / n if n else None
 
 
 def _step_loss(part: float | None, scale: float = 1.0) -> float:
@@ -282,7 +289,8 @@ class PipelineDPTrainer(Trainer):
         # each pipeline's last stage holds its share of the summed loss over the divisor
         loss = _step_loss(result.loss, mb.loss_divisor / mb.global_tokens)
         return {"step": step, "rank": self.rank, "loss": loss, "step_time_s": result.step_time_s, "wall_time_s": wall,
-                "microbatches": m, "tokens": sum(len(x) - 1 for x in samples), **recipe}
+                "microbatches": m, "tokens": sum(len(x) - 1 for x in samples), **recipe,
+                "epoch": _epoch(cfg, step, self.data)}
 
     def progress_line(self, step: int, row: dict) -> str | None:
         return _progress_line(self.cfg, step, row)
@@ -332,6 +340,7 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
     cfg.build()  # schedule errors surface here, before any process starts
     meta = check_run(cfg)  # unwritable outputs, a mismatched checkpoint: one line, before any data is read
     with claim_outputs(cfg):  # no second run on these outputs while this one lives
+        cfg = resolve_epochs(cfg)
         if cfg.model_path:
             check_model_and_data(cfg)
         if meta is not None and meta["steps_done"] >= cfg.steps:
@@ -342,6 +351,27 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
             return [out[r] for r in range(world)]
         out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
         return [out[r] for r in range(cfg.num_ranks)]
+
+
+def resolve_epochs(cfg: PipelineConfig, *, log=None) -> PipelineConfig:
+    """``cfg`` with ``steps`` set from ``epochs`` (``ceil(epochs x usable records / sequences)``),
+    tokenizing the data (once, cached) to count its usable records; ``cfg`` itself without
+    ``epochs``. ``log``: where to say what it found."""
+    if not cfg.epochs:
+        return cfg
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model_path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"`model_path` {cfg.model_path}: not a transformers model directory ({e})") from None
+    n = PipelineData(cfg, config, log=log).data.num_sequences
+    steps = math.ceil(cfg.epochs * n / cfg.sequences)
+    if log is not None:
+        log(f"epochs {cfg.epochs:g} of {n} records, {cfg.sequences} a step: {steps} steps")
+    return replace(cfg, steps=steps, epochs=0.0)  # (checks the run again: a warm-up as long as the run)
 
 
 def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
