@@ -323,7 +323,12 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
         if len(table) == 0:
             raise ValueError(f"{path}: no records")
         max_id = int(max(table["max_id"]))
-        table.save_to_disk(str(work / "table"))
+        datasets.disable_progress_bars()  # one bar for the phase: the generating one above
+        try:
+            table.save_to_disk(str(work / "table"))
+        finally:
+            if progress:
+                datasets.enable_progress_bars()
         with open(work / "posttrain.json", "w") as f:
             json.dump({"source": str(path), "records": len(table), "max_id": max_id}, f)
         shutil.rmtree(work / "build", ignore_errors=True)
