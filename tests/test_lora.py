@@ -228,3 +228,11 @@ def test_pipeline_lora_trains_as_one_peft_process(deep_llama, tmp_path, schedule
         fresh = transformers.AutoModelForCausalLM.from_pretrained(deep_llama)
         loaded = PeftModel.from_pretrained(fresh, str(tmp_path / out))
         torch.testing.assert_close(_logits(loaded, probe), want, atol=2e-4, rtol=1e-4, msg=out)
+
+
+def test_rl_refuses_lora_targets_the_model_lacks(cli, tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(4, seed=3)))
+    rc, _, err = cli("rl", "--model-path", tiny_model("llama"), "--prompts", str(prompts), "--lora-rank", "4",
+                     "--lora-targets", "wq")
+    assert rc == 2 and "--lora-targets=wq: the model has no such linear layer" in err, err

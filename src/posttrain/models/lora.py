@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["LoraSpec", "adapter_files", "add_lora", "check_targets", "linear_names", "merged", "write_model"]
+__all__ = ["LoraSpec", "adapter_files", "add_lora", "check_model_targets", "check_targets", "linear_names", "merged",
+           "write_model"]
 
 _ADAPTER = "default"
 
@@ -80,6 +81,16 @@ def check_targets(spec: LoraSpec, model: nn.Module, model_type: str | None) -> N
     if missing:
         raise ValueError(f"lora_targets={','.join(missing)}: the model has no such linear layer; it has "
                          f"{', '.join(have)}")
+
+
+def check_model_targets(spec: LoraSpec, model_path: str | None = None, build=None) -> None:
+    """:func:`check_targets` on the model at ``model_path`` (or the :class:`HFCausalLM` that
+    ``build()`` makes), built on the meta device: no weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)) if model_path else build().hf
+    check_targets(spec, hf, getattr(hf.config, "model_type", None))
 
 
 def add_lora(model: nn.Module, spec: LoraSpec, seed: int) -> None:

@@ -6,6 +6,7 @@ import os
 
 from transformers import AutoTokenizer
 
+from posttrain.models.lora import check_model_targets
 from posttrain.rl import load_rewards
 from posttrain.text import count
 from posttrain.train.core import check_run, claim_outputs, launch, launch_world
@@ -32,9 +33,8 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
 
 
 def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) -> list[dict] | None:
-    from posttrain.train.sft.loop import check_lora
-
-    check_lora(cfg)  # LoRA targets the model lacks: one line, before any work
+    if cfg.lora is not None:  # LoRA targets the model lacks: one line, before any work
+        check_model_targets(cfg.lora, cfg.model_path)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:

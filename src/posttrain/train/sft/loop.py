@@ -33,7 +33,7 @@ from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_
 from posttrain.device import rank_device, rank_kind, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
-from posttrain.models.lora import add_lora, write_model
+from posttrain.models.lora import add_lora, check_model_targets, write_model
 from posttrain.spans import COMM_KINDS, Recorder
 from posttrain.train.core import Trainer
 from posttrain.train.core.recipe import optimizer_step
@@ -72,22 +72,11 @@ def build_training(cfg: TrainConfig, vocab_size: int, device: torch.device | Non
     return Training(model, engine, cfg.optim.build(trainable), tied)
 
 
-def check_lora(cfg) -> None:
+def check_lora(cfg: TrainConfig) -> None:
     """Refuse, before tokenizing, LoRA targets the model lacks (one line naming those it has):
-    the model of ``cfg`` (a :class:`TrainConfig` or an RL run's) is built on the meta device, no
-    weight is read."""
-    if cfg.lora is None:
-        return
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from posttrain.models.lora import check_targets
-
-    with torch.device("meta"):
-        if cfg.model_path:
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_path))
-        else:
-            hf = build_model(cfg.model, cfg.model_config()).hf
-    check_targets(cfg.lora, hf, getattr(hf.config, "model_type", None))
+    the model is built on the meta device, no weight is read."""
+    if cfg.lora is not None:
+        check_model_targets(cfg.lora, cfg.model_path, lambda: build_model(cfg.model, cfg.model_config()))
 
 
 def step_cost(cfg: TrainConfig, vocab_size: int) -> FlopsCost:
