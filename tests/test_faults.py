@@ -19,30 +19,15 @@ import pytest
 import torch
 
 from posttrain.data.tasks import chat_task_records
+from proc_helpers import alive, children
 
 _ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_gone(pids, within: float = 10.0) -> None:
     deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"still running: {[p for p in pids if _alive(p)]}"
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
         time.sleep(0.1)
 
 
@@ -62,10 +47,10 @@ def _popen(args, tmp):
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
-def _started(proc, children: int, within: float = 120.0) -> None:
-    """Wait until ``proc`` has ``children`` child processes (or has ended)."""
+def _started(proc, count: int, within: float = 120.0) -> None:
+    """Wait until ``proc`` has ``count`` child processes (or has ended)."""
     deadline = time.monotonic() + within
-    while len(_children(proc.pid)) < children and proc.poll() is None:
+    while len(children(proc.pid)) < count and proc.poll() is None:
         assert time.monotonic() < deadline, "the run did not start"
         time.sleep(0.05)
 
@@ -275,11 +260,11 @@ def test_tokenizing_workers_die_with_the_launcher_and_their_work_is_cleaned_next
     for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
         proc = _popen(_train_args(model, str(big), "--steps", "1"), tmp_path)
         deadline = time.monotonic() + 120
-        while len(_children(proc.pid)) < 2:  # the tokenizing workers started
+        while len(children(proc.pid)) < 2:  # the tokenizing workers started
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         time.sleep(0.5)
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # Ctrl-C reaches the whole process group
         else:
@@ -320,7 +305,7 @@ def test_killed_at_random_points_a_run_resumes_to_the_uninterrupted_result(tmp_p
         proc = _popen(args, tmp_path)
         _started(proc, 3)  # two ranks and the reaper: the data is tokenized, the ranks set up
         time.sleep(rng.uniform(0.0, 1.5))  # then steps and checkpoints every step: about 0.2 s each
-        kids = _children(proc.pid)
+        kids = children(proc.pid)
         proc.kill()
         proc.communicate()
         kills += proc.returncode == -9
@@ -340,7 +325,7 @@ def test_killed_at_random_points_a_run_resumes_to_the_uninterrupted_result(tmp_p
         proc = _popen(["export", str(tmp_path / "ck"), str(out)], tmp_path)
         _started(proc, 2)  # the exporting rank and the reaper
         time.sleep(rng.uniform(0.0, 1.5))
-        kids = _children(proc.pid)
+        kids = children(proc.pid)
         proc.kill()
         proc.communicate()
         _wait_gone(kids)

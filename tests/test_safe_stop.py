@@ -13,21 +13,7 @@ import time
 
 import pytest
 
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from proc_helpers import alive, children
 
 
 def _cmdline(pid: int) -> str:
@@ -52,18 +38,18 @@ def _start(tmp_path):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run did not start"
         time.sleep(0.2)
-    kids = _children(proc.pid)
+    kids = children(proc.pid)
     reaper = [k for k in kids if "_reaper.py" in _cmdline(k)]
     ranks = [k for k in kids if k not in reaper]
-    assert len(ranks) == 2 and all(_alive(r) for r in ranks) and len(reaper) == 1
+    assert len(ranks) == 2 and all(alive(r) for r in ranks) and len(reaper) == 1
     assert [p.name for p in tmp.iterdir() if p.name.startswith("posttrain-rdzv-")]
     return proc, ranks + reaper, tmp
 
 
 def _gone(ranks, tmp, within: float) -> None:
     deadline = time.monotonic() + within
-    while any(_alive(r) for r in ranks) or any(p.name.startswith("posttrain-rdzv-") for p in tmp.iterdir()):
-        assert time.monotonic() < deadline, (f"still running: {[r for r in ranks if _alive(r)]}, left: "
+    while any(alive(r) for r in ranks) or any(p.name.startswith("posttrain-rdzv-") for p in tmp.iterdir()):
+        assert time.monotonic() < deadline, (f"still running: {[r for r in ranks if alive(r)]}, left: "
                                              f"{[p.name for p in tmp.iterdir()]}")
         time.sleep(0.1)
 
@@ -123,7 +109,7 @@ def test_ranks_stuck_in_native_code_die_with_a_killed_launcher(tmp_path):
     while not all((tmp_path / f"started.{r}").exists() for r in (0, 1)):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    kids = _children(proc.pid)
+    kids = children(proc.pid)
     assert len(kids) == 3  # two ranks and the reaper
     proc.kill()
     proc.wait()

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["pid_alive", "remove_orphans", "work_dir"]
+__all__ = ["pid_alive", "remove_orphans", "replace_dir", "work_dir"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -57,3 +57,17 @@ def work_dir(parent: str | os.PathLike, prefix: str, orphans: str | None = None)
     ``orphans``, default ``prefix``: a folder of our own may sweep wider than a user's)."""
     remove_orphans(parent, prefix if orphans is None else orphans)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=parent))
+
+
+def replace_dir(new: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Put the finished directory ``new`` at ``out`` (a sibling), replacing what is there: the
+    old one is renamed aside first, so ``out`` is always either the old or the new whole."""
+    new, out = Path(new), Path(out)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(new, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, out)

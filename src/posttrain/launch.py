@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain._files import pid_alive
 from posttrain.device import start_method
 from posttrain.errors import RunError
 
@@ -282,16 +283,6 @@ def _collect(procs: list, results: Any, world_size: int, timeout_s: float) -> tu
 _RDZV_PREFIX = "posttrain-rdzv-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_rendezvous(root: str | None = None) -> list[str]:
     """Remove the rendezvous directories (``posttrain-rdzv-PID-*`` under ``root``, default the
     temporary folder) of launchers that are no longer running: what a launcher killed together
@@ -304,7 +295,7 @@ def sweep_rendezvous(root: str | None = None) -> list[str]:
         return gone
     for name in names:
         pid = name[len(_RDZV_PREFIX):].split("-", 1)[0]
-        if name.startswith(_RDZV_PREFIX) and pid.isdigit() and not _pid_alive(int(pid)):
+        if name.startswith(_RDZV_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             gone.append(name)
     return gone

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from posttrain._files import work_dir
+from posttrain._files import replace_dir, work_dir
 
 from .gpt import packed_positions
 
@@ -189,14 +189,7 @@ def save_pretrained(parts: Iterable[dict[str, torch.Tensor]], out_dir: str | os.
             generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
         return str(out)
     finally:
         if tmp is not None:

@@ -120,7 +120,7 @@ def adapter_files(parts: Iterable[dict[str, torch.Tensor]], out_dir: str | os.Pa
 
     from safetensors.torch import save_file
 
-    from posttrain._files import work_dir
+    from posttrain._files import replace_dir, work_dir
 
     tensors = {}
     for part in parts:
@@ -140,14 +140,7 @@ def adapter_files(parts: Iterable[dict[str, torch.Tensor]], out_dir: str | os.Pa
         config.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        if os.path.exists(out):
-            old = f"{out}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
