@@ -103,6 +103,9 @@ def test_the_run_s_adamw_settings_win_over_a_resumed_checkpoint_s_and_a_nan_norm
     with pytest.raises(RunError, match=r"^step 3: the loss is not finite on 1 rank; stopped"):
         optimizer_step(opt, ADAMW, 3, STEPS, [Shards([w], [1.0])], torch.device("cpu"), loss=float("inf"))
     assert optimizer_step(opt, skip, 3, STEPS, [Shards([w], [1.0])], torch.device("cpu"), loss=float("inf"))["skipped_update"]
+    w.grad = torch.ones(2, 2)  # the loss as the trainers pass it: a tensor
+    assert optimizer_step(opt, skip, 3, STEPS, [Shards([w], [1.0])], torch.device("cpu"),
+                          loss=torch.tensor(float("nan"), dtype=torch.float64))["skipped_update"]
     assert torch.equal(w.detach(), before)
 
 

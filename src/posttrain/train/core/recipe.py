@@ -91,7 +91,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int
             g["betas"], g["eps"], g["weight_decay"] = tuple(cfg.adam_betas), cfg.adam_eps, 0.0
     both = torch.zeros(2, dtype=torch.float64, device=device)
     both[0] = local_grad_sq(shards, device)
-    if loss is not None and not math.isfinite(float(loss)):
+    if isinstance(loss, torch.Tensor):  # (on the device: no host sync beyond the norm's own)
+        both[1] = (~torch.isfinite(loss.detach().to(device, torch.float64))).any()
+    elif loss is not None and not math.isfinite(loss):
         both[1] = 1.0
     if dist.is_initialized():
         dist.all_reduce(both, group=group)
