@@ -155,3 +155,85 @@ def test_a_resumed_metrics_file_drops_the_steps_past_its_checkpoint(tmp_path, su
 
         steps = [json.loads(line)["step"] for line in open(path)]
     assert steps == [0, 1, 2, 3, 4, 5]
+
+
+def _wandb_history(root) -> list[tuple[str, int, float]]:
+    """(run id, step, train/loss) of every history record in the offline W&B runs under
+    ``root``, in the order the runs were written. W&B has no reader of its own for these files:
+    they are LevelDB-style logs (a 7-byte header, then 32 KiB blocks of records, each a CRC, a
+    length and a type: full, first, middle or last) of ``wandb_internal_pb2.Record``."""
+    import glob
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(root, "wandb", "offline-run-*", "*.wandb"))):
+        data = open(path, "rb").read()
+        assert data[:4] == b":W&B", path
+        at, block, pending = 7, 32768, b""
+        while at + 7 <= len(data):
+            if block - at % block < 7:  # a block's tail too short for a header is padding
+                at += block - at % block
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[at:at + 7])
+            if kind == 0:
+                break
+            pending += data[at + 7:at + 7 + length]
+            at += 7 + length
+            if kind in (1, 4):  # a whole record, or the last piece of one
+                rec = pb.Record()
+                rec.ParseFromString(pending)
+                pending = b""
+                if rec.WhichOneof("record_type") == "history":
+                    items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                    if "train/loss" in items:
+                        out.append((os.path.basename(path)[4:-6], int(items["_step"]), items["train/loss"]))
+    return out
+
+
+def test_wandb_gets_the_steps_figures_offline_and_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = ToyConfig(steps=5, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1, wandb="toy-project")
+    check_run(cfg)
+    run_ranks(_worker, 2, replace(cfg, steps=3))
+    first = _wandb_history(tmp_path)
+    assert [(s, v) for _, s, v in first] == [(1, 1.0), (2, 2.0), (3, 3.0)]  # step n's loss is n (rank 0's row)
+    run_ranks(_worker, 2, cfg)
+    every = _wandb_history(tmp_path)
+    assert [(s, v) for _, s, v in every] == [(s, float(s)) for s in range(1, 6)]  # the resumed run's steps follow
+    assert len({run for run, _, _ in every}) == 1  # one W&B run: the resumed run continued it
+    assert json.load(open(tmp_path / "ckpt" / "wandb-run.json"))["id"] == every[0][0]
+
+
+def test_wandb_is_checked_before_any_rank(monkeypatch):
+    with pytest.raises(ValueError, match="`wandb` 'a/b' is not a W&B project name"):
+        check_run(ToyConfig(wandb="a/b"))
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match=r"`wandb` needs the wandb package: pip install wandb"):
+        check_run(ToyConfig(wandb="p"))
+
+
+def test_metrics_are_buffered_and_flushed_on_the_window_and_at_close(tmp_path):
+    from posttrain.train.core import MetricsLog
+
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(str(path), flush_every=3600.0)
+    log.append([{"step": 0, "loss": 1.0}])
+    log.append([{"step": 1, "loss": 0.5}])
+    assert path.read_text() == ""  # buffered: no write per step
+    log.flush()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
+    log.append([{"step": 2, "loss": 0.25}])
+    log.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+    eager = MetricsLog(str(tmp_path / "e.jsonl"), flush_every=0.0)
+    eager.append([{"step": 0, "loss": 1.0}])
+    assert (tmp_path / "e.jsonl").read_text().count("\n") == 1  # the window passed: on disk at once
+    eager.close()

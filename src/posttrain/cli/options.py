@@ -246,7 +246,7 @@ def add_config_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             text = help_text
         else:
             kwargs["type"] = kind
-            kwargs["metavar"] = flag.lstrip("-").upper().replace("-", "_")
+            kwargs["metavar"] = f.metadata.get("metavar") or flag.lstrip("-").upper().replace("-", "_")
             if choices:
                 kwargs["choices"] = choices
             shown = _shown(default)

@@ -190,6 +190,9 @@ class RunConfig:
         metrics: append every step's metrics here as the run goes (``.csv``, else JSON lines; a
             resumed run continues the file).
         tensorboard: also write the step's main figures as TensorBoard events into this directory.
+        wandb: also log the step's main figures to a Weights & Biases run in this project (needs
+            ``pip install wandb``; ``WANDB_MODE=offline`` keeps the run on this machine, and a run
+            resumed from ``checkpoint_dir`` continues its W&B run).
         output_dir: write a ``transformers`` model directory (weights, config, tokenizer) here
             after the last step (and every ``save_every`` steps).
         save_every: also write ``output_dir`` every this many steps (0: only at the end).
@@ -206,6 +209,7 @@ class RunConfig:
     checkpoint_every: int = 0
     metrics: str | None = None
     tensorboard: str | None = None
+    wandb: str | None = field(default=None, metadata={"metavar": "PROJECT"})
     output_dir: str | None = None
     save_every: int = 0
     progress: bool = field(default=False, metadata={"cli": False})

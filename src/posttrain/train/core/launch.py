@@ -56,7 +56,19 @@ def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None,
         check_output_path(flag, path, directory=True)
     for flag, path in {"`metrics`": cfg.metrics, **(outputs or {})}.items():
         check_output_path(flag, path, directory=False)
+    if cfg.wandb is not None:
+        check_wandb(cfg.wandb)
     return check_resumable(cfg)
+
+
+def check_wandb(project: str) -> None:
+    """Refuse ``wandb`` without the package, or with a project name W&B cannot take."""
+    import importlib.util
+
+    if not project.strip() or any(c in project for c in "/\\#?%:"):
+        raise ValueError(f"`wandb` {project!r} is not a W&B project name (no /, \\, #, ?, %, : and not empty)")
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError("`wandb` needs the wandb package: pip install wandb (or pip install 'posttrain[wandb]')")
 
 
 class OutputLock:

@@ -15,6 +15,7 @@ the engine or the pipeline's stages, the optimizer) and says what one step does
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -86,8 +87,9 @@ class Trainer(ABC):
         done = False
         try:
             start = self.resumed_from = resume(cfg, self.state, self.optimizer) if cfg.checkpoint_dir else 0
-            if self.rank == 0 and (cfg.metrics or cfg.tensorboard):
-                log = MetricsLog(cfg.metrics, cfg.tensorboard, resume_from=start, scalars=self.scalars)
+            if self.rank == 0 and (cfg.metrics or cfg.tensorboard or cfg.wandb):
+                log = MetricsLog(cfg.metrics, cfg.tensorboard, resume_from=start, scalars=self.scalars,
+                                 wandb=cfg.wandb, config=dataclasses.asdict(cfg), state_dir=cfg.checkpoint_dir)
             if cfg.progress and self.rank == 0:
                 from tqdm import tqdm
 
@@ -98,7 +100,7 @@ class Trainer(ABC):
             for step in range(start, cfg.steps):
                 row = self.train_step(step)
                 rows.append(row)
-                if cfg.metrics or cfg.tensorboard:
+                if cfg.metrics or cfg.tensorboard or cfg.wandb:
                     every = [row]
                     if self.rows_per_rank:
                         every = [None] * self.world_size if self.rank == 0 else None
@@ -107,6 +109,9 @@ class Trainer(ABC):
                         with writing("`metrics`", cfg.metrics or cfg.tensorboard):
                             log.append(every)
                 if cfg.checkpoint_dir and cfg.due(step, cfg.checkpoint_every):
+                    if log is not None:  # the rows up to a checkpoint are on disk before it is (a resume drops later ones)
+                        with writing("`metrics`", cfg.metrics or cfg.tensorboard):
+                            log.flush()
                     save_checkpoint(cfg, self.state, self.optimizer, step, self.rank)
                 exported = bool(cfg.output_dir and cfg.due(step, cfg.save_every))
                 if exported:
@@ -127,7 +132,7 @@ class Trainer(ABC):
             if log is not None:
                 try:
                     with writing("`metrics`", cfg.metrics or cfg.tensorboard):
-                        log.close()
+                        log.close(failed=not done)
                 except Exception:
                     if done:  # else the error that ended the run is the one to report
                         raise
