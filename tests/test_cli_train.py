@@ -109,6 +109,90 @@ def test_rl_under_torchrun(tmp_path, tiny_model):
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [0, 1]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(tmp_path, *args: str) -> list[subprocess.CompletedProcess]:
+    """``posttrain ARGS`` under ``torchrun --nnodes 2 --nproc-per-node 2`` on this machine, each node
+    in its own UTS and mount namespace (its own hostname and ``/dev/shm``), as two hosts would be;
+    the two nodes' completed processes. Skips where namespaces are not permitted."""
+    if subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --uts --mount is not permitted here (needs root)")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    procs = []
+    for node in (0, 1):
+        script = (f"hostname node{node} && mount -t tmpfs tmpfs /dev/shm && exec {torchrun} --nnodes 2 "
+                  f"--nproc-per-node 2 --node-rank {node} --master-addr 127.0.0.1 --master-port {port} -m posttrain "
+                  + " ".join(args))
+        procs.append(subprocess.Popen(["unshare", "--uts", "--mount", "sh", "-c", script], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+                                      cwd=tmp_path))
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)  # each node's torchrun and its ranks
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+@pytest.mark.parametrize("dp", ["odc", "odc-fsdp2"])
+def test_two_nodes_shard_within_each_node_and_train_like_one_process(tmp_path, run_cli, dp):
+    """torchrun over two "hosts": ``--replicas auto`` (the default) makes HSDP with ODC inside
+    each node, and the run takes the single-process reference's steps; 1-D ODC across the nodes
+    is refused in one line before any work."""
+    import json
+
+    run = ("train", "--steps", "3", "--sequences", "8", "--max-len", "32", "--dim", "32", "--layers", "1",
+           "--dp", dp, "--lr", "3e-3")
+    ref = run_cli(*run, "--world-size", "1", "--metrics", str(tmp_path / "ref.jsonl"))
+    assert ref.returncode == 0, ref.stderr
+    nodes = _two_nodes(tmp_path, *run, "--metrics", "two.jsonl")
+    assert [n.returncode for n in nodes] == [0, 0], nodes[0].stderr[-3000:] + nodes[1].stderr[-3000:]
+    assert "on 4 CPU processes (HSDP: 2 replicas of 2 shards)" in nodes[0].stdout
+
+    def losses(path):
+        return [r["loss"] for r in map(json.loads, open(path)) if r["rank"] == 0]
+
+    want = losses(tmp_path / "ref.jsonl")
+    assert len(want) == 3 and losses(tmp_path / "two.jsonl") == pytest.approx(want, rel=1e-4)
+    if dp == "odc":
+        refused = _two_nodes(tmp_path, *run, "--replicas", "1")
+        assert [n.returncode for n in refused] == [2, 2] or all(n.returncode for n in refused)
+        err = refused[0].stderr
+        assert ("posttrain: error: --dp odc shards over groups of 4 ranks, which would span nodes (4 ranks, 2 on each "
+                "node); ODC shares one host's memory, so shard within each node: --replicas 2 (or auto)") in err, err
+        assert "Traceback (most recent call last):\n  File" not in err.split("posttrain: error:")[0]  # no rank traceback
+
+
+def test_replicas_auto_follows_torchrun_nodes(monkeypatch):
+    from posttrain.dp import EngineConfig, check_shard_hosts, resolve_replicas
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resolve_replicas("auto", 4) == 1 and resolve_replicas(2, 4) == 2  # not under torchrun: one replica
+    check_shard_hosts(EngineConfig("odc", replicas=1), 4)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_replicas("auto", 8) == 4  # one replica per node
+    assert resolve_replicas("auto", 4) == 1  # a data-parallel world that is not the job's (pipeline stages)
+    check_shard_hosts(EngineConfig("odc"), 8)
+    check_shard_hosts(EngineConfig("fsdp", replicas=1), 8)  # NCCL/gloo collectives span nodes
+    with pytest.raises(ValueError, match="groups of 8 ranks, which would span nodes"):
+        check_shard_hosts(EngineConfig("odc-fsdp2", replicas=1), 8)
+    with pytest.raises(ValueError, match="does not divide the 8"):
+        resolve_replicas(3, 8)
+
+
 def test_bad_data_inputs_are_clear_errors(cli, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2\n')

@@ -18,11 +18,12 @@ FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
 @pytest.mark.parametrize(
     "counts",
-    [[3, 1, 0, 2], [2, 1], [1, 1]],
-    ids=["ws4-unequal-3-1-0-2", "ws2-unequal-2-1", "ws2-equal"],
+    [[3, 1, 0, 2], [2, 1], [1, 1], [3]],
+    ids=["ws4-unequal-3-1-0-2", "ws2-unequal-2-1", "ws2-equal", "ws1"],
 )
 def test_parity_with_single_process_reference(counts):
-    """Unequal microbatch counts (a rank with none included) give the reference's parameters."""
+    """Unequal microbatch counts (a rank with none included) give the reference's parameters; so
+    does one rank (FSDP2 does not reduce-scatter over one rank: its own gradients are taken)."""
     want = train_reference(counts)
     for state, _stats in run_ranks(train_odc, len(counts), counts):
         assert_states_close(state, want, **FP32)
@@ -44,6 +45,21 @@ def test_parity_hsdp_2x2():
     want = train_reference(counts)
     for state, _ in run_ranks(train_odc, 4, counts, mesh_shape=(2, 2)):
         assert_states_close(state, want, **FP32)
+
+
+def _hsdp_one_rank_shards(rank: int, world_size: int) -> str:
+    try:
+        train_odc(rank, world_size, [1, 1], mesh_shape=(2, 1))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_hsdp_with_one_rank_per_shard_group_is_refused():
+    """FSDP2 keeps the gradients of a one-rank shard group to itself until its own all-reduce:
+    ODC cannot take them, so it says so rather than train without them."""
+    for got in run_ranks(_hsdp_one_rank_shards, 2):
+        assert got.startswith("ODC on FSDP2 with one rank per shard group and several replicas"), got
 
 
 @pytest.mark.parametrize("reshard", [True, False, 2], ids=["reshard-True", "reshard-False", "reshard-int2"])

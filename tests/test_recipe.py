@@ -165,8 +165,9 @@ def _reference(counts: list[int], recipe: OptimConfig) -> tuple[dict[str, torch.
 @pytest.mark.full
 @pytest.mark.parametrize("recipe", [ADAMW, SGD], ids=["adamw", "sgd"])
 @pytest.mark.parametrize(("name", "replicas", "counts"), [
-    ("fsdp", 1, [1, 3]), ("odc", 1, [1, 3]), ("odc-fsdp2", 1, [3, 0]), ("odc", 2, [2, 1, 0, 1]), ("fsdp", 2, [1, 2, 2, 1])],
-    ids=["fsdp", "odc", "odc-fsdp2", "odc-hsdp-2x2", "fsdp-hsdp-2x2"])
+    ("fsdp", 1, [1, 3]), ("odc", 1, [1, 3]), ("odc-fsdp2", 1, [3, 0]), ("odc", 2, [2, 1, 0, 1]), ("fsdp", 2, [1, 2, 2, 1]),
+    ("odc-fsdp2", 1, [3]), ("odc", 1, [3])],
+    ids=["fsdp", "odc", "odc-fsdp2", "odc-hsdp-2x2", "fsdp-hsdp-2x2", "odc-fsdp2-one-rank", "odc-one-rank"])
 def test_every_engine_takes_the_single_process_recipe_step(name, replicas, counts, recipe):
     """Unequal microbatch counts (a rank with none included): the global norm before clipping,
     the clipped update, the decay of matrices only and the schedule equal one process's torch

@@ -92,6 +92,9 @@ def _parse_type(annotation: Any) -> tuple[Any, tuple | None, bool]:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         optional = len(args) < len(typing.get_args(annotation))
+        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if int in args and len(args) == 2 and words:  # a number, or a word such as auto
+            return _int_or(tuple(words)), None, optional
         annotation = args[0] if len(args) == 1 else str
         origin = typing.get_origin(annotation)
     if origin is typing.Literal:
@@ -103,6 +106,17 @@ def _parse_type(annotation: Any) -> tuple[Any, tuple | None, bool]:
     if annotation in (int, float, str, bool):
         return annotation, None, optional
     return str, None, optional
+
+
+def _int_or(words: tuple[str, ...]):
+    """A converter of a whole number, or one of ``words``, to itself (argparse reports its
+    ValueError as an invalid value of the flag)."""
+
+    def convert(text: str) -> int | str:
+        return text if text in words else int(text)
+
+    convert.__name__ = f"integer or {' or '.join(words)}"
+    return convert
 
 
 def _list_of(kind: type):

@@ -20,8 +20,10 @@ from .engine import (
     EngineConfig,
     MinibatchInfo,
     Shards,
+    check_shard_hosts,
     decay_flags,
     ensure_optimizer_state,
+    resolve_replicas,
 )
 from .fsdp import FSDP2Engine, ODCOnFSDP2Engine  # registers fsdp and odc-fsdp2
 from .odc_flat import FlatODCEngine  # registers odc
@@ -37,9 +39,11 @@ __all__ = [
     "ODCOnFSDP2Engine",
     "Shards",
     "build_engine",
+    "check_shard_hosts",
     "decay_flags",
     "engine_class",
     "engine_names",
     "ensure_optimizer_state",
     "register_engine",
+    "resolve_replicas",
 ]

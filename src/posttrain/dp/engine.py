@@ -32,6 +32,7 @@ Engines register under a name (:func:`posttrain.dp.register_engine`); the loop l
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -46,8 +47,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from posttrain.models import checkpoint_blocks, find_blocks
 
-__all__ = ["CommHook", "DataParallelEngine", "EngineConfig", "MinibatchInfo", "Shards", "data_parallel_mesh",
-           "decay_flags", "mixed_precision"]
+__all__ = ["CommHook", "DataParallelEngine", "EngineConfig", "MinibatchInfo", "Shards", "check_shard_hosts", "data_parallel_mesh",
+           "decay_flags", "mixed_precision", "resolve_replicas"]
 
 
 @dataclass
@@ -119,7 +120,9 @@ class EngineConfig:
             (non-reentrant ``torch.utils.checkpoint``), saving only its inputs.
         replicas: HSDP: the data-parallel ranks form a mesh of ``replicas`` rows (the ranks over
             ``replicas`` in each); parameters are sharded within a row (one host) and replicated across rows,
-            with one gradient all-reduce across replicas per minibatch under ODC.
+            with one gradient all-reduce across replicas per minibatch under ODC. ``auto``: one row
+            per node of a ``torchrun`` job over several nodes (shard within each node, replicate
+            across them), else 1.
     """
 
     name: str = field(default="odc", metadata={"choices": _engine_choices})
@@ -127,7 +130,7 @@ class EngineConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     deterministic: bool = False
     activation_checkpointing: bool = False
-    replicas: int = 1
+    replicas: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         from .registry import engine_class
@@ -137,8 +140,8 @@ class EngineConfig:
             raise ValueError(f"precision={self.precision!r} is not one of fp32, bf16")
         if self.mode not in ("one-sided", "collective"):
             raise ValueError(f"mode={self.mode!r} is not one of one-sided, collective")
-        if self.replicas < 1:
-            raise ValueError(f"replicas={self.replicas} must be at least 1")
+        if self.replicas != "auto" and (not isinstance(self.replicas, int) or self.replicas < 1):
+            raise ValueError(f"replicas={self.replicas!r} must be at least 1 (or auto)")
         if not cls.one_sided and self.mode == "collective":
             raise ValueError(f"`mode` collective is for the ODC engines (`name` odc or odc-fsdp2); {self.name} "
                              "always synchronizes per layer")
@@ -333,16 +336,57 @@ def mixed_precision(config: EngineConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def resolve_replicas(replicas: int | str, world: int) -> int:
+    """The HSDP replicas of ``world`` data-parallel ranks for ``EngineConfig.replicas``: a number
+    as it is; ``auto``: the nodes of a ``torchrun`` job whose ranks are all data-parallel and
+    spread evenly over several nodes (``WORLD_SIZE`` over ``LOCAL_WORLD_SIZE``; the shard groups
+    then stay inside a node, as ODC's transports need), else 1.
+
+    Raises:
+        ValueError: a number that does not divide ``world``.
+    """
+    if replicas == "auto":
+        local, total = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+        if local and total and local.isdigit() and total.isdigit() and int(total) == world:
+            nodes, rest = divmod(world, int(local))
+            return nodes if nodes > 1 and not rest else 1
+        return 1
+    if world % int(replicas):
+        raise ValueError(f"replicas={replicas} does not divide the {world} data-parallel ranks")
+    return int(replicas)
+
+
+def check_shard_hosts(config: EngineConfig, world: int) -> None:
+    """Refuse, before any work, an ODC engine whose shard groups would span the nodes of a
+    ``torchrun`` job: ODC's transports share one host's memory (the engine would refuse it
+    anyway, later, once every rank had built its model).
+
+    Raises:
+        ValueError: in one line, with the ``replicas`` that shards within each node.
+    """
+    from .registry import engine_class
+
+    local, total = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if not engine_class(config.name).one_sided or not (local and total and local.isdigit() and total.isdigit()):
+        return
+    local_n = int(local)
+    if int(total) != world or local_n >= world:
+        return
+    shard = world // resolve_replicas(config.replicas, world)
+    if shard > local_n or local_n % shard:
+        raise ValueError(f"`engine.name` {config.name} shards over groups of {shard} ranks, which would span nodes "
+                         f"({world} ranks, {local_n} on each node); ODC shares one host's memory, so shard within "
+                         f"each node: `engine.replicas` {world // local_n} (or auto)")
+
+
 def data_parallel_mesh(config: EngineConfig, device_type: str = "cpu") -> DeviceMesh:
-    """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` for ``config.replicas > 1``,
-    on ``device_type`` (the parameters')."""
+    """The world as a ``(shard,)`` mesh, or ``(replicate, shard)`` where it has several
+    replicas (:func:`resolve_replicas`), on ``device_type`` (the parameters')."""
     world = dist.get_world_size()
-    if world % config.replicas:
-        raise ValueError(f"replicas={config.replicas} does not divide the {world} data-parallel ranks")
-    if config.replicas == 1:
+    replicas = resolve_replicas(config.replicas, world)
+    if replicas == 1:
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (config.replicas, world // config.replicas),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -183,16 +183,44 @@ class ODC:
             )
         shard_group = mesh.get_group(mesh.ndim - 1)
         replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        if replicate_group is not None and shard_group.size() == 1:
+            raise ValueError(
+                "ODC on FSDP2 with one rank per shard group and several replicas: FSDP2 neither reduce-scatters "
+                "over one rank nor hands such gradients over before its own all-reduce; shard over 2 or more "
+                "ranks, or use flat ODC (posttrain.odc.flat_shard) or plain FSDP2"
+            )
         return shard_group, replicate_group
 
     # ------------------------------------------------- steps of the protocol
     def expose(self) -> None:
+        if self.shard_size == 1:  # FSDP2 accumulates into .grad itself: only this minibatch's (collect_local)
+            self.clear_grads()
         for lay in self.layouts:
             exposed, off = self._protocol.params_view(self.rank, lay), 0
             for p in lay.params:  # copy_ casts to the mixed-precision param dtype
                 n = p.padded_data.numel()
                 exposed[off : off + n].copy_(p.padded_data)
                 off += n
+
+    def collect_local(self) -> None:
+        """One rank (no replicas): FSDP2 does not reduce-scatter over one rank, so no push
+        arrived; its gradients are in ``.grad`` (accumulated since :meth:`expose` cleared them),
+        and become this minibatch's one push."""
+        if self.shard_size != 1:
+            return
+        for lay in self.layouts:
+            trainable = [info for info in lay.params if info.requires_grad]
+            if not any(info.param.grad is not None for info in trainable):
+                continue
+            flat, off = torch.zeros(lay.reduce_numel, dtype=lay.reduce_dtype, device=trainable[0].param.device), 0
+            for info in trainable:
+                g = info.param.grad
+                if g is not None:
+                    local = g.to_local().reshape(-1)
+                    flat[off : off + local.numel()].copy_(local)
+                off += info.padded_data.numel()
+            self._protocol.push_rows(lay, flat.view(1, -1))
+        self.clear_grads()
 
     def release(self) -> None:
         for lay in self.layouts:

@@ -254,6 +254,10 @@ class MinibatchProtocol:
     def _exit(self) -> None:
         t = self.transport
         with traced("ODC::minibatch_sync"):
+            collect = getattr(self._steps, "collect_local", None)
+            if collect is not None:  # gradients the engine keeps itself (ODC on FSDP2 over one rank)
+                with torch.no_grad():
+                    collect()
             t.set_value(_PUSHES_SLOT, self._pushes)
             t.barrier(_TAG_EXIT)  # every push of every rank has landed
             self._in_minibatch = False

@@ -6,6 +6,7 @@ import os
 
 from transformers import AutoTokenizer
 
+from posttrain.dp import check_shard_hosts
 from posttrain.models.lora import check_model_targets
 from posttrain.rl import load_rewards
 from posttrain.text import count
@@ -27,6 +28,7 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
         raise ValueError("posttrain rl needs `model_path` (a transformers model directory) and `prompts` (a JSONL file)")
     if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
         raise ValueError(f"`model_path` {cfg.model_path}: no config.json (expected a transformers model directory)")
+    check_shard_hosts(cfg.engine, world_size)  # ODC's shard groups inside a node (torchrun over several)
     meta = check_run(cfg, {"`record`": cfg.record})  # unwritable outputs, a mismatched checkpoint: one line
     with claim_outputs(cfg, {"`record`": cfg.record}, lead=lead):  # no second run on these outputs meanwhile
         return _run_rl(cfg, world_size, lead, print if (lead and not quiet) else (lambda *a, **k: None), meta)

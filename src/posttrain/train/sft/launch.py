@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import replace
 
+from posttrain.dp import check_shard_hosts, resolve_replicas
 from posttrain.errors import writing
 from posttrain.launch import run_job
 from posttrain.text import count
@@ -47,8 +48,9 @@ def run_training(cfg: TrainConfig, *, world_size: int | None = 2, quiet: bool = 
     """
     kind = cfg.device_kind  # (a device the run cannot use: one line, before anything else)
     world_size, lead = launch_world(world_size, kind)
-    if world_size % cfg.engine.replicas:
-        raise ValueError(f"replicas={cfg.engine.replicas} does not divide world_size={world_size}")
+    replicas = resolve_replicas(cfg.engine.replicas, world_size)  # (a number that does not divide it: one line)
+    cfg = replace(cfg, engine=replace(cfg.engine, replicas=replicas))
+    check_shard_hosts(cfg.engine, world_size)  # ODC's shard groups inside a node: one line, before any work
     check_run(cfg, outputs, world_size)  # a device, outputs, a mismatched checkpoint: one line, before any work
     with claim_outputs(cfg, outputs, lead=lead):  # no second run on these outputs while this one lives
         return _run_training(cfg, world_size, print if (lead and not quiet) else (lambda *a, **k: None))
@@ -71,6 +73,8 @@ def _run_training(cfg: TrainConfig, world_size: int, say) -> list[dict] | None:
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
     where = (count(world_size, "CPU process", "CPU processes") if kind == "cpu"
              else f"{count(world_size, 'process', 'processes')}, one {kind} device each")
+    if cfg.engine.replicas > 1:
+        where += f" (HSDP: {cfg.engine.replicas} replicas of {count(world_size // cfg.engine.replicas, 'shard')})"
     say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {where}, {model} "
         f"{cfg.engine.precision}, {cfg.sequences} {source} sequences per step, {count(cfg.steps, 'step')}", flush=True)
     results = launch(train_worker, world_size, replace(cfg, device=kind), device=kind)

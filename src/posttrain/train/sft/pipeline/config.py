@@ -148,7 +148,7 @@ class PipelineConfig(LoraFields, RunConfig):
             raise ValueError("`truncate` and `skip_long` exclude each other")
         for value, flag in ((self.engine.precision != "fp32", "engine.precision='bf16'"),
                             (self.engine.activation_checkpointing, "`engine.activation_checkpointing`"),
-                            (self.engine.replicas > 1, "`engine.replicas`")):
+                            (self.engine.replicas not in (1, "auto"), "`engine.replicas`")):
             if value:
                 raise ValueError(f"posttrain pipeline does not take {flag} yet")
         for name in ("sequences", "max_tokens", "dp_size"):
