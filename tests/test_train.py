@@ -107,6 +107,30 @@ def test_time_accounting_adds_up(dp):
     assert s["compute_s"] / len(results) <= s["busiest_compute_s"] <= s["step_time_s"]
 
 
+def test_tokens_per_s_is_what_a_stopwatch_sees(tmp_path, monkeypatch):
+    """The rate on the progress line and in the metrics counts the whole time between steps:
+    writing the metrics (made slow here: 0.3 s a step) is in it; the step's own time is not."""
+    import time
+
+    from posttrain.train.core import MetricsLog
+
+    real = MetricsLog.append
+
+    def slow(self, rows):
+        time.sleep(0.3)
+        real(self, rows)
+
+    monkeypatch.setattr(MetricsLog, "append", slow)  # (in the forked ranks too)
+    results = run_training(replace(BASE, steps=4, metrics=str(tmp_path / "m.jsonl")), world_size=2, quiet=True)
+    for r in results[0]["metrics"]:
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        assert r["wall_s"] >= r["step_time_s"]
+        if r["step"]:  # the previous step's metrics write is in this step's wall time
+            assert r["wall_s"] >= r["step_time_s"] + 0.3
+    s = summarize(results)
+    assert s["wall_tokens_per_s"] < s["tokens_per_s"]
+
+
 @pytest.mark.parametrize("dp", ["fsdp", "odc", "odc-fsdp2"])
 def test_resumed_run_follows_the_uninterrupted_loss_curve_exactly(dp, tmp_path):
     """AdamW (optimizer state matters), checkpoint after 3 of 6 steps, a fresh job resumes:

@@ -84,8 +84,8 @@ def _run_training(cfg: TrainConfig, world_size: int, say) -> list[dict] | None:
         say(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {results[0]['resumed_from']} steps")
         return results
     s = summarize(results)
-    say(f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}; {s['tokens_per_s']:.0f} tokens/s, "
-        f"utilization {s['utilization']:.2f} after the first step")
+    say(f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}; {s['wall_tokens_per_s']:.0f} tokens/s "
+        f"({s['tokens_per_s']:.0f} in the steps' own time), utilization {s['utilization']:.2f} after the first step")
     if cfg.metrics:
         say(f"wrote {cfg.metrics}")
     return results

@@ -202,11 +202,13 @@ class SFTTrainer(Trainer):
         #: the peak rate mfu divides by (TFLOP/s a device): given, or the ranks' mean of a short matmul
         self.peak_tflops = cfg.peak_tflops or _measured_peak(self.device, cfg.engine.precision)
         self._stats: dict[str, torch.Tensor] = {}
+        self._ended: float | None = None  # when the previous step ended (its wall time starts there)
         super().__init__(cfg, rank, world_size, state=self.engine, optimizer=self.training.optimizer,
                          label=f"{cfg.engine.label}+{cfg.balance}")
 
     def train_step(self, step: int) -> dict:
         cfg, rank, world_size, engine, rec = self.cfg, self.rank, self.world_size, self.engine, self.rec
+        began = time.perf_counter()
         seqs = self.data.minibatch(step)
         plan = plan_step(cfg, seqs, world_size, self.cost)
         mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
@@ -244,16 +246,21 @@ class SFTTrainer(Trainer):
                "microbatches": len(mine), "rank_tokens": sum(m.num_tokens for m in mine)}
         col = self._stats = gather_step_stats(own, world_size)
         step_time = float(col["busy_s"].max())
+        # What a stopwatch sees: the time since the previous step ended (its metrics, checkpoint
+        # and export included), or, in a run's first step, since this one began.
+        ended = time.perf_counter()
+        wall = ended - (self._ended if self._ended is not None else began)
+        self._ended = ended
         row = {
             "step": step, "rank": rank, "loss": float(col["loss"].sum()) / max(1, units), "tokens": total,
-            "tokens_per_s": total / step_time, "step_time_s": step_time,
+            "tokens_per_s": total / wall, "wall_s": wall, "step_time_s": step_time,
             "compute_s": own["compute_s"], "comm_s": own["comm_s"], "sync_s": own["sync_s"],
             "optimizer_s": own["optimizer_s"], "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
             "utilization": own["compute_s"] / step_time,
             "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
             "lr": recipe["lr"], "grad_norm": recipe["grad_norm"], "skipped_update": recipe["skipped_update"],
             "epoch": (step + 1) * cfg.sequences / self.data.num_sequences if self.data.num_sequences else None,
-            "mfu": sum(self.cost(len(s) - 1) for s in seqs) / step_time / (self.peak_tflops * 1e12 * world_size),
+            "mfu": sum(self.cost(len(s) - 1) for s in seqs) / wall / (self.peak_tflops * 1e12 * world_size),
         }
         if self.eval_samples and cfg.due(step, cfg.eval_every):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)

@@ -24,7 +24,11 @@ def gather_step_stats(mine: dict[str, float], world_size: int) -> dict[str, torc
 def summarize(results: list[dict]) -> dict:
     """Aggregate ranks' metrics over the steps after the first (warm-up).
 
-    Returns tokens/s, utilization (compute share of step time averaged over ranks), wait share,
+    Returns tokens/s in the steps' own time (``tokens_per_s``: from each step's start barrier to
+    its update, what the benchmarks compare engines by), tokens/s as a stopwatch sees them
+    (``wall_tokens_per_s``: over the wall time between steps, data, metrics and checkpoints
+    included; rows without ``wall_s`` count their step time), utilization (compute share of
+    step time averaged over ranks), wait share,
     compute seconds per step summed over ranks, the busiest rank's compute seconds per step
     (``busiest_compute_s``: per step the largest of the ranks', averaged over the steps), first and
     final loss, and mean step time.
@@ -35,6 +39,8 @@ def summarize(results: list[dict]) -> dict:
     util = [sum(r["utilization"] for r in s) / len(s) for s in steady]
     return {
         "tokens_per_s": sum(s[0]["tokens"] for s in steady) / sum(step_times),
+        "wall_tokens_per_s": sum(s[0]["tokens"] for s in steady) / sum(s[0].get("wall_s", s[0]["step_time_s"])
+                                                                      for s in steady),
         "utilization": sum(util) / len(util),
         "wait_share": sum(sum(r["wait_s"] for r in s) / (len(s) * s[0]["step_time_s"]) for s in steady) / len(steady),
         "compute_s": sum(sum(r["compute_s"] for r in s) for s in steady) / len(steady),
