@@ -423,9 +423,12 @@ def test_an_interrupted_rl_run_resumes_to_the_uninterrupted_one(tmp_path, tiny_m
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_rl_without_a_model_path_runs_the_embedded_task(cli, tmp_path):
-    rc, stdout, err = cli("rl", "--task-dir", str(tmp_path / "task"), "--steps", "1", "--samples-per-prompt", "2",
-                          "--prompts-per-step", "2", "--max-new-tokens", "4")
+def test_rl_without_a_model_path_is_refused_unless_random_weights_are_asked_for(cli, tmp_path):
+    rc, _, err = cli("rl", "--task-dir", str(tmp_path / "task"), "--steps", "1")
+    assert rc == 2 and "posttrain rl needs --model-path" in err and "--random-weights" in err
+    assert not (tmp_path / "task").exists()  # refused before making anything
+    rc, stdout, err = cli("rl", "--random-weights", "--task-dir", str(tmp_path / "task"), "--steps", "1",
+                          "--samples-per-prompt", "2", "--prompts-per-step", "2", "--max-new-tokens", "4")
     assert rc == 0, err
-    assert "no --model-path: the embedded chat task's model" in stdout and (tmp_path / "task" / "model").is_dir()
+    assert "--random-weights: the embedded chat task's untrained model" in stdout and (tmp_path / "task" / "model").is_dir()
     assert "reward 0.000 -> 0.000" in stdout  # random weights answer nothing right

@@ -20,13 +20,16 @@ class RLCommand:
         run: the RL run.
         world_size: CPU processes (torchrun sets its own).
         plot: the mean reward per step as a PNG.
-        task_dir: without ``model_path``: where the embedded chat task is (made there if absent).
+        task_dir: with ``random_weights``: where the embedded chat task is (made there if absent).
+        random_weights: without ``model_path``, run the embedded chat task's untrained model on its
+            prompts (random weights answer nothing right, so nothing learns: for trying the command).
     """
 
     run: RLConfig = field(default_factory=RLConfig)
     world_size: int = 2
     plot: str | None = None
     task_dir: str = "out/chat"
+    random_weights: bool = False
 
 
 def _run(c: RLCommand) -> int:
@@ -36,6 +39,10 @@ def _run(c: RLCommand) -> int:
 
     cfg = replace(c.run, progress=True)
     _ = cfg.device_kind  # a device the run cannot use: one line, before the task below is made
+    if cfg.model_path is None and not c.random_weights:
+        raise ValueError("posttrain rl needs `model_path`: a transformers model directory to train (README: post-train "
+                         "the embedded chat model with posttrain train, then give its --output-dir), or "
+                         "`random_weights` to try the command on the chat task's untrained model (nothing learns)")
     if cfg.model_path is None:
         import os
 
@@ -48,9 +55,9 @@ def _run(c: RLCommand) -> int:
             if under_torchrun():  # every rank would write it at once
                 raise ValueError(f"no chat task in {task}: make it first (posttrain chat-task {task}) or give --model-path")
             make_chat_task(task)
-        print(f"no --model-path: the embedded chat task's model in {task}/model (posttrain chat-task). From random "
-              f"weights no answer is right and every group is skipped; train it first (README: post-train a "
-              f"Hugging Face model) and give --model-path", flush=True)
+        print(f"--random-weights: the embedded chat task's untrained model in {task}/model. No answer is right, "
+              f"every group is skipped and nothing learns; train it first (README: post-train a Hugging Face model) "
+              f"and give --model-path", flush=True)
         cfg = replace(cfg, model_path=os.path.join(task, "model"), prompts=cfg.prompts or os.path.join(task, "train.jsonl"))
     check_output_path("`plot`", c.plot, directory=False)
     results = run_rl(cfg, world_size=c.world_size)

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .blocks import checkpoint_blocks, find_blocks
 from .gpt import GPT, GPTConfig, token_loss_sum
-from .hf import HFCausalLM, load_pretrained, save_pretrained, tied_names
+from .hf import HFCausalLM, check_model_dir, load_pretrained, save_pretrained, tied_names
 from .llama import LlamaLM, llama_config
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "HFCausalLM",
     "LlamaLM",
     "build_model",
+    "check_model_dir",
     "checkpoint_blocks",
     "find_blocks",
     "llama_config",

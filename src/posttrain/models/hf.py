@@ -29,7 +29,7 @@ from posttrain._files import replace_dir, work_dir
 
 from .gpt import packed_positions
 
-__all__ = ["HFCausalLM", "load_pretrained", "save_pretrained", "tied_names"]
+__all__ = ["HFCausalLM", "check_model_dir", "load_pretrained", "save_pretrained", "tied_names"]
 
 _PREFIX = "hf."
 
@@ -73,8 +73,12 @@ class HFCausalLM(nn.Module):
         return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False).logits
 
 
-def _check_dir(path: str | os.PathLike) -> Path:
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """Refuse, in one line naming ``model_path``, a path that is not a ``transformers`` model
+    directory: missing, not a directory, no ``config.json`` or no weights."""
     p = Path(path)
+    if not p.exists():
+        raise ValueError(f"`model_path` {p}: no such directory")
     if not p.is_dir():
         raise ValueError(f"`model_path` {p}: not a directory")
     if not (p / "config.json").exists():
@@ -95,7 +99,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per rank would interleave on the terminal
-    p = _check_dir(path)
+    p = check_model_dir(path)
     config = AutoConfig.from_pretrained(p)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"`model_path` {p}: {config.model_type} is an encoder-decoder model; posttrain trains "

@@ -7,6 +7,7 @@ import os
 from transformers import AutoTokenizer
 
 from posttrain.dp import check_shard_hosts
+from posttrain.models import check_model_dir
 from posttrain.models.lora import check_model_targets
 from posttrain.rl import load_rewards
 from posttrain.text import count
@@ -26,8 +27,7 @@ def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[d
     world_size, lead = launch_world(world_size)
     if cfg.model_path is None or cfg.prompts is None:
         raise ValueError("posttrain rl needs `model_path` (a transformers model directory) and `prompts` (a JSONL file)")
-    if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-        raise ValueError(f"`model_path` {cfg.model_path}: no config.json (expected a transformers model directory)")
+    check_model_dir(cfg.model_path)
     check_shard_hosts(cfg.engine, world_size)  # ODC's shard groups inside a node (torchrun over several)
     meta = check_run(cfg, {"`record`": cfg.record})  # unwritable outputs, a mismatched checkpoint: one line
     with claim_outputs(cfg, {"`record`": cfg.record}, lead=lead):  # no second run on these outputs meanwhile

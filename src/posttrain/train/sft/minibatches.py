@@ -65,10 +65,9 @@ def model_vocab_size(cfg: TrainConfig) -> int | None:
         return None
     from transformers import AutoConfig
 
-    if not os.path.isdir(cfg.model_path):
-        raise ValueError(f"`model_path` {cfg.model_path}: no such directory")
-    if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-        raise ValueError(f"`model_path` {cfg.model_path}: no config.json (expected a transformers model directory)")
+    from posttrain.models import check_model_dir
+
+    check_model_dir(cfg.model_path)
     return int(AutoConfig.from_pretrained(cfg.model_path).vocab_size)
 
 

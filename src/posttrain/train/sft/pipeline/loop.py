@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from posttrain.data import synthetic_sequences
 from posttrain.dp import Shards, decay_flags
 from posttrain.launch import run_job
-from posttrain.models import build_model
+from posttrain.models import build_model, check_model_dir
 from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
 from posttrain.train.core import Trainer, check_run, claim_outputs
@@ -363,6 +363,7 @@ def resolve_epochs(cfg: PipelineConfig, *, log=None) -> PipelineConfig:
 
     from transformers import AutoConfig
 
+    check_model_dir(cfg.model_path)
     try:
         config = AutoConfig.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
@@ -381,6 +382,7 @@ def check_model_and_data(cfg: PipelineConfig, *, log=None) -> None:
     :func:`posttrain.train.core.check_run`). Tokenizes the data into its cache once, so the ranks only read it."""
     from transformers import AutoConfig
 
+    check_model_dir(cfg.model_path)
     try:
         config = AutoConfig.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
