@@ -122,6 +122,20 @@ def test_tokenized_cache_is_made_once_reused_and_invalidated(tmp_path, tok, chat
     assert len(said) == 3 and len(d) == 41  # the file changed: tokenized again
 
 
+def test_the_tokenizing_bar_shows_on_a_terminal_only(tmp_path, tok, chat_tokenizer_dir, capfd, monkeypatch):
+    """A log file or pipe gets no progress-bar lines (a bar redraws itself with \\r: dozens of
+    lines in a file); a terminal gets the one bar."""
+    import sys
+
+    data = _write_jsonl(tmp_path / "chat.jsonl", chat_task_records(40, seed=1))
+    load_tokenized(data, tok, tokenizer_path=chat_tokenizer_dir, progress=True, log=lambda *a: None)
+    assert "examples" not in capfd.readouterr().err  # stderr is not a terminal here
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    _write_jsonl(data, chat_task_records(41, seed=1))
+    load_tokenized(data, tok, tokenizer_path=chat_tokenizer_dir, progress=True, log=lambda *a: None)
+    assert "Generating train split" in capfd.readouterr().err
+
+
 def test_tokenizing_over_two_processes_equals_one(tmp_path, tok, chat_tokenizer_dir):
     records = chat_task_records(60, seed=2)
     one = load_tokenized(_write_jsonl(tmp_path / "a.jsonl", records), tok, tokenizer_path=chat_tokenizer_dir,

@@ -199,10 +199,10 @@ def test_bad_model_data_and_output_paths_fail_before_training(cli, tmp_path, arg
 
 @pytest.mark.parametrize("command", [["rl", "--prompts", "p.jsonl"], ["pipeline"], ["train"]])
 def test_every_trainer_says_a_missing_model_directory_does_not_exist(cli, tmp_path, command):
-    rc, out, err = cli(*command, "--model-path", str(tmp_path / "nope"), "--steps", "1")
+    rc, _, err = cli(*command, "--model-path", str(tmp_path / "nope"), "--steps", "1")
     assert rc == 2 and err.strip() == f"posttrain: error: --model-path {tmp_path / 'nope'}: no such directory", err
     (tmp_path / "file").write_text("")
-    rc, out, err = cli(*command, "--model-path", str(tmp_path / "file"), "--steps", "1")
+    rc, _, err = cli(*command, "--model-path", str(tmp_path / "file"), "--steps", "1")
     assert rc == 2 and err.strip().endswith(f"--model-path {tmp_path / 'file'}: not a directory"), err
 
 

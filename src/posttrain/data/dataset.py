@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -263,6 +264,7 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
         "length": datasets.Value("int64"), "trained": datasets.Value("int64"), "where": datasets.Value("string"),
         "max_id": datasets.Value("int64"),
     })
+    progress = progress and sys.stderr.isatty()  # a bar only where a person watches (a log file gets no \r lines)
     if progress:
         datasets.enable_progress_bars()
     else:
