@@ -26,7 +26,7 @@ test-full: setup
 	$(PY) -m pytest -q -m full
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests examples
 
 demo: setup
 	$(PY) -m posttrain demo

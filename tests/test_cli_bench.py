@@ -56,11 +56,22 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
         assert r["partition"]["tokens_per_s"] <= 1.25 * r["even"]["tokens_per_s"]
 
 
+def test_the_sweep_estimate_scales_the_first_point_by_each_points_sequences():
+    from posttrain.lab.bench.odc import sweep_estimate
+
+    got = sweep_estimate(60.0, [2, 2, 4, 8], repeats=5)  # 60 s for 2 sequences: 30 s a sequence x 16 x 5
+    assert "about 40 min in all (4 points x 5 rounds" in got
+
+
 def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path, cli):
     out = tmp_path / "s.json"
     proc = run_cli("bench", "odc", "--sweep", "--sequences-per-rank", "1,2", "--sweep-max-tokens", "64,128", "--steps",
                 "2", "--max-len", "64", "--dim", "32", "--layers", "1", "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("sweep: 4 points x 1 rounds x ")  # what it will run, before it runs
+    estimate = next(i for i, ln in enumerate(lines) if ln.startswith("the first point took"))
+    assert estimate < next(i for i, ln in enumerate(lines) if "seq/rank max_tokens   128" in ln)  # after the first point
     saved = json.loads(out.read_text())
     points = saved["points"]
     assert set(saved["calibration"]["engine"]) == {"one-sided", "collective"}  # what the predictions rest on

@@ -53,6 +53,7 @@ import itertools
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -374,6 +375,14 @@ def _log_split(points: list[dict], log: Callable) -> None:
         "products hold only roughly)")
 
 
+def sweep_estimate(first_s: float, sequences: Sequence[int], repeats: int) -> str:
+    """What the sweep will take, from the first point's time: each point's runs scale with its
+    sequences a step (the same steps, lengths drawn from the same profile)."""
+    total = first_s / sequences[0] * sum(sequences) * repeats
+    return (f"the first point took {first_s:.0f} s: the measurements will take about {total / 60:.0f} min in all "
+            f"({len(sequences)} points x {repeats} rounds, each point's time scaled by its sequences a step)")
+
+
 def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_tokens: Sequence[int],
               world_size: int = 2, repeats: int = 5, predict: bool = True,
               predict_world_sizes: Sequence[int] = (2, 4, 8, 16, 32), json_path: str | None = None,
@@ -397,10 +406,18 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
         TrainData(cfg, world_size)
         points.append(cfg)
     rounds: list[list[dict]] = [[] for _ in points]
+    log(f"sweep: {len(points)} points x {repeats} rounds x {len(MECHANISM_VARIANTS)} runs"
+        + (", then the simulator's calibration" if predict else "") + "; an estimate of the time follows the first point",
+        flush=True)
+    began = time.perf_counter()
     for k in range(repeats):
         for i, cfg in enumerate(points):
             tag = f"round {k + 1}/{repeats} {cfg.sequences // world_size:3d} seq/rank max_tokens {cfg.max_tokens:5d}  "
+            t0 = time.perf_counter()
             rounds[i].append(factors(_round(cfg, world_size, MECHANISM_VARIANTS, log, tag, k)))
+            if k == 0 and i == 0:
+                log(sweep_estimate(time.perf_counter() - t0, [c.sequences for c in points], repeats), flush=True)
+    log(f"measured in {(time.perf_counter() - began) / 60:.1f} min", flush=True)
     machine = None
     if predict:
         from posttrain.lab.calibrate import measure_sweep_machine, predict_mechanism
