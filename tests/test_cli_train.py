@@ -15,27 +15,46 @@ import pytest
 
 def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     """A short demo: four runs, a table with speedups, the same final loss everywhere, the three
-    factors (which multiply to the total), a timeline PNG."""
-    from posttrain.lab.demo import VARIANTS
+    factors (which multiply to the total in one round), the calibrated simulator's predictions
+    at 8-64 GPUs labelled as such, a timeline PNG with a panel per run."""
+    from posttrain.lab.demo import PREDICT_AT, VARIANTS
 
     png = tmp_path / "t.png"
-    proc = run_cli("demo", "--steps", "6", "--plot", str(png))
+    proc = run_cli("demo", "--rounds", "1", "--steps", "3", "--sequences", "8", "--max-len", "128", "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    assert sum(ln.strip().startswith("round 1/1") for ln in lines) == len(VARIANTS)  # progress, one line a run
     rows = {label: ln[len(label):].split() for label, *_ in VARIANTS for ln in lines if ln.startswith(label + " ")}
     assert set(rows) == {v[0] for v in VARIANTS}
-    assert rows["FSDP2 + same_micro"][-1] == "1.00x"
-    assert len({r[-2] for r in rows.values()}) == 1  # same final loss: same gradients
+    assert rows["FSDP2 + same_micro"][-2] == "1.00x"
+    assert len({r[-3] for r in rows.values()}) == 1  # same final loss: same gradients
     got = {ln.split()[0]: float(ln.split()[1].rstrip("x")) for ln in lines
            if ln.strip().startswith(("transport ", "engine ", "mechanism "))}
-    total = float(rows["flat ODC + diff_micro"][-1].rstrip("x"))
+    total = float(rows["flat ODC + diff_micro"][-2].rstrip("x"))
     assert got["transport"] * got["engine"] * got["mechanism"] == pytest.approx(total, rel=0.03)
+    assert any(ln.startswith("NOTE:") for ln in lines)  # one round (or a busy machine): said so
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("PREDICTED, not measured"))
+    predicted = [ln.split() for ln in lines[at + 2:at + 2 + len(PREDICT_AT)]]
+    assert [int(p[0]) for p in predicted] == list(PREDICT_AT)
+    assert all(float(p[1].rstrip("x")) > 0 and float(p[2].rstrip("x")) > 0 for p in predicted)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_demo_says_when_the_machine_is_too_busy_to_time(monkeypatch):
+    from posttrain.lab import demo
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.2, 1.0, 1.0))
+    assert demo.busy_before(2) == ("the load average was 3.2 on 2 cores before the demo started: other work shares "
+                                   "the CPUs")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
+    assert demo.busy_before(2) is None
 
 
 def test_bad_demo_input_is_a_clear_error(cli):
     rc, _, err = cli("demo", "--world-size", "0")
     assert rc == 2 and "--world-size=0 must be at least 1" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = cli("demo", "--rounds", "0")
+    assert rc == 2 and "--rounds=0 must be at least 1" in err
 
 
 def test_unknown_command_lists_choices(run_cli):

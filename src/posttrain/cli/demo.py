@@ -19,22 +19,37 @@ class DemoCommand:
     Attributes:
         run: the run every variant trains (its engine and balancing method are the variants').
         world_size: CPU processes.
+        rounds: the four runs are repeated this many times, interleaved; figures are medians with
+            the lowest and highest round.
+        no_predict: skip the simulator's calibration and its predictions at 8-64 GPUs.
         plot: timeline PNG ('' for none).
     """
 
     run: TrainConfig = field(default_factory=lambda: DEMO,
-                             metadata={"fields": ("steps", "sequences", "max_len", "optim.lr", "seed")})
+                             metadata={"fields": ("profile", "steps", "sequences", "max_len", "max_tokens", "dim",
+                                                  "num_layers", "optim.lr", "seed")})
     world_size: int = 2
+    rounds: int = 3
+    no_predict: bool = False
     plot: str = "out/demo_timeline.png"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be at least 1")
+        if self.rounds < 1:
+            raise ValueError(f"rounds={self.rounds} must be at least 1")
 
 
 def _run(c: DemoCommand) -> int:
     from posttrain.lab.demo import run_demo
+    from posttrain.train.core import check_output_path
 
-    run_demo(c.run, world_size=c.world_size, timeline_path=c.plot or None)
+    check_output_path("`plot`", c.plot, directory=False)
+    run_demo(c.run, world_size=c.world_size, rounds=c.rounds, predict=not c.no_predict, timeline_path=c.plot or None)
     return 0
 
 
 def add_parser(sub) -> None:
     add_command(sub, "demo", DemoCommand, _run,
-                help="FSDP2 and ODC on a tiny GPT, 2 CPU processes: table, factors, timeline")
+                help="FSDP2 and ODC on a tiny GPT, 2 CPU processes, over rounds: table, factors, predictions, "
+                     "timeline")

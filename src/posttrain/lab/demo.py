@@ -12,15 +12,21 @@ Four runs, each computing the same gradients (their loss curves match):
 - ``flat ODC + diff_micro``: one synchronization per minibatch and minibatch-level balancing:
   the gain over the third is ODC's **mechanism**, the paper's idea.
 
-The table shows tokens/s, utilization (compute share of step time), waiting and the speedups;
-the timeline PNG shows one step of the first, third and fourth run per rank: compute,
-communication, and waiting. docs/results.md has the measured factors; ``posttrain bench odc``
-measures the same factors with bounds, over rounds.
+The four runs are repeated over ``rounds`` rounds, interleaved (each round in an order rotated
+by one), and every figure is the median of the rounds with the lowest and highest round beside
+it: one run each on 2 shared cores moves by 10-20%. The demo says when the figures mean little:
+the machine was busy before it started (its load average), or the rounds spread widely. The
+setting is the one where the benchmarks found the mechanism's headroom on 2 ranks largest
+(``long_tail`` sequences up to 1,024 tokens: 1.1-1.2x, docs/results.md). Then the simulator,
+calibrated on this machine, predicts the mechanism for the same data at 8 to 64 GPUs (labelled a
+prediction: nothing there is measured). The timeline PNG shows one step of every run, a panel
+each: per rank, compute, communication and waiting.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import replace
 
 from posttrain.dp import EngineConfig
@@ -28,18 +34,18 @@ from posttrain.lab.plots import plot_timelines
 from posttrain.train.core import OptimConfig
 from posttrain.train.sft import TrainConfig, run_training, summarize
 
-__all__ = ["DEMO", "VARIANTS", "run_demo"]
+__all__ = ["DEMO", "PREDICT_AT", "VARIANTS", "busy_before", "run_demo"]
 
-#: The embedded default: small enough for a short run of every variant on 2 CPU processes.
-DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=30, sequences=12, max_len=192, max_tokens=192,
-                   dim=64, num_layers=4, optim=OptimConfig(lr=3e-3), progress=True)
+#: The embedded default: long-tail lengths up to 1,024 tokens, 8 sequences a rank and step.
+DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=6, sequences=16, max_len=1024, max_tokens=1024,
+                   optim=OptimConfig(lr=3e-3))
 
-#: (label, engine, odc mode, balancing method, drawn in the timeline)
+#: (label, engine, odc mode, balancing method)
 VARIANTS = (
-    ("FSDP2 + same_micro", "fsdp", "one-sided", "same_micro", True),
-    ("ODC-on-FSDP2 collective", "odc-fsdp2", "collective", "same_micro", False),
-    ("flat ODC collective", "odc", "collective", "same_micro", True),
-    ("flat ODC + diff_micro", "odc", "one-sided", "diff_micro", True),
+    ("FSDP2 + same_micro", "fsdp", "one-sided", "same_micro"),
+    ("ODC-on-FSDP2 collective", "odc-fsdp2", "collective", "same_micro"),
+    ("flat ODC collective", "odc", "collective", "same_micro"),
+    ("flat ODC + diff_micro", "odc", "one-sided", "diff_micro"),
 )
 #: factor -> (numerator run, denominator run, what differs)
 FACTORS = {
@@ -47,36 +53,109 @@ FACTORS = {
     "engine": (2, 1, "flat buffers instead of FSDP2's per-parameter work (same transport, plans, rendezvous)"),
     "mechanism": (3, 2, "ODC: one sync per minibatch, minibatch balancing (same engine and transport)"),
 }
+#: GPU counts the calibrated simulator predicts the mechanism at.
+PREDICT_AT = (8, 16, 32, 64)
+#: A spread of rounds (highest over lowest) above this makes a factor's median a guess.
+NOISY = 1.15
 
 
-def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2,
-             timeline_path: str | None = "out/demo_timeline.png") -> dict[str, dict]:
-    """Train ``cfg`` with every variant; print the table and the factors, write the timeline.
+def busy_before(cores: int | None = None) -> str | None:
+    """Why the machine is too busy to time anything now (``None``: it is not): the 1-minute load
+    average against its cores, read before the demo's own processes start."""
+    cores = cores or os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    if load > max(0.5, 0.25 * cores):
+        return f"the load average was {load:.1f} on {cores} cores before the demo started: other work shares the CPUs"
+    return None
+
+
+def _med(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 3, predict: bool = True,
+             timeline_path: str | None = "out/demo_timeline.png", log=print) -> dict:
+    """Train ``cfg`` with every variant over ``rounds`` interleaved rounds; print the table, the
+    factors (medians and ranges), a busy-machine warning where due, the calibrated simulator's
+    predictions at :data:`PREDICT_AT` GPUs (with ``predict``), and write the timeline.
 
     Returns:
-        variant label -> :func:`posttrain.train.sft.summarize` of that run.
+        ``{"rounds": [{label: summarize(...)}] per round, "factors": {name: (median, low, high)},
+        "total": (median, low, high), "busy": str | None, "predicted": {gpus: {...}} or None}``.
     """
-    results, summaries = {}, {}
-    for label, dp, mode, balance, _ in VARIANTS:
-        results[label] = run_training(replace(cfg, engine=EngineConfig(dp, mode=mode), balance=balance), world_size=world_size)
-        summaries[label] = summarize(results[label])
-        print()
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be at least 1")
+    busy = busy_before()
     labels = [v[0] for v in VARIANTS]
-    base = summaries[labels[0]]["tokens_per_s"]
-    print(f"{'':24} {'tokens/s':>9} {'utilization':>12} {'waiting':>8} {'final loss':>11} {'vs FSDP2':>9}")
-    for label, s in summaries.items():
-        print(f"{label:24} {s['tokens_per_s']:9.0f} {s['utilization']:12.2f} {s['wait_share']:8.2f} "
-              f"{s['final_loss']:11.3f} {s['tokens_per_s'] / base:8.2f}x")
-    print("(steps after the first; utilization: compute share of step time; waiting: communication and idle)")
-    tp = [summaries[label]["tokens_per_s"] for label in labels]
-    print(f"\nwhere flat ODC + diff_micro's {tp[3] / tp[0]:.2f}x over FSDP2 comes from (one run each; "
-          "`posttrain bench odc` repeats and bounds them):")
-    for name, (num, den, what) in FACTORS.items():
-        print(f"  {name:10} {tp[num] / tp[den]:5.2f}x  {what}")
+    per_round: list[dict[str, dict]] = []
+    last_results: dict[str, list] = {}
+    log(f"{len(VARIANTS)} runs x {rounds} rounds, {cfg.steps} steps each, on {world_size} CPU processes: "
+        f"{cfg.profile} lengths up to {cfg.max_len} tokens, {cfg.sequences} sequences a step", flush=True)
+    for k in range(rounds):
+        got = {}
+        order = list(VARIANTS[k % len(VARIANTS):] + VARIANTS[:k % len(VARIANTS)])
+        for label, dp, mode, balance in order:
+            run = replace(cfg, engine=EngineConfig(dp, mode=mode), balance=balance, progress=False)
+            results = run_training(run, world_size=world_size, quiet=True)
+            got[label] = summarize(results)
+            last_results[label] = results
+            log(f"  round {k + 1}/{rounds}  {label:24} {got[label]['tokens_per_s']:8.0f} tokens/s", flush=True)
+        per_round.append(got)
+    ratios = [{label: r[label]["tokens_per_s"] / r[labels[0]]["tokens_per_s"] for label in labels} for r in per_round]
+    log(f"\n{'':24} {'tokens/s':>9} {'utilization':>12} {'waiting':>8} {'final loss':>11} {'vs FSDP2':>9} {'(rounds)':>11}")
+    for label in labels:
+        tp = statistics.median(r[label]["tokens_per_s"] for r in per_round)
+        util = statistics.median(r[label]["utilization"] for r in per_round)
+        wait = statistics.median(r[label]["wait_share"] for r in per_round)
+        vs = _med([x[label] for x in ratios])
+        log(f"{label:24} {tp:9.0f} {util:12.2f} {wait:8.2f} {per_round[-1][label]['final_loss']:11.3f} "
+            f"{vs[0]:8.2f}x {vs[1]:5.2f}-{vs[2]:<5.2f}")
+    log(f"(medians of {rounds} round{'s' if rounds > 1 else ''}, steps after the first; (rounds): lowest-highest "
+        "round; utilization: compute share of step time; waiting: communication and idle)")
+    tps = [[r[label]["tokens_per_s"] for label in labels] for r in per_round]
+    factors = {name: _med([tp[num] / tp[den] for tp in tps]) for name, (num, den, _) in FACTORS.items()}
+    total = _med([tp[3] / tp[0] for tp in tps])
+    log(f"\nwhere flat ODC + diff_micro's {total[0]:.2f}x ({total[1]:.2f}-{total[2]:.2f}) over FSDP2 comes from:")
+    for name, (_, _, what) in FACTORS.items():
+        med, lo, hi = factors[name]
+        log(f"  {name:10} {med:5.2f}x ({lo:.2f}-{hi:.2f})  {what}")
+    noisy = [name for name, (_, lo, hi) in factors.items() if hi / lo > NOISY]
+    if busy or noisy:
+        why = "; ".join(filter(None, [busy, noisy and (f"the rounds of {', '.join(noisy)} spread by more than "
+                                                      f"{NOISY - 1:.0%}")]))
+        log(f"NOTE: {why}. These figures say little; rerun on an idle machine (`posttrain bench odc` repeats "
+            "more and bounds them).")
+    elif rounds == 1:
+        log("NOTE: one round: no spread to judge the figures by (--rounds 3 or more).")
+    predicted = _predict(cfg, world_size, log) if predict else None
     if timeline_path:
-        last = cfg.steps - 1
-        runs = {label: [s for r in results[label] for s in r["spans"]] for label, *_, drawn in VARIANTS if drawn}
+        runs = {label: [s for r in last_results[label] for s in r["spans"]] for label in labels}
         os.makedirs(os.path.dirname(timeline_path) or ".", exist_ok=True)
-        plot_timelines(runs, timeline_path, title=f"step {last}: per-rank compute, communication and waiting")
-        print(f"wrote {timeline_path}")
-    return summaries
+        plot_timelines(runs, timeline_path, title=f"the last step of each run (round {rounds}): per rank, compute, "
+                       "communication and waiting", side_by_side=False)
+        log(f"wrote {timeline_path}")
+    return {"rounds": per_round, "factors": factors, "total": total, "busy": busy, "predicted": predicted}
+
+
+def _predict(cfg: TrainConfig, world_size: int, log) -> dict:
+    """The simulator, calibrated on this machine (per-layer compute fitted to the demo's model and
+    microbatch shapes, flat ODC's measured costs in both modes), at :data:`PREDICT_AT` GPUs with
+    the same sequences per rank: its headroom and mechanism."""
+    from posttrain.lab.calibrate import measure_sweep_machine, predict_mechanism
+
+    log("\ncalibrating the simulator on this machine's runs of the demo's model ...", flush=True)
+    base = replace(cfg, progress=False, checkpoint_dir=None)
+    machine = measure_sweep_machine(base, [base], world_size=world_size, log=lambda *a, **k: None)
+    per_rank = cfg.sequences // world_size
+    out = {n: predict_mechanism(replace(base, sequences=per_rank * n), machine, world_size=n) for n in PREDICT_AT}
+    log(f"PREDICTED, not measured: the simulator calibrated here, for the same data at more GPUs "
+        f"({per_rank} sequences a GPU and step, this machine's costs):")
+    log(f"  {'GPUs':>5} {'headroom':>9} {'mechanism':>10}")
+    for n, p in out.items():
+        log(f"  {n:5d} {p['headroom']:8.2f}x {p['mechanism']:9.2f}x")
+    log("  (headroom: what any schedule of whole sequences could win over the collective run; mechanism: what "
+        "ODC's one-sided minibatch and balancing win; docs/simulator.md says what the simulator models)")
+    return out

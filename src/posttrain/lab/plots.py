@@ -109,9 +109,11 @@ def plot_lanes(runs: Mapping[str, Sequence[Span]], path: str | Path, *, title: s
     return path
 
 
-def plot_timelines(runs: Mapping[str, Sequence[Span]], path: str | Path, *, title: str = "") -> Path:
-    """Real data-parallel runs side by side (run label -> the spans of every rank, already cut to
-    the window to show), with each panel's share of rank time spent computing."""
+def plot_timelines(runs: Mapping[str, Sequence[Span]], path: str | Path, *, title: str = "",
+                   side_by_side: bool = True) -> Path:
+    """Real data-parallel runs side by side, or stacked on one time axis (run label -> the spans
+    of every rank, already cut to the window to show), with each panel's share of rank time
+    spent computing."""
     subtitles = {}
     for label, spans in runs.items():
         if not spans:
@@ -122,7 +124,7 @@ def plot_timelines(runs: Mapping[str, Sequence[Span]], path: str | Path, *, titl
             sum(s.duration for s in spans if s.name in COMM_KINDS)
         busy = compute / (ranks * window) if window > 0 else 0.0
         subtitles[label] = f"{label}: {window * 1e3:.0f} ms, compute {busy:.0%} of rank time"
-    return plot_lanes(runs, path, title=title, subtitles=subtitles)
+    return plot_lanes(runs, path, title=title, subtitles=subtitles, side_by_side=side_by_side)
 
 
 def plot_dp_timelines(results: Sequence, path: str | Path, *, max_ranks: int = 16) -> Path:

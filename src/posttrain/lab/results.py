@@ -49,10 +49,12 @@ _LA = ("--profile", "longalign", "--max-len", "4096", "--steps", "6")
 
 SECTIONS: tuple[Section, ...] = (
     Section("demo", "The demo", ("demo",),
-            "Four runs of the same tiny GPT on the same long-tail data, 2 CPU processes, one run each: the "
-            "speedup over FSDP2 and its three factors (transport, engine, mechanism; see docs/odc.md). One run "
-            "each, so the factors move by 10-20% from run to run; `bench odc` below repeats and bounds them.",
-            1),
+            "Four runs of the same tiny GPT on the same long-tail data (up to 1,024 tokens), 2 CPU processes, "
+            "over 3 interleaved rounds: the speedup over FSDP2 and its three factors (transport, engine, "
+            "mechanism; see docs/odc.md), medians with the lowest and highest round, then the simulator "
+            "calibrated on this machine predicting the mechanism at 8-64 GPUs (a prediction, not a measurement). "
+            "`bench odc` below repeats more and bounds the factors.",
+            4),
     Section("bench-odc-long-tail", "FSDP2 vs ODC, short sequences (long_tail, up to 1,024 tokens)",
             ("bench", "odc"),
             "Seven variants and two bounds, interleaved over 5 rounds: medians of per-round ratios with the "
