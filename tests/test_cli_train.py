@@ -165,11 +165,11 @@ def _two_nodes(tmp_path, *args: str) -> list[subprocess.CompletedProcess]:
     return done
 
 
-@pytest.mark.parametrize("dp", ["odc", "odc-fsdp2"])
-def test_two_nodes_shard_within_each_node_and_train_like_one_process(tmp_path, run_cli, dp):
-    """torchrun over two "hosts": ``--replicas auto`` (the default) makes HSDP with ODC inside
-    each node, and the run takes the single-process reference's steps; 1-D ODC across the nodes
-    is refused in one line before any work."""
+def test_two_nodes_shard_within_each_node_and_train_like_one_process(tmp_path, run_cli):
+    """torchrun over two "hosts": ``--replicas auto`` (the default) makes HSDP with flat ODC
+    inside each node, and the run takes the single-process reference's steps; 1-D ODC across the
+    nodes is refused in one line before any work. (ODC on FSDP2 as HSDP: tests/test_train.py.)"""
+    dp = "odc"
     import json
 
     run = ("train", "--steps", "3", "--sequences", "8", "--max-len", "32", "--dim", "32", "--layers", "1",
@@ -185,13 +185,12 @@ def test_two_nodes_shard_within_each_node_and_train_like_one_process(tmp_path, r
 
     want = losses(tmp_path / "ref.jsonl")
     assert len(want) == 3 and losses(tmp_path / "two.jsonl") == pytest.approx(want, rel=1e-4)
-    if dp == "odc":
-        refused = _two_nodes(tmp_path, *run, "--replicas", "1")
-        assert [n.returncode for n in refused] == [2, 2] or all(n.returncode for n in refused)
-        err = refused[0].stderr
-        assert ("posttrain: error: --dp odc shards over groups of 4 ranks, which would span nodes (4 ranks, 2 on each "
-                "node); ODC shares one host's memory, so shard within each node: --replicas 2 (or auto)") in err, err
-        assert "Traceback (most recent call last):\n  File" not in err.split("posttrain: error:")[0]  # no rank traceback
+    refused = _two_nodes(tmp_path, *run, "--replicas", "1")
+    assert all(n.returncode for n in refused)
+    err = refused[0].stderr
+    assert ("posttrain: error: --dp odc shards over groups of 4 ranks, which would span nodes (4 ranks, 2 on each "
+            "node); ODC shares one host's memory, so shard within each node: --replicas 2 (or auto)") in err, err
+    assert "Traceback (most recent call last):\n  File" not in err.split("posttrain: error:")[0]  # no rank traceback
 
 
 def test_replicas_auto_follows_torchrun_nodes(monkeypatch):

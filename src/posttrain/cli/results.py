@@ -16,7 +16,8 @@ class ResultsCommand:
     Attributes:
         path: the file to rewrite.
         only: sections to rerun, keeping the rest (demo, profiles, ...: the section names of
-            docs/results.md); profiles:NAME reruns one profile of the profiles section.
+            docs/results.md); profiles:NAME reruns one profile of the profiles section; readme
+            reruns the commands README.md shows and rewrites the outputs it shows.
     """
 
     path: str = "docs/results.md"

@@ -182,10 +182,16 @@ machine (a GPU machine: docs/gpu.md) say so, name their command, and are kept as
 """
 
 
+#: The ``only`` name of the README's shown outputs (:mod:`posttrain.lab.readme`), rerun first.
+README = "readme"
+
+
 def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = None,
-                log: Callable[[str], None] = print) -> str:
-    """Rerun the sections (all, or those named in ``only``) and rewrite ``path``; returns its text."""
-    names = [s.name for s in SECTIONS]
+                log: Callable[[str], None] = print, readme: str = "README.md") -> str:
+    """Rerun the sections (all, or those named in ``only``) and rewrite ``path``; returns its
+    text. ``readme`` (in ``only``, or with every section): the README's shown outputs, rerun from
+    its shown commands and rewritten in ``readme``."""
+    names = [s.name for s in SECTIONS] + [README]
     profiles: dict[str, list[str]] = {}  # section -> the profiles to rerun (``profiles:longalign,...``)
     if only:
         sections = []
@@ -201,6 +207,16 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
         unknown = sorted(set(only) - set(names))
         if unknown:
             raise ValueError(f"`only`: unknown section(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    if not only or README in only:
+        from posttrain.lab.readme import run_readme
+
+        log(f"the outputs {readme} shows, from its commands (about 3 min)")
+        run_readme(readme, log=log)
+        if only and set(only) == {README}:
+            if not os.path.exists(path):
+                return ""
+            with open(path) as f:
+                return f.read()
     old = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -225,7 +241,7 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
         return text
 
     for section in SECTIONS:
-        if only and section.name not in only:
+        if only and section.name not in only:  # (README: done above)
             continue
         log(f"{section.title} (about {section.minutes:g} min)")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from transformers import AutoTokenizer
 
@@ -56,11 +57,15 @@ def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) 
         say(f"resuming from {cfg.checkpoint_dir} after step {meta['steps_done']}")
     elif cfg.record and lead and os.path.exists(cfg.record):
         os.remove(cfg.record)  # a fresh record per run (a resumed run appends)
+    began = time.perf_counter()
     results = launch(rl_worker, world_size, cfg)
     if results is None:  # a torchrun rank other than 0
         return None
     m = results[0]["metrics"]
-    say(f"reward {m[0]['reward_mean']:.3f} -> {m[-1]['reward_mean']:.3f}; rollout "
+    k = max(1, len(m) // 4)  # a quarter of the run at each end (one step's mean reward is noisy)
+    first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (m[:k], m[-k:]))
+    say(f"reward {first:.3f} -> {last:.3f} (mean of the first and last {count(k, 'step')}) in "
+        f"{time.perf_counter() - began:.0f} s; rollout "
         f"{sum(r['rollout_tokens_per_s'] for r in m) / len(m):.0f} tokens/s, update "
         f"{sum(r['update_tokens_per_s'] for r in m) / len(m):.0f} tokens/s")
     if cfg.output_dir:
