@@ -44,6 +44,8 @@ def test_rerunning_rewrites_each_output_from_its_commands(tmp_path):
             (Path(cwd) / "out").mkdir(exist_ok=True)
             (Path(cwd) / "out" / "rl_reward.png").write_bytes(b"png")
             return ["step    0  reward 0.1", "reward 0.100 -> 0.500 (mean of the first and last 1 step) in 3 s"]
+        if argv[1] == "chat-task":
+            return ["wrote out/chat"]
         return ["step  299  loss 0.1", "noise", "step  399  loss 0.05", "exact match 100.0% of 64 conversations"]
 
     text = run_readme(str(readme), log=lambda *a: None, run=fake)

@@ -25,7 +25,7 @@ __all__ = ["KEEP", "readme_commands", "run_readme"]
 
 #: Per block, the lines of its commands' output that the README shows.
 KEEP = {
-    "sft": r"^step +(299|399) |^  '|^exact match",
+    "sft": r"^step +(299|399) |^exact match",
     "rl": r"^reward ",
     "pipeline": r"^loss .* ->|^exact match",
 }
