@@ -34,8 +34,9 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     assert got["transport"] * got["engine"] * got["mechanism"] == pytest.approx(total, rel=0.03)
     assert any(ln.startswith("NOTE:") for ln in lines)  # one round (or a busy machine): said so
     at = next(i for i, ln in enumerate(lines) if ln.startswith("PREDICTED, not measured"))
-    predicted = [ln.split() for ln in lines[at + 2:at + 2 + len(PREDICT_AT)]]
-    assert [int(p[0]) for p in predicted] == list(PREDICT_AT)
+    predicted = [ln.split() for ln in lines[at + 2:at + 3 + len(PREDICT_AT)]]
+    assert [int(p[0]) for p in predicted] == [2, *PREDICT_AT]  # the demo's own 2 ranks first, beside the measured
+    assert predicted[0][3:5] == ["(measured", "above:"]
     assert all(float(p[1].rstrip("x")) > 0 and float(p[2].rstrip("x")) > 0 for p in predicted)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -43,11 +44,27 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
 def test_demo_says_when_the_machine_is_too_busy_to_time(monkeypatch):
     from posttrain.lab import demo
 
+    ticks = iter([(100, 1000), (130, 1200)])  # 30 of 200 ticks busy: 15%
+    monkeypatch.setattr(demo, "_cpu_times", lambda: next(ticks))
+    assert demo.busy_before(2, sample_s=0) is None
+    ticks = iter([(100, 1000), (250, 1200)])  # 75%
+    monkeypatch.setattr(demo, "_cpu_times", lambda: next(ticks))
+    assert demo.busy_before(2, sample_s=0) == "other processes used 75% of the 2 cores in the second before the demo started"
+    monkeypatch.setattr(demo, "_cpu_times", lambda: None)  # no /proc/stat: the load average
     monkeypatch.setattr(os, "getloadavg", lambda: (3.2, 1.0, 1.0))
     assert demo.busy_before(2) == ("the load average was 3.2 on 2 cores before the demo started: other work shares "
                                    "the CPUs")
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 1.0, 1.0))
-    assert demo.busy_before(2) is None
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a real busy core, on this machine
+    try:
+        import time
+
+        time.sleep(0.5)
+        monkeypatch.undo()
+        if (os.cpu_count() or 1) <= 2:  # one of at most two cores spinning: half the machine or more
+            assert demo.busy_before() is not None
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_bad_demo_input_is_a_clear_error(cli):

@@ -49,7 +49,7 @@ _LA = ("--profile", "longalign", "--max-len", "4096", "--steps", "6")
 
 SECTIONS: tuple[Section, ...] = (
     Section("demo", "The demo", ("demo",),
-            "Four runs of the same tiny GPT on the same long-tail data (up to 1,024 tokens), 2 CPU processes, "
+            "Four runs of the same tiny GPT on the same long-tail data (up to 4,096 tokens), 2 CPU processes, "
             "over 3 interleaved rounds: the speedup over FSDP2 and its three factors (transport, engine, "
             "mechanism; see docs/odc.md), medians with the lowest and highest round, then the simulator "
             "calibrated on this machine predicting the mechanism at 8-64 GPUs (a prediction, not a measurement). "
