@@ -155,8 +155,9 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 3, p
     if busy or noisy:
         why = "; ".join(filter(None, [busy, noisy and (f"the rounds of {', '.join(noisy)} spread by more than "
                                                       f"{NOISY - 1:.0%}")]))
-        log(f"NOTE: {why}. These figures say little; rerun on an idle machine (`posttrain bench odc` repeats "
-            "more and bounds them).")
+        which = "these figures say" if busy else f"the {', '.join(noisy)} figure{'s' if len(noisy) > 1 else ''} says"
+        log(f"NOTE: {why}: {which} little; rerun on an idle machine (`posttrain bench odc` repeats more and bounds "
+            "them).")
     elif rounds == 1:
         log("NOTE: one round: no spread to judge the figures by (--rounds 3 or more).")
     predicted = _predict(cfg, world_size, log, measured=factors["mechanism"][0]) if predict else None

@@ -54,7 +54,7 @@ SECTIONS: tuple[Section, ...] = (
             "mechanism; see docs/odc.md), medians with the lowest and highest round, then the simulator "
             "calibrated on this machine predicting the mechanism at 8-64 GPUs (a prediction, not a measurement). "
             "`bench odc` below repeats more and bounds the factors.",
-            4),
+            5),
     Section("bench-odc-long-tail", "FSDP2 vs ODC, short sequences (long_tail, up to 1,024 tokens)",
             ("bench", "odc"),
             "Seven variants and two bounds, interleaved over 5 rounds: medians of per-round ratios with the "
