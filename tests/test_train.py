@@ -265,10 +265,15 @@ def test_metrics_are_appended_as_the_run_goes_and_a_resumed_run_continues_them(t
     lines = csv_path.read_text().splitlines()
     assert len(lines) == 1 + 4 * 2 and [ln.split(",")[:2] for ln in lines[1:]][::2] == [["0", "0"], ["1", "0"],
                                                                                      ["2", "0"], ["3", "0"]]
-    run_training(replace(cfg, steps=2, metrics=str(jsonl), checkpoint_dir=None, tensorboard=str(tb)), world_size=2,
-                 quiet=True)
+    results = run_training(replace(cfg, steps=2, metrics=str(jsonl), checkpoint_dir=None, tensorboard=str(tb)),
+                           world_size=2, quiet=True)
     rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
     assert [(r["step"], r["rank"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for row in rows:  # each rank's own figures, as that rank measured them (rank 0 writes them without a gather)
+        mine = results[row["rank"]]["metrics"][row["step"]]
+        for k in ("loss", "tokens", "step_time_s", "compute_s", "comm_s", "sync_s", "optimizer_s", "wait_s",
+                  "utilization", "microbatches", "rank_tokens", "lr", "grad_norm"):
+            assert row[k] == pytest.approx(mine[k], rel=1e-12), k
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb))

@@ -266,6 +266,20 @@ class SFTTrainer(Trainer):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
         return row
 
+    #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
+    OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens")
+
+    def every_rank_rows(self, row: dict) -> list[dict]:
+        """Every rank's row from the step's gathered stats (what each rank measured), without a
+        gather of the rows; the step's wall time and rates are rank 0's."""
+        col, out = self._stats, []
+        for r in range(self.world_size):
+            own = {k: (int(col[k][r]) if k in ("microbatches", "rank_tokens") else float(col[k][r]))
+                   for k in self.OWN_FIELDS}
+            out.append({**row, "rank": r, **own, "wait_s": row["step_time_s"] - own["compute_s"] - own["optimizer_s"],
+                        "utilization": own["compute_s"] / row["step_time_s"]})
+        return out
+
     def progress_line(self, step: int, row: dict) -> str | None:
         if not (step % max(1, self.cfg.steps // 10) == 0 or step + 1 == self.cfg.steps or row["eval_loss"] is not None
                 or row["skipped_update"]):
