@@ -56,11 +56,14 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
         assert r["partition"]["tokens_per_s"] <= 1.25 * r["even"]["tokens_per_s"]
 
 
-def test_the_sweep_estimate_scales_the_first_point_by_each_points_sequences():
+def test_the_sweep_estimate_fits_a_fixed_and_a_per_sequence_cost():
     from posttrain.lab.bench.odc import sweep_estimate
 
-    got = sweep_estimate(60.0, [2, 2, 4, 8], repeats=5)  # 60 s for 2 sequences: 30 s a sequence x 16 x 5
-    assert "about 40 min in all (4 points x 5 rounds" in got
+    # 20 s fixed + 10 s a sequence: 40 s at 2, 60 s at 4; points 2, 2, 4, 8 -> 40+40+60+100 = 240 s x 5 rounds
+    got = sweep_estimate([(2, 40.0), (2, 40.0), (4, 60.0)], [2, 2, 4, 8], repeats=5)
+    assert got.startswith("the measurements will take about 20 min in all (4 points x 5 rounds; a fixed cost")
+    one = sweep_estimate([(4, 60.0)], [4, 4], repeats=2)  # one size only: proportional
+    assert "about 4 min in all (2 points x 2 rounds; the first point's time scaled" in one
 
 
 def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path, cli):
@@ -70,8 +73,9 @@ def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path,
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("sweep: 4 points x 1 rounds x ")  # what it will run, before it runs
-    estimate = next(i for i, ln in enumerate(lines) if ln.startswith("the first point took"))
-    assert estimate < next(i for i, ln in enumerate(lines) if "seq/rank max_tokens   128" in ln)  # after the first point
+    estimate = next(i for i, ln in enumerate(lines) if ln.startswith("the measurements will take about"))
+    first_of_two = next(i for i, ln in enumerate(lines) if "round 1/1   2 seq/rank" in ln)
+    assert first_of_two < estimate < next(i for i, ln in enumerate(lines) if "round 1/1   2 seq/rank max_tokens   128" in ln)
     saved = json.loads(out.read_text())
     points = saved["points"]
     assert set(saved["calibration"]["engine"]) == {"one-sided", "collective"}  # what the predictions rest on

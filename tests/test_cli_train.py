@@ -210,6 +210,11 @@ def test_two_nodes_shard_within_each_node_and_train_like_one_process(tmp_path, r
     assert "Traceback (most recent call last):\n  File" not in err.split("posttrain: error:")[0]  # no rank traceback
 
 
+def test_odc_on_fsdp2_with_one_rank_replicas_is_refused_before_any_rank(cli):
+    rc, out, err = cli("train", "--dp", "odc-fsdp2", "--world-size", "2", "--replicas", "2", "--steps", "1")
+    assert rc == 2 and "--dp odc-fsdp2 with 2 replicas of one rank each" in err and "posttrain:" not in out
+
+
 def test_replicas_auto_follows_torchrun_nodes(monkeypatch):
     from posttrain.dp import EngineConfig, check_shard_hosts, resolve_replicas
 

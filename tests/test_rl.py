@@ -427,6 +427,8 @@ def test_rl_without_a_model_path_is_refused_unless_random_weights_are_asked_for(
     rc, _, err = cli("rl", "--task-dir", str(tmp_path / "task"), "--steps", "1")
     assert rc == 2 and "posttrain rl needs --model-path" in err and "--random-weights" in err
     assert not (tmp_path / "task").exists()  # refused before making anything
+    rc, _, err = cli("rl", "--random-weights", "--model-path", str(tmp_path), "--steps", "1")
+    assert rc == 2 and "--random-weights runs the chat task's untrained model instead of --model-path" in err
     rc, stdout, err = cli("rl", "--random-weights", "--task-dir", str(tmp_path / "task"), "--steps", "1",
                           "--samples-per-prompt", "2", "--prompts-per-step", "2", "--max-new-tokens", "4")
     assert rc == 0, err

@@ -237,3 +237,24 @@ def test_metrics_are_buffered_and_flushed_on_the_window_and_at_close(tmp_path):
     eager.append([{"step": 0, "loss": 1.0}])
     assert (tmp_path / "e.jsonl").read_text().count("\n") == 1  # the window passed: on disk at once
     eager.close()
+
+
+def test_a_wandb_finish_that_fails_loses_no_metrics_rows(tmp_path):
+    from posttrain.train.core import MetricsLog
+
+    class FailingRun:
+        step = 0
+
+        def log(self, figures, step):
+            pass
+
+        def finish(self, exit_code=0):
+            raise ConnectionError("no network")
+
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(str(path), flush_every=3600.0)
+    log._wandb = FailingRun()
+    log.append([{"step": 0, "loss": 1.0}])
+    with pytest.raises(ConnectionError):
+        log.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0]  # written before W&B's finish

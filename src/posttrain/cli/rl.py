@@ -39,6 +39,8 @@ def _run(c: RLCommand) -> int:
 
     cfg = replace(c.run, progress=True)
     _ = cfg.device_kind  # a device the run cannot use: one line, before the task below is made
+    if cfg.model_path is not None and c.random_weights:
+        raise ValueError("`random_weights` runs the chat task's untrained model instead of `model_path`: give one of them")
     if cfg.model_path is None and not c.random_weights:
         raise ValueError("posttrain rl needs `model_path`: a transformers model directory to train (README: post-train "
                          "the embedded chat model with posttrain train, then give its --output-dir), or "

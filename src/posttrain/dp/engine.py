@@ -358,14 +358,21 @@ def resolve_replicas(replicas: int | str, world: int) -> int:
 
 def check_shard_hosts(config: EngineConfig, world: int) -> None:
     """Refuse, before any work, an ODC engine whose shard groups would span the nodes of a
-    ``torchrun`` job: ODC's transports share one host's memory (the engine would refuse it
-    anyway, later, once every rank had built its model).
+    ``torchrun`` job (ODC's transports share one host's memory), and ODC on FSDP2 with shard
+    groups of one rank and several replicas (FSDP2 hands such gradients over only after its own
+    all-reduce). The engines would refuse both anyway, later, once every rank had built its model.
 
     Raises:
         ValueError: in one line, with the ``replicas`` that shards within each node.
     """
     from .registry import engine_class
 
+    if config.name == "odc-fsdp2":
+        replicas = resolve_replicas(config.replicas, world)
+        if replicas > 1 and world // replicas == 1:
+            raise ValueError(f"`engine.name` odc-fsdp2 with {replicas} replicas of one rank each: FSDP2 keeps a one-rank "
+                             "shard group's gradients to itself until its own all-reduce, so ODC cannot take them; "
+                             "shard over 2 or more ranks a replica, or use `engine.name` odc or fsdp")
     local, total = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     if not engine_class(config.name).one_sided or not (local and total and local.isdigit() and total.isdigit()):
         return

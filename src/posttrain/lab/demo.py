@@ -183,7 +183,7 @@ def _predict(cfg: TrainConfig, world_size: int, log, *, measured: float) -> dict
                                     log=lambda *a, **k: None)
     per_rank = cfg.sequences // world_size
     out = {n: predict_mechanism(replace(base, sequences=per_rank * n), machine, world_size=n)
-           for n in (world_size, *PREDICT_AT)}
+           for n in dict.fromkeys((world_size, *PREDICT_AT))}  # (the demo's own ranks once, first)
     log(f"PREDICTED, not measured: the simulator calibrated here, for the same data at more GPUs "
         f"({per_rank} sequences a GPU and step, this machine's costs):")
     log(f"  {'GPUs':>5} {'headroom':>9} {'mechanism':>10}")

@@ -375,12 +375,24 @@ def _log_split(points: list[dict], log: Callable) -> None:
         "products hold only roughly)")
 
 
-def sweep_estimate(first_s: float, sequences: Sequence[int], repeats: int) -> str:
-    """What the sweep will take, from the first point's time: each point's runs scale with its
-    sequences a step (the same steps, lengths drawn from the same profile)."""
-    total = first_s / sequences[0] * sum(sequences) * repeats
-    return (f"the first point took {first_s:.0f} s: the measurements will take about {total / 60:.0f} min in all "
-            f"({len(sequences)} points x {repeats} rounds, each point's time scaled by its sequences a step)")
+def sweep_estimate(timed: Sequence[tuple[int, float]], sequences: Sequence[int], repeats: int) -> str:
+    """What the sweep's measurements will take, from the points timed so far (``(sequences a
+    step, seconds)``): a fixed cost per point (processes, model, warm-up) plus a cost per sequence,
+    fitted through two points of different sizes; from one point, its time scaled by each point's
+    sequences (an overestimate where the fixed cost is large)."""
+    sizes = {n for n, _ in timed}
+    if len(sizes) >= 2:
+        (n0, t0), (n1, t1) = timed[0], next((n, t) for n, t in timed if n != timed[0][0])
+        per = max(0.0, (t1 - t0) / (n1 - n0))
+        fixed = max(0.0, t0 - per * n0)
+        total = sum(fixed + per * n for n in sequences) * repeats
+        how = "a fixed cost per point plus a cost per sequence, fitted to the first two points"
+    else:
+        n0, t0 = timed[0]
+        total = t0 / n0 * sum(sequences) * repeats
+        how = "the first point's time scaled by each point's sequences a step"
+    return (f"the measurements will take about {total / 60:.0f} min in all ({len(sequences)} points x {repeats} "
+            f"rounds; {how})")
 
 
 def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_tokens: Sequence[int],
@@ -407,16 +419,20 @@ def sweep_odc(base: TrainConfig, *, sequences_per_rank: Sequence[int], max_token
         points.append(cfg)
     rounds: list[list[dict]] = [[] for _ in points]
     log(f"sweep: {len(points)} points x {repeats} rounds x {len(MECHANISM_VARIANTS)} runs"
-        + (", then the simulator's calibration" if predict else "") + "; an estimate of the time follows the first point",
-        flush=True)
+        + (", then the simulator's calibration" if predict else "") + "; an estimate of the time follows the first "
+        "points", flush=True)
     began = time.perf_counter()
+    sizes = [c.sequences for c in points]
+    timed: list[tuple[int, float]] = []
     for k in range(repeats):
         for i, cfg in enumerate(points):
             tag = f"round {k + 1}/{repeats} {cfg.sequences // world_size:3d} seq/rank max_tokens {cfg.max_tokens:5d}  "
             t0 = time.perf_counter()
             rounds[i].append(factors(_round(cfg, world_size, MECHANISM_VARIANTS, log, tag, k)))
-            if k == 0 and i == 0:
-                log(sweep_estimate(time.perf_counter() - t0, [c.sequences for c in points], repeats), flush=True)
+            if k == 0 and len({n for n, _ in timed}) < 2:
+                timed.append((cfg.sequences, time.perf_counter() - t0))
+                if len({n for n, _ in timed}) == 2 or (len(set(sizes)) == 1 and len(timed) == 1):
+                    log(sweep_estimate(timed, sizes, repeats), flush=True)
     log(f"measured in {(time.perf_counter() - began) / 60:.1f} min", flush=True)
     machine = None
     if predict:

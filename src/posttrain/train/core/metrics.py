@@ -37,6 +37,8 @@ class MetricsLog:
         self.flush_every = flush_every
         self._flushed = time.monotonic()
         self._wandb = None
+        if wandb:  # first: a W&B run that cannot start leaves no file opened (and truncated) behind
+            self._wandb = _start_wandb(wandb, config or {}, state_dir, resume_from)
         self._file = None
         self._csv = None
         self._fields: list[str] | None = None
@@ -52,8 +54,6 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(tensorboard, purge_step=resume_from + 1 if resume_from else None)
-        if wandb:
-            self._wandb = _start_wandb(wandb, config or {}, state_dir, resume_from)
 
     def append(self, rows: list[dict]) -> None:
         """One step's rows (every rank's, rank 0's first)."""
@@ -92,15 +92,17 @@ class MetricsLog:
     def close(self, failed: bool = False) -> None:
         """Flush and close everything; the W&B run is finished (uploaded where online), marked
         failed where the training run ``failed``."""
-        if self._wandb is not None:
-            run, self._wandb = self._wandb, None
-            run.finish(exit_code=1 if failed else 0)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        try:  # the file and the events first: a W&B finish that fails (network, Ctrl-C) must not lose rows
+            if self._file is not None:
+                file, self._file = self._file, None
+                file.close()
+            if self._tb is not None:
+                tb, self._tb = self._tb, None
+                tb.close()
+        finally:
+            if self._wandb is not None:
+                run, self._wandb = self._wandb, None
+                run.finish(exit_code=1 if failed else 0)
 
 
 #: The file in the checkpoint folder that names the W&B run a resumed run continues.
@@ -115,8 +117,15 @@ def _start_wandb(project: str, config: dict[str, Any], state_dir: str | None, re
     kept = os.path.join(state_dir, WANDB_RUN_FILE) if state_dir else None
     run_id = None
     if kept and resume_from and os.path.exists(kept):
-        with open(kept) as f:
-            run_id = json.load(f).get("id")
+        try:
+            with open(kept) as f:
+                run_id = json.load(f).get("id")
+        except (OSError, ValueError, AttributeError):
+            import warnings
+
+            warnings.warn(f"{kept} is unreadable: the resumed run starts a new W&B run", RuntimeWarning, stacklevel=2)
+        if not isinstance(run_id, str):
+            run_id = None
     try:
         run = wandb.init(project=project, config=config, id=run_id, resume="allow" if run_id else None)
     except Exception as e:  # wandb's own errors (no API key, network) in one line
