@@ -334,3 +334,49 @@ def test_killed_at_random_points_a_run_resumes_to_the_uninterrupted_result(tmp_p
     rc, _, err = cli("export", str(tmp_path / "ck"), str(out))
     assert rc == 0, err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")) == []  # no temporaries
+
+
+_STUCK = """
+import multiprocessing, os, signal, sys, threading, time
+from pathlib import Path
+from posttrain.data import dataset
+dataset.STOP_GRACE_S = 1.0
+work = Path(sys.argv[1])
+work.mkdir()
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+worker.start()
+print(worker.pid, flush=True)
+with dataset._stopped_at_once(work):
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    lock = threading.Lock()
+    lock.acquire()
+    while True:  # an unwinding that never gets out: the interrupt swallowed, the wait resumed
+        try:
+            lock.acquire()
+        except BaseException:
+            pass
+"""
+
+
+def test_an_interrupted_tokenizing_that_cannot_unwind_still_ends_clean(tmp_path):
+    """The watchdog behind a hang seen twice in CI (SIGTERM while tokenizing, the process still
+    there 30 s later): the workers are killed and the half-built cache removed at once, and the
+    process ends with the command's one line after the grace period, whatever its main thread does."""
+    import psutil
+
+    work = tmp_path / ".cache.123.partial"
+    proc = subprocess.run([sys.executable, "-c", _STUCK, str(work)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stderr.strip() == ("posttrain: interrupted by SIGTERM; every rank stopped (a --checkpoint-dir run "
+                                   "resumes from its last checkpoint)")
+    assert not work.exists()
+    worker = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if psutil.Process(worker).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        assert time.monotonic() < deadline, "the worker outlived the interrupt"
+        time.sleep(0.1)

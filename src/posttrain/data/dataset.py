@@ -14,6 +14,7 @@ Errors name where: ``file:line`` for JSONL, ``file[row]`` for JSON arrays and ``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -310,8 +311,9 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
         global _TOKENIZING
         _TOKENIZING = os.getpid()  # the workers forked now die with this process
         try:
-            table = datasets.Dataset.from_generator(gen, gen_kwargs=kwargs, features=features, num_proc=nproc,
-                                                    cache_dir=str(work / "build"), keep_in_memory=False)
+            with _stopped_at_once(work):
+                table = datasets.Dataset.from_generator(gen, gen_kwargs=kwargs, features=features, num_proc=nproc,
+                                                        cache_dir=str(work / "build"), keep_in_memory=False)
         except datasets.exceptions.DatasetGenerationError as e:
             cause = e.__cause__ or e.__context__
             raise (cause if isinstance(cause, ValueError) else ValueError(str(e))) from None
@@ -341,6 +343,78 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+#: Seconds an interrupted tokenizing process has to unwind before it ends itself (see
+#: :func:`_stopped_at_once`).
+STOP_GRACE_S = 10.0
+
+
+@contextlib.contextmanager
+def _stopped_at_once(work: Path) -> Iterator[None]:
+    """While tokenizing with worker processes, SIGINT and SIGTERM first kill the workers and
+    remove the half-built cache ``work``, then unwind as the command's own handlers do. Should
+    the unwinding hang (an interrupt raised while the worker pool's machinery holds one of its
+    locks can leave its shutdown waiting forever: seen twice in CI, not reproduced in 16 tries
+    here), a watchdog prints the command's one line and ends the process after
+    :data:`STOP_GRACE_S` seconds: there is nothing left to clean by then. An unwinding that gets
+    out of the pool in time cancels the watchdog."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from posttrain.launch import Interrupted
+
+    olds: dict[int, Any] = {}
+    timers: list = []
+
+    def stop(signum, frame):
+        old = olds.get(signum)
+        if old == signal.SIG_IGN:
+            return
+        _kill_children()
+        shutil.rmtree(work, ignore_errors=True)
+
+        def end() -> None:
+            print(f"posttrain: interrupted by {signal.Signals(signum).name}; every rank stopped (a --checkpoint-dir "
+                  "run resumes from its last checkpoint)", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+        timers.append(_daemon_timer(STOP_GRACE_S, end))
+        if callable(old):
+            old(signum, frame)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        olds[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, old in olds.items():
+            signal.signal(sig, old)
+        for t in timers:  # the unwinding got out of the pool: the caller takes it from here
+            t.cancel()
+
+
+def _daemon_timer(seconds: float, fn):
+    import threading
+
+    t = threading.Timer(seconds, fn)
+    t.daemon = True
+    t.start()
+    return t
+
+
+def _kill_children() -> None:
+    """SIGKILL every process this one started (the tokenizing workers)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def _interrupt_in(exc: BaseException) -> BaseException | None:
