@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -112,6 +113,10 @@ def test_tokenized_cache_is_made_once_reused_and_invalidated(tmp_path, tok, chat
     ref = encode_record(chat_task_records(40, seed=1)[3], tok)
     assert ids.tolist() == ref.input_ids and labels.tolist() == ref.labels
     assert a.lengths.tolist() == [len(encode_record(r, tok).input_ids) for r in chat_task_records(40, seed=1)]
+    batch = a.examples([5, 3, 5, 39], max_len=6)  # one batched lookup: the same records, in order, repeats kept
+    for (ids, labels), i in zip(batch, [5, 3, 5, 39]):
+        one = a.example(i, max_len=6)
+        assert torch.equal(ids, one[0]) and torch.equal(labels, one[1]) and len(ids) <= 6
     b = load_tokenized(data, tok, tokenizer_path=chat_tokenizer_dir, progress=False, log=said.append)
     assert len(said) == 1 and b.cache == a.cache  # a second run opens the cache
     c = load_tokenized(data, tok, tokenizer_path=chat_tokenizer_dir, train_on_prompt=True, progress=False,

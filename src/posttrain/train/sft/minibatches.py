@@ -144,13 +144,11 @@ class TrainData:
             lengths = profile_lengths(cfg.profile, cfg.sequences, max_len=cfg.max_len, seed=seed)
             return [Sample(s) for s in synthetic_sequences([n + 1 for n in lengths], vocab_size=SYNTHETIC_VOCAB,
                                                            seed=seed)]
-        n, out = len(self._index), []
+        n, records = len(self._index), []
         for pos in range(step * cfg.sequences, (step + 1) * cfg.sequences):
             epoch, i = divmod(pos, n)
-            perm = self._permutation(epoch)
-            ids, labels = self.dataset.example(int(self._index[int(perm[i])]), max_len=cfg.max_tokens + 1)
-            out.append(Sample(ids, labels))
-        return out
+            records.append(int(self._index[int(self._permutation(epoch)[i])]))
+        return [Sample(ids, labels) for ids, labels in self.dataset.examples(records, max_len=cfg.max_tokens + 1)]
 
 
 def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model_vocab: int | None, log,
