@@ -134,3 +134,23 @@ def test_a_cuda_run_starts_one_process_per_gpu_by_default(fake_cuda, monkeypatch
     fake_cuda(4)
     assert launch_world(None, "cuda") == (4, True) and launch_world(None, "cpu") == (2, True)
     assert launch_world(3, "cuda") == (3, True)
+
+
+def test_tf32_is_a_cuda_setting_refused_on_the_cpu_and_nothing_there():
+    from posttrain.train.core import check_run
+    from posttrain.train.sft import TrainConfig
+
+    with pytest.raises(ValueError, match=r"`tf32` is a CUDA setting .* this run is on the CPU: leave it out"):
+        check_run(TrainConfig(device="cpu", tf32=True))
+    before = torch.backends.cuda.matmul.allow_tf32
+    device.allow_tf32(torch.device("cpu"), True)  # nothing to set on the CPU
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.cuda
+def test_tf32_on_cuda_sets_and_clears_the_matmul_flag():
+    dev = torch.device("cuda", 0)
+    device.allow_tf32(dev, True)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    device.allow_tf32(dev, False)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32

@@ -24,9 +24,9 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "backend", "check_world", "cuda_available", "current", "describe", "device_count", "local_rank",
-           "matmul_tflops", "max_memory_allocated", "physical_id", "rank_device", "rank_kind", "reset_peak_memory", "resolve",
-           "start_method", "synchronize", "use"]
+__all__ = ["DEVICES", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
+           "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "physical_id", "rank_device",
+           "rank_kind", "reset_peak_memory", "resolve", "start_method", "synchronize", "use"]
 
 #: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
 DEVICES = ("auto", "cpu", "cuda")
@@ -175,6 +175,15 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, *, n
         if i:
             times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def allow_tf32(device: torch.device, allowed: bool) -> None:
+    """Let fp32 matrix products and cuDNN convolutions on ``device`` use TF32 (``allowed``), or
+    keep them in full fp32. Nothing on the CPU, where TF32 does not exist."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
 
 
 def synchronize(device: torch.device) -> None:

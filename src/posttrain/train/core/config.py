@@ -199,6 +199,9 @@ class RunConfig:
         progress: on rank 0, a progress bar (on a terminal) and a line every tenth of the run.
         device: ``auto`` (CUDA where torch can use it and the trainer and engine run on it, else
             the CPU), ``cpu`` or ``cuda`` (one rank per GPU).
+        tf32: on CUDA, let fp32 matrix products and convolutions use TF32 tensor cores (faster,
+            about 10 mantissa bits in the products; bf16 runs are unaffected). A CUDA setting:
+            refused on the CPU.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -214,6 +217,7 @@ class RunConfig:
     save_every: int = 0
     progress: bool = field(default=False, metadata={"cli": False})
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    tf32: bool = False
 
     #: Fields that decide which data each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("seed",)

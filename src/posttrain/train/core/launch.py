@@ -48,6 +48,9 @@ def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None,
     under ``checkpoint_dir`` that is unreadable or was written by another kind of run. Returns
     that checkpoint's metadata (``None``: nothing to resume)."""
     kind = cfg.device_kind
+    if cfg.tf32 and kind != "cuda":
+        raise ValueError(f"`tf32` is a CUDA setting (TF32 tensor cores for fp32 matrix products); this run is on the "
+                         f"{kind.upper()}: leave it out")
     if world_size is not None:
         local = os.environ.get("LOCAL_WORLD_SIZE") if under_torchrun() else None
         check_world(kind, world_size, local_world_size=int(local) if local else None)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_minibatch
-from posttrain.device import rank_device, rank_kind, synchronize, use
+from posttrain.device import allow_tf32, rank_device, rank_kind, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
 from posttrain.models.lora import add_lora, check_model_targets, write_model
@@ -192,6 +192,7 @@ class SFTTrainer(Trainer):
             _ = cfg.device_kind  # (a trainer or engine that does not run there: one line)
         self.device = rank_device(kind, rank)
         use(self.device)
+        allow_tf32(self.device, cfg.tf32)
         self.data = TrainData(cfg, world_size)
         self.rec = Recorder(rank)
         self.training = build_training(cfg, self.data.vocab_size, self.device)
