@@ -380,3 +380,28 @@ def test_an_interrupted_tokenizing_that_cannot_unwind_still_ends_clean(tmp_path)
             break
         assert time.monotonic() < deadline, "the worker outlived the interrupt"
         time.sleep(0.1)
+
+
+_FORKED = """
+import os, signal, sys
+from pathlib import Path
+from posttrain.data import dataset
+work = Path(sys.argv[1])
+work.mkdir()
+with dataset._stopped_at_once(work):
+    pid = os.fork()
+    if pid == 0:  # a worker in the window before its own handlers are set
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(0)  # (not reached: SIGTERM's default action ends it)
+    _, status = os.waitpid(pid, 0)
+print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, work.exists())
+"""
+
+
+def test_a_worker_signalled_before_its_handlers_are_set_just_ends(tmp_path):
+    """CI caught a worker that the pool's terminate() signalled while it was being forked: it ran
+    the tokenizing process's handler (a traceback on stderr; the half-built cache removed from
+    under the parent). Such a worker now ends as its own handler would have it, touching nothing."""
+    proc = subprocess.run([sys.executable, "-c", _FORKED, str(tmp_path / "work")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"] and not proc.stderr, proc.stderr

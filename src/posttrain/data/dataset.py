@@ -381,8 +381,16 @@ def _stopped_at_once(work: Path) -> Iterator[None]:
 
     olds: dict[int, Any] = {}
     timers: list = []
+    owner = os.getpid()
 
     def stop(signum, frame):
+        if os.getpid() != owner:
+            # A worker being forked inherits this handler until its fork hook resets it; a signal
+            # in that window (the pool's terminate() sends SIGTERM) does what the worker's would.
+            if signum == signal.SIGTERM:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         old = olds.get(signum)
         if old == signal.SIG_IGN:
             return
