@@ -59,6 +59,11 @@ class Interrupted(Exception):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
 
+    @property
+    def line(self) -> str:
+        """What the command prints for it (one line)."""
+        return f"posttrain: {self}; every rank stopped (a --checkpoint-dir run resumes from its last checkpoint)"
+
 
 class RanksFailedError(RuntimeError):
     """One or more ranks of a :func:`run_ranks` job raised, died or timed out."""

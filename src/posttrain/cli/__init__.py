@@ -132,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain: error: {e.summary()} (tracebacks: {_log_failure(e)})", file=sys.stderr)
         rc = 1
     except (Interrupted, KeyboardInterrupt) as e:
-        name = str(e) if isinstance(e, Interrupted) else "interrupted by SIGINT"
-        print(f"posttrain: {name}; every rank stopped (a --checkpoint-dir run resumes from its last checkpoint)",
-              file=sys.stderr)
+        print((e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)).line, file=sys.stderr)
         rc = 130 if not isinstance(e, Interrupted) or e.signum == 2 else 143
     finally:
         if old_term is not None:

@@ -398,8 +398,7 @@ def _stopped_at_once(work: Path) -> Iterator[None]:
         shutil.rmtree(work, ignore_errors=True)
 
         def end() -> None:
-            print(f"posttrain: interrupted by {signal.Signals(signum).name}; every rank stopped (a --checkpoint-dir "
-                  "run resumes from its last checkpoint)", file=sys.stderr, flush=True)
+            print(Interrupted(signum).line, file=sys.stderr, flush=True)
             os._exit(128 + signum)
 
         timers.append(_daemon_timer(STOP_GRACE_S, end))
