@@ -15,10 +15,7 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 
 __all__ = ["KEEP", "readme_commands", "run_readme"]
@@ -63,14 +60,9 @@ def readme_outputs(text: str) -> dict[str, str]:
 
 
 def _posttrain(argv: Sequence[str], cwd: str, log: Callable[[str], None]) -> list[str]:
-    log("$ " + shlex.join(argv))
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "posttrain", *argv[1:]], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log(f"  ({time.monotonic() - start:.0f} s, exit {proc.returncode})")
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return proc.stdout.splitlines()
+    from posttrain.lab.results import run_posttrain
+
+    return run_posttrain(argv[1:], log, cwd=cwd)
 
 
 def run_readme(path: str = "README.md", *, log: Callable[[str], None] = print,

@@ -130,15 +130,24 @@ def _commit() -> str:
     return head + (" with uncommitted changes" if dirty else "")
 
 
-def _run(argv: Sequence[str], log: Callable[[str], None]) -> str:
-    cmd = [sys.executable, "-m", "posttrain", *argv]
+def run_posttrain(argv: Sequence[str], log: Callable[[str], None], *, cwd: str | None = None,
+                  ok: tuple[int, ...] = (0,)) -> list[str]:
+    """``posttrain ARGV`` in a fresh process (in ``cwd``), said and timed in ``log``; its standard
+    output's lines. Raises ``RuntimeError`` (with the end of its standard error) on an exit
+    status not in ``ok``."""
     log("$ posttrain " + " ".join(argv))
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run([sys.executable, "-m", "posttrain", *argv], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     log(f"  ({time.monotonic() - start:.0f} s, exit {proc.returncode})")
-    if proc.returncode not in (0, 1):  # 1: ran, and reports a target missed
+    if proc.returncode not in ok:
         raise RuntimeError(f"posttrain {' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return "\n".join(line for line in proc.stdout.splitlines() if not _NOISE.match(line)).strip()
+    return proc.stdout.splitlines()
+
+
+def _run(argv: Sequence[str], log: Callable[[str], None]) -> str:
+    lines = run_posttrain(argv, log, ok=(0, 1))  # 1: ran, and reports a target missed
+    return "\n".join(line for line in lines if not _NOISE.match(line)).strip()
 
 
 def _blocks(section_text: str) -> dict[str, str]:
