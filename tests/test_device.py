@@ -45,9 +45,13 @@ def test_a_device_the_run_cannot_use_is_one_line(fake_cuda, name, supported, mes
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_backend_keeps_gloo_for_cpu_tensors_and_nccl_for_cuda_tensors():
+def test_backend_keeps_gloo_for_cpu_tensors_and_nccl_for_cuda_tensors(fake_cuda):
     assert device.backend("cpu") == "gloo"
     assert device.backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert device.backend("cuda", shared=True) == "gloo"  # ranks sharing a GPU: NCCL would refuse them
+    fake_cuda(2)
+    assert not device.shares_devices("cuda", 2) and device.shares_devices("cuda", 3)
+    assert not device.shares_devices("cpu", 64)
 
 
 def test_each_rank_takes_its_local_device_and_nccl_gets_one_rank_per_gpu(fake_cuda, monkeypatch):
@@ -59,9 +63,35 @@ def test_each_rank_takes_its_local_device_and_nccl_gets_one_rank_per_gpu(fake_cu
     assert device.rank_device("cpu", 7) == torch.device("cpu")
     device.check_world("cuda", 2)
     device.check_world("cpu", 64)
-    with pytest.raises(ValueError, match="world_size=3 ranks on this host but it has 2 cuda device"):
+    with pytest.raises(ValueError, match=r"world_size=3 ranks on this host but it has 2 cuda device.*use an ODC engine"):
         device.check_world("cuda", 3)
+    device.check_world("cuda", 3, shared_ok=True)  # an engine whose ranks may share a GPU
     device.check_world("cuda", 16, local_world_size=2)  # torchrun: 2 on this host, the rest elsewhere
+
+
+def test_a_run_shares_gpus_only_with_an_engine_that_needs_no_nccl(fake_cuda):
+    """Flat ODC moves data through its device transport and all-reduces the rest (gloo carries
+    that on CUDA), so its ranks may share a GPU; FSDP2's all-gathers need NCCL, one rank a GPU."""
+    from posttrain.train.core import check_run
+    from posttrain.train.sft import TrainConfig
+
+    fake_cuda(1)
+    assert TrainConfig(engine=EngineConfig("odc")).device_sharing
+    assert not TrainConfig(engine=EngineConfig("odc-fsdp2")).device_sharing
+    assert not TrainConfig(engine=EngineConfig("fsdp")).device_sharing
+    check_run(TrainConfig(engine=EngineConfig("odc"), device="cuda"), world_size=2)
+    for dp in ("fsdp", "odc-fsdp2"):
+        with pytest.raises(ValueError, match="world_size=2 ranks on this host but it has 1 cuda device"):
+            check_run(TrainConfig(engine=EngineConfig(dp), device="cuda"), world_size=2)
+
+
+def test_adding_into_a_tensor_runs_where_it_lives():
+    """``add_into`` (a deterministic ODC push into an owner's slot): on one device a plain add,
+    with the dtype converted."""
+    dst = torch.zeros(5)
+    device.add_into(dst, torch.arange(5, dtype=torch.bfloat16))
+    assert torch.equal(dst, torch.arange(5.0))
+    assert device.visible_index("cpu") is None
 
 
 def test_accelerator_ranks_are_spawned_and_get_the_launchers_device(monkeypatch):
@@ -92,14 +122,11 @@ def test_a_run_resolves_over_what_its_trainer_and_engine_run_on(fake_cuda):
     from posttrain.train.sft.pipeline import PipelineConfig
 
     fake_cuda(1)
-    assert TrainConfig(engine=EngineConfig("fsdp")).device_kind == "cuda"  # auto
-    assert TrainConfig().device_kind == "cpu"  # flat ODC: its transport is host shared memory
-    assert RLConfig().device_kind == "cpu" and PipelineConfig().device_kind == "cpu"
-    for cfg, message in ((TrainConfig(device="cuda"), "the SFT trainer with the odc engine runs on cpu only"),
-                         (RLConfig(device="cuda"), "the RL trainer"),
-                         (PipelineConfig(device="cuda"), "the pipeline trainer")):
-        with pytest.raises(ValueError, match=message):
-            _ = cfg.device_kind
+    for dp in ("fsdp", "odc", "odc-fsdp2"):  # auto: every engine of the SFT and RL trainers runs on CUDA
+        assert TrainConfig(engine=EngineConfig(dp)).device_kind == "cuda"
+    assert RLConfig().device_kind == "cuda" and PipelineConfig().device_kind == "cpu"
+    with pytest.raises(ValueError, match="device='cuda': the pipeline trainer with the odc engine runs on cpu only"):
+        _ = PipelineConfig(device="cuda").device_kind
     with pytest.raises(ValueError, match="device='gpu' is not one of auto, cpu, cuda"):
         TrainConfig(device="gpu")
 

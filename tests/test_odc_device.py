@@ -17,7 +17,7 @@ import posttrain.odc as odc_mod
 from odc_helpers import LR, STEPS, assert_states_close, loss_of, make_gpt, step_data, train_reference
 from posttrain.launch import run_ranks
 from posttrain.odc import PeerFailedError, ShmTransport
-from posttrain.odc._cuda import DeviceTransport, accumulate_atomic, check_one_device, region_offsets
+from posttrain.odc._cuda import DeviceTransport, accumulate_atomic, check_visible, open_handle, region_offsets
 
 NUMEL = (1 << 20) + 4099  # fp32: more than one index chunk and one lock stripe, not a multiple of either
 REPEATS = 8
@@ -54,13 +54,28 @@ def test_the_device_transport_refuses_the_cpu_in_one_line():
         odc_mod.ODCConfig(device_accumulate="x")
 
 
-def test_ranks_on_several_gpus_are_refused_in_one_line_naming_them():
-    check_one_device(["cuda:GPU-a", "cuda:GPU-a"], [0, 1])
-    with pytest.raises(ValueError, match=r"on several \(rank 0: cuda:GPU-a, rank 2: cuda:GPU-b\); ODC across GPUs"):
-        check_one_device(["cuda:GPU-a", "cuda:GPU-b"], [0, 2])
+def test_a_peer_handle_opens_on_this_processs_number_for_its_gpu():
+    """A handle carries the producer's device index; the consumer opens it on its own index for
+    that GPU (found by UUID), everything else passed through as torch's rebuild takes it."""
+    seen = []
+
+    def rebuild(*args):
+        seen.append(args)
+        return "tensor"
+
+    args = ("cls", (4,), (1,), 0, "storage", torch.float32, 3, b"handle", 16, 0, False, b"ref", 0, b"event", True)
+    assert open_handle((rebuild, args), 1) == "tensor"
+    assert seen == [(*args[:6], 1, *args[7:])]
 
 
-def _contract_worker(rank, world_size, kind, accumulate):
+def test_a_peer_on_a_gpu_this_rank_cannot_see_is_refused_in_one_line():
+    check_visible(["cuda:GPU-a", "cuda:GPU-b"], [0, 1], [0, 1])
+    with pytest.raises(ValueError) as e:
+        check_visible(["cuda:GPU-a", "cuda:GPU-b"], [0, None], [0, 2])
+    assert "cannot see the GPU of rank 2 (cuda:GPU-b)" in str(e.value) and "\n" not in str(e.value)
+
+
+def _contract_worker(rank, world_size, kind, accumulate, gpus=1):
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -69,7 +84,7 @@ def _contract_worker(rank, world_size, kind, accumulate):
         dev = torch.device("cpu")
         t = ShmTransport.create(group, regions, timeout_s=20)
     else:
-        dev = torch.device("cuda", 0)  # ranks sharing one GPU: what the device transport serves so far
+        dev = torch.device("cuda", rank % gpus)  # ranks sharing one GPU, or one GPU each
         torch.accelerator.set_device_index(dev.index)
         t = DeviceTransport.create(group, regions, device=dev, timeout_s=20, accumulate=accumulate)
     out = {}
@@ -100,16 +115,21 @@ def _contract_worker(rank, world_size, kind, accumulate):
     return out
 
 
-TRANSPORTS = [pytest.param("shm", None, id="shm"),
-              pytest.param("cuda", "atomic", id="cuda-ipc-atomic", marks=pytest.mark.cuda),
-              pytest.param("cuda", "locked", id="cuda-ipc-locked", marks=pytest.mark.cuda)]
+TWO_GPUS = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+TRANSPORTS = [pytest.param("shm", None, 1, id="shm"),
+              pytest.param("cuda", "atomic", 1, id="cuda-ipc-atomic", marks=pytest.mark.cuda),
+              pytest.param("cuda", "locked", 1, id="cuda-ipc-locked", marks=pytest.mark.cuda),
+              pytest.param("cuda", "atomic", 2, id="two-gpus-atomic", marks=TWO_GPUS),
+              pytest.param("cuda", "locked", 2, id="two-gpus-locked", marks=TWO_GPUS)]
 
 
-@pytest.mark.parametrize(("kind", "accumulate"), TRANSPORTS)
-def test_every_transport_keeps_the_contract(kind, accumulate):
-    """Two ranks: each sees the other's region after a barrier, concurrent adds into one owner
-    sum exactly, published values are read back, and an abort reaches the waiting peer."""
-    results = run_ranks(_contract_worker, 2, kind, accumulate, start="spawn" if kind == "cuda" else None, timeout_s=240)
+@pytest.mark.parametrize(("kind", "accumulate", "gpus"), TRANSPORTS)
+def test_every_transport_keeps_the_contract(kind, accumulate, gpus):
+    """Two ranks (on one GPU, or on two: the adds into rank 0's memory then run on rank 0's GPU):
+    each sees the other's region after a barrier, concurrent adds into one owner sum exactly,
+    published values are read back, and an abort reaches the waiting peer."""
+    results = run_ranks(_contract_worker, 2, kind, accumulate, gpus, start="spawn" if kind == "cuda" else None,
+                        timeout_s=240)
     want = float(REPEATS * (1 + 2))
     for got in results:
         assert got["views"] == [True, True] and got["values"] == [10, 11], got
@@ -122,8 +142,9 @@ def _flat_worker(rank, world_size, kind, counts, overrides):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dev = torch.device("cpu")
+    gpus = overrides.pop("gpus", 1)
     if kind == "cuda":
-        dev = torch.device("cuda", 0)
+        dev = torch.device("cuda", rank % gpus)
         torch.accelerator.set_device_index(dev.index)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if overrides.pop("bf16") else None
     model = odc_mod.flat_shard(make_gpt().to(dev), mp_policy=mp, **overrides)
@@ -154,7 +175,9 @@ def _flat_worker(rank, world_size, kind, counts, overrides):
     pytest.param("cpu", {}, id="cpu"),
     *[pytest.param("cuda", o, id=f"cuda-{name}", marks=pytest.mark.cuda) for name, o in [
         ("atomic", {}), ("locked", {"device_accumulate": "locked"}), ("deterministic", {"deterministic": True}),
-        ("bf16", {"bf16": True})]]])
+        ("bf16", {"bf16": True})]],
+    *[pytest.param("cuda", o, id=f"two-gpus-{name}", marks=TWO_GPUS) for name, o in [
+        ("atomic", {"gpus": 2}), ("deterministic", {"gpus": 2, "deterministic": True})]]])
 def test_flat_odc_on_a_gpu_matches_the_single_process_reference(kind, overrides):
     """Two processes on the GPU(s) (the CPU: the same code on host memory), unequal microbatch
     counts, regions in device memory."""

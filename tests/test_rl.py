@@ -5,12 +5,14 @@ run end to end. A failure names the estimator, aggregation or engine that disagr
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
 from posttrain.balance import FlopsCost
+from posttrain.device import backend as device_backend
 from posttrain.dp import EngineConfig, build_engine
 from posttrain.launch import run_ranks
 from posttrain.models import find_blocks, load_pretrained
@@ -250,11 +252,15 @@ def test_rl_config_clip_bounds_default_to_the_symmetric_shorthand():
         RLConfig(clip_eps_low=1.5)
 
 
-def _update_worker(rank, world, cfg, model_dir, lengths):
+def _update_worker(rank, world, cfg, model_dir, lengths, kind="cpu"):
     torch.manual_seed(0)
     model = load_pretrained(model_dir)
     rolls = _rollouts(model, model.config.vocab_size, lengths)
     cost = FlopsCost.from_config(model.config)
+    if kind == "cuda":  # (two ranks on one GPU share it: flat ODC's run over gloo)
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.accelerator.set_device_index(dev.index)
+        model.to(dev)
     engine = build_engine(model, cfg.engine)
     opt = torch.optim.SGD(engine.parameters(), lr=cfg.optim.lr)
     st = update_minibatch(engine, model, opt, rolls, cfg, rank, world, cost)
@@ -265,19 +271,29 @@ def _update_worker(rank, world, cfg, model_dir, lengths):
     return full, st
 
 
-@pytest.mark.parametrize("engine, agg, world", [
-    (EngineConfig("odc"), "token-mean", 2), (EngineConfig("fsdp"), "seq-mean-token-mean", 2),
-    (EngineConfig("odc-fsdp2"), "seq-mean-token-sum", 2), (EngineConfig("odc", mode="collective"), "token-mean", 2),
+CUDA_WORLD = min(2, torch.cuda.device_count())  # (NVML: no CUDA context in the test process)
+
+
+@pytest.mark.parametrize("engine, agg, world, kind", [
+    (EngineConfig("odc"), "token-mean", 2, "cpu"), (EngineConfig("fsdp"), "seq-mean-token-mean", 2, "cpu"),
+    (EngineConfig("odc-fsdp2"), "seq-mean-token-sum", 2, "cpu"),
+    (EngineConfig("odc", mode="collective"), "token-mean", 2, "cpu"),
     # the run's engine section reaches the update whole: HSDP and activation checkpointing too
-    (EngineConfig("odc", replicas=2, activation_checkpointing=True), "token-mean", 4),
+    (EngineConfig("odc", replicas=2, activation_checkpointing=True), "token-mean", 4, "cpu"),
+    # on the GPU: flat ODC on 2 ranks (sharing one GPU where there is one), FSDP2 one rank per GPU
+    pytest.param(EngineConfig("odc"), "token-mean", 2, "cuda", marks=pytest.mark.cuda, id="odc-cuda"),
+    pytest.param(EngineConfig("fsdp"), "seq-mean-token-mean", CUDA_WORLD or 1, "cuda", marks=pytest.mark.cuda,
+                 id="fsdp-cuda"),
 ])
-def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_model, engine, agg, world):
+def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_model, engine, agg, world, kind):
     model_dir = tiny_model("llama")
     cfg = RLConfig(engine=engine, balance="diff_micro", loss_agg=agg, kl_coef=0.1, optim=OptimConfig("sgd", lr=0.5),
                    max_tokens=64)
-    results = run_ranks(_update_worker, world, cfg, model_dir, LENGTHS)
+    backend = device_backend("cuda", shared=world > CUDA_WORLD) if kind == "cuda" else "gloo"
+    results = run_ranks(_update_worker, world, cfg, model_dir, LENGTHS, kind, backend=backend,
+                        start="spawn" if kind == "cuda" else None)
     micro = [int(st["microbatches"]) for _, st in results]
-    if not engine.label.endswith(("fsdp", "collective")):
+    if not engine.label.endswith(("fsdp", "collective")) and world > 1:
         assert len(set(micro)) > 1  # the ranks ran different numbers of microbatches
     assert results[0][1]["mesh_dims"] == (2 if engine.replicas not in (1, "auto") else 1)
     assert results[0][1]["checkpointed"] == engine.activation_checkpointing
@@ -292,9 +308,28 @@ def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_m
     start = load_pretrained(model_dir).hf.state_dict()
     assert set(results[0][0]) == set(want)
     for name, value in results[0][0].items():
-        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(value, want[name], atol=1e-5 if kind == "cpu" else 1e-4, rtol=1e-4, msg=name)
     assert any(not torch.equal(want[n], start[n]) for n in want)  # the step changed the weights
     assert results[0][1]["tokens"] == sum(n for _, n in LENGTHS)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dp", ["odc", "fsdp"])
+def test_a_short_rl_run_on_cuda_samples_updates_and_exports(tmp_path, tiny_model, dp):
+    """The whole loop on the GPU: rollouts sampled there, the reference and the update sharded
+    there (flat ODC: 2 ranks, sharing one GPU where there is one; FSDP2: one rank per GPU)."""
+    from posttrain.data.tasks import chat_task_records
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
+    world = 2 if dp == "odc" else CUDA_WORLD
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), samples_per_prompt=4, prompts_per_step=4,
+                   max_new_tokens=8, steps=2, max_tokens=128, kl_coef=0.05, engine=EngineConfig(dp), device="cuda",
+                   skip_equal_reward_groups=False, output_dir=str(tmp_path / "out"))
+    rows = run_rl(cfg, world_size=world, quiet=True)[0]["metrics"]
+    assert len(rows) == 2 and all(r["updates"] == 1 and r["rollout_tokens_per_s"] > 0 for r in rows)
+    assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["kl"]) for r in rows)
+    assert (tmp_path / "out" / "config.json").exists()
 
 
 def test_rewards_that_raise_or_are_not_finite_are_named():

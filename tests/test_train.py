@@ -67,6 +67,32 @@ def test_fsdp2_on_cuda_checkpoints_and_resumes(tmp_path):
     assert rest == pytest.approx(want[2:], rel=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", [E("odc"), E("odc", deterministic=True), E("odc-fsdp2")], ids=["odc", "odc-det", "odc-fsdp2"])
+def test_odc_engines_on_cuda_follow_the_cpu_loss_curve(engine):
+    """ODC's engines in the trainer with the model, batches and ODC's regions in GPU memory (the
+    device transport): flat ODC on 2 ranks whatever the GPUs (two on one GPU share it over gloo),
+    ODC on FSDP2 one rank per GPU (its evaluation gathers are FSDP2's: NCCL), unequal
+    microbatch counts."""
+    world = 2 if engine.name == "odc" else min(2, torch.cuda.device_count())
+    cfg = replace(BASE, engine=engine, balance="diff_micro")
+    want = run_training(replace(cfg, device="cpu"), world_size=world, quiet=True)
+    got = run_training(replace(cfg, device="cuda"), world_size=world, quiet=True)
+    assert [r["loss"] for r in got[0]["metrics"]] == pytest.approx([r["loss"] for r in want[0]["metrics"]], rel=1e-3)
+
+
+@pytest.mark.cuda
+def test_flat_odc_on_cuda_checkpoints_and_resumes(tmp_path):
+    """Flat ODC's sharded checkpoint from GPU memory (2 ranks, sharing a GPU where there is one)
+    resumes to the uninterrupted curve."""
+    cfg = replace(BASE, engine=E("odc"), optim=ADAMW, steps=4, device="cuda")
+    want = [r["loss"] for r in run_training(cfg, world_size=2, quiet=True)[0]["metrics"]]
+    ckpt = str(tmp_path / "ckpt")
+    run_training(replace(cfg, steps=2, checkpoint_dir=ckpt), world_size=2, quiet=True)
+    rest = [r["loss"] for r in run_training(replace(cfg, checkpoint_dir=ckpt), world_size=2, quiet=True)[0]["metrics"]]
+    assert rest == pytest.approx(want[2:], rel=1e-5)
+
+
 def test_hsdp_replicas_follow_the_same_loss_curve():
     """4 ranks as 2 replicas x 2 shards (one gradient all-reduce across replicas per minibatch
     under ODC) take the same steps as 4 plain FSDP2 ranks."""

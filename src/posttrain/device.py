@@ -24,9 +24,10 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
+__all__ = ["DEVICES", "add_into", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
            "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "physical_id", "rank_device",
-           "rank_kind", "reset_peak_memory", "resolve", "start_method", "synchronize", "use"]
+           "rank_kind", "reset_peak_memory", "resolve", "shares_devices", "start_method", "synchronize", "use",
+           "visible_index"]
 
 #: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
 DEVICES = ("auto", "cpu", "cuda")
@@ -73,12 +74,20 @@ def resolve(device: str = "auto", supported: tuple[str, ...] = ("cpu", "cuda"), 
     return device
 
 
-def backend(kind: str) -> str:
+def backend(kind: str, *, shared: bool = False) -> str:
     """The ``torch.distributed`` backend of a run on ``kind``: ``gloo`` on the CPU; on an
-    accelerator, gloo for CPU tensors and the accelerator's own backend for its tensors."""
-    if kind == "cpu":
+    accelerator, gloo for CPU tensors and the accelerator's own backend for its tensors; gloo for
+    both where ranks share a device (``shared``, :func:`shares_devices`: NCCL refuses two ranks of
+    one communicator on one GPU, and gloo's all-reduce and broadcast take CUDA tensors)."""
+    if kind == "cpu" or shared:
         return "gloo"
     return f"cpu:gloo,{kind}:{dist.Backend.default_device_backend_map[kind]}"
+
+
+def shares_devices(kind: str, local_world_size: int) -> bool:
+    """Whether ``local_world_size`` ranks on this host put more than one rank on a ``kind`` device
+    (never on the CPU)."""
+    return kind != "cpu" and local_world_size > device_count(kind)
 
 
 def device_count(kind: str) -> int:
@@ -86,17 +95,41 @@ def device_count(kind: str) -> int:
     return 1 if kind == "cpu" else torch.accelerator.device_count()
 
 
-def check_world(kind: str, world_size: int, *, local_world_size: int | None = None) -> None:
+def check_world(kind: str, world_size: int, *, local_world_size: int | None = None, shared_ok: bool = False) -> None:
     """Refuse, before any process starts, more ranks on this host than ``kind`` has devices
-    (NCCL runs one rank per GPU: two ranks on one device are refused by its communicator).
+    (NCCL runs one rank per GPU: two ranks on one device are refused by its communicator), unless
+    ``shared_ok``: the run's data path needs no NCCL (ODC's engines: their gathers and adds go
+    through the device transport), so its ranks may share GPUs over gloo (:func:`backend`).
 
     Args:
         local_world_size: ranks on this host (default: ``world_size``, the fork launcher's).
     """
     local = world_size if local_world_size is None else local_world_size
-    if kind != "cpu" and local > device_count(kind):
+    if shares_devices(kind, local) and not shared_ok:
         raise ValueError(f"world_size={local} ranks on this host but it has {device_count(kind)} {kind} device(s); "
-                         f"NCCL runs one rank per device: lower `world_size` (or use `device` cpu)")
+                         f"NCCL runs one rank per device: lower `world_size`, use an ODC engine (`dp` odc or "
+                         f"odc-fsdp2, whose ranks may share a GPU) or `device` cpu")
+
+
+def visible_index(pid: str) -> int | None:
+    """This process's index of the device :func:`physical_id` names ``pid`` (another process may
+    number it differently, e.g. under its own ``CUDA_VISIBLE_DEVICES``); ``None`` where this process
+    does not see it."""
+    kind = pid.split(":", 1)[0]
+    if kind == "cpu":
+        return None
+    return next((i for i in range(device_count(kind)) if physical_id(torch.device(kind, i)) == pid), None)
+
+
+def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src`` run where ``dst`` lives: ``src`` from another device is first copied there
+    (a peer GPU's memory mapped into this process is written by a kernel on that GPU, which needs
+    no peer access). ``src`` is converted to ``dst``'s dtype by the add."""
+    if src.device == dst.device:
+        dst.add_(src)
+        return
+    with current(dst.device):
+        dst.add_(src.to(dst.device, non_blocking=True))
 
 
 def start_method(backend_name: str) -> str:

@@ -18,7 +18,7 @@ class RLCommand:
 
     Attributes:
         run: the RL run.
-        world_size: CPU processes (torchrun sets its own).
+        world_size: processes (default: one per GPU with ``device`` cuda, else 2; torchrun sets its own).
         plot: the mean reward per step as a PNG.
         task_dir: with ``random_weights``: where the embedded chat task is (made there if absent).
         random_weights: without ``model_path``, run the embedded chat task's untrained model on its
@@ -26,7 +26,7 @@ class RLCommand:
     """
 
     run: RLConfig = field(default_factory=RLConfig)
-    world_size: int = 2
+    world_size: int | None = None
     plot: str | None = None
     task_dir: str = "out/chat"
     random_weights: bool = False

@@ -175,9 +175,13 @@ class DataParallelEngine(ABC):
     #: Whether :meth:`whole_state_dict` is implemented (checkpoints under the model's parameter
     #: names, loadable into another split of the model: the pipeline trainer's format).
     whole_state: ClassVar[bool] = False
-    #: The device kinds the engine shards a model on (its parameters' device; ODC's transport
-    #: is host shared memory until its GPU transport lands).
+    #: The device kinds the engine shards a model on (its parameters' device).
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    #: Whether ranks of this engine may share a GPU (then their process group is gloo alone): its
+    #: data moves through ODC's device transport, and its collectives of device tensors are
+    #: all-reduces and broadcasts, which gloo carries on CUDA. FSDP2's all-gathers and
+    #: reduce-scatters need NCCL, one rank per GPU.
+    device_sharing: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:

@@ -136,7 +136,7 @@ class ODCOnFSDP2Engine(FSDP2Engine):
     (:func:`posttrain.odc.enable`), for models a user already shards with ``fully_shard``."""
 
     one_sided = True
-    devices = ("cpu",)  # ODC's transport: host shared memory
+    devices = ("cpu", "cuda")  # ODC's transport follows the parameters: host shared memory or GPU memory
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:

@@ -38,6 +38,8 @@ class FlatODCEngine(DataParallelEngine):
     split_backward = True
     one_sided = True
     whole_state = True
+    devices = ("cpu", "cuda")  # ODC's transport follows the parameters: host shared memory or GPU memory
+    device_sharing = True
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, mesh: DeviceMesh | None = None,
                  units: Sequence[nn.Module] | None = None) -> None:

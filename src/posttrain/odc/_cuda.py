@@ -12,10 +12,16 @@ values, abort, dead-peer detection, close) for ranks of one host whose parameter
   and the producer keeps the memory while consumers hold it); the handles travel in one
   ``all_gather_object`` over the group (gloo: objects stay on the CPU). A peer's region is then
   a tensor view into the peer's memory: a gather is a ``copy_`` from it, an accumulate an add
-  into it, both plain kernels on the caller's stream. CUDA IPC serves processes on one GPU too,
-  which torch's symmetric memory does not (its CUDA backend refuses two ranks on one device, and
-  the verification machine has one GPU); symmetric memory is the path for multi-GPU nodes later,
-  with the same view arithmetic.
+  into it. CUDA IPC serves processes on one GPU too, which torch's symmetric memory does not (its
+  CUDA backend refuses two ranks on one device, and the verification machine has one GPU);
+  symmetric memory is the path for multi-node runs later, with the same view arithmetic.
+- Ranks on different GPUs of the host: a handle names its GPU by the producer's index, which the
+  consumer maps to its own numbering through the GPUs' UUIDs (:func:`open_handle`), so the view is
+  opened on the GPU that holds the memory (no peer access needed to map it). A gather is then a
+  device-to-device copy (over NVLink where the GPUs are peers); an add into a peer's memory runs
+  on the peer's GPU, launched by the writer after it copied its contribution there
+  (:func:`posttrain.device.add_into`; the atomic kernel likewise). Every device a rank launched work
+  on is synchronized before it announces a barrier.
 - Accumulate: concurrent writers into one accumulator race, as on the host. ``"atomic"`` adds
   with device atomics (a Triton ``atomic_add`` kernel for fp32 accumulators where Triton is
   installed, else ``index_add_``, which uses atomics on CUDA); ``"locked"`` takes the shm
@@ -42,13 +48,13 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
-from posttrain.device import current, physical_id
+from posttrain.device import add_into, current, physical_id, visible_index
 
 from ._transport import ShmTransport, region_offsets
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "check_one_device", "region_offsets",
+__all__ = ["ACCUMULATE", "DeviceTransport", "accumulate_atomic", "check_visible", "open_handle", "region_offsets",
            "triton_available"]
 
 #: How :meth:`DeviceTransport.accumulate` makes concurrent adds race-free.
@@ -125,14 +131,23 @@ def accumulate_atomic(dst: torch.Tensor, src: torch.Tensor, *, kernel: str = "au
         dst[a:b].index_add_(0, _arange(b - a, dst.device), src[a:b])
 
 
-def check_one_device(ids: list[str], ranks: list[int]) -> None:
-    """Refuse ranks on different GPUs in one line: a peer's memory on another GPU is mapped by CUDA
-    IPC, but adding into it needs the add to run where the memory is, which is not written yet
-    (verified so far: processes sharing one GPU)."""
-    if len(set(ids)) > 1:
-        where = ", ".join(f"rank {r}: {i}" for r, i in zip(ranks, ids))
-        raise ValueError(f"ODC's device transport serves ranks on one GPU so far, and these are on several ({where}); "
-                         "ODC across GPUs is not written yet: use the fsdp engine")
+def check_visible(ids: list[str], indices: list[int | None], ranks: list[int]) -> None:
+    """Refuse, in one line, peers whose GPU this process cannot see (``indices[i]`` ``None``: a
+    launcher that gave each rank its own ``CUDA_VISIBLE_DEVICES``): a peer's memory is mapped on
+    the GPU that holds it, so every rank must see every GPU of its shard group."""
+    hidden = [f"rank {r} ({i})" for r, i, x in zip(ranks, ids, indices) if x is None]
+    if hidden:
+        raise ValueError(f"ODC's device transport maps each peer's GPU memory on that GPU, and this rank cannot see "
+                         f"the GPU of {', '.join(hidden)}: make every GPU of the node visible to every rank (one "
+                         "CUDA_VISIBLE_DEVICES for all; each rank still uses its own GPU)")
+
+
+def open_handle(handle: tuple, device_index: int) -> torch.Tensor:
+    """The tensor a :func:`~torch.multiprocessing.reductions.reduce_tensor` handle shares, opened on
+    this process's device ``device_index`` (the GPU that holds it, in this process's numbering:
+    the handle carries the producer's)."""
+    rebuild, args = handle
+    return rebuild(*args[:6], device_index, *args[7:])
 
 
 class DeviceTransport:
@@ -168,6 +183,7 @@ class DeviceTransport:
         self.accumulate_mode = accumulate
         self._closed = False
         self._buffers: list[torch.Tensor] = []
+        self._devices = [device]
         try:
             self._regions, self.segment_bytes = region_offsets(regions)
             own = torch.zeros(max(self.segment_bytes, _ALIGN), dtype=torch.uint8, device=device)
@@ -176,15 +192,19 @@ class DeviceTransport:
             handles = [None if r == self.rank else reduce_tensor(own) for r in range(self.world_size)]
             everyone: list = [None] * self.world_size
             dist.all_gather_object(everyone, (physical_id(device), sorted(self._regions.items()), handles), group=group)
-            check_one_device([e[0] for e in everyone], self.global_ranks)
+            ids = [e[0] for e in everyone]
+            indices = [visible_index(i) for i in ids]
+            check_visible(ids, indices, self.global_ranks)
             if len({repr(e[1]) for e in everyone}) != 1:
                 raise AssertionError(f"ranks disagree on the device region layout: {[e[1] for e in everyone]}")
             try:
-                self._buffers = [own if r == self.rank else everyone[r][2][self.rank][0](*everyone[r][2][self.rank][1])
+                self._buffers = [own if r == self.rank else open_handle(everyone[r][2][self.rank], indices[r])
                                  for r in range(self.world_size)]
             except BaseException as exc:  # peers wait at the barrier below: tell them
                 self._control.abort(f"could not open a peer's GPU memory by CUDA IPC: {type(exc).__name__}: {exc}")
                 raise
+            # every device this rank may launch work on: its own and its peers' (adds run where the memory is)
+            self._devices = sorted({b.device for b in self._buffers}, key=lambda d: d.index)
             self._control.barrier(_CREATED)  # every rank opened every peer's allocation (or one failed: raises)
         except BaseException:
             self.close()
@@ -205,16 +225,20 @@ class DeviceTransport:
     # ------------------------------------------------------------- operations
     def accumulate(self, dst: torch.Tensor, src: torch.Tensor, *, owner: int, byte_offset: int) -> None:
         """``dst += src`` into ``owner``'s region, race-free against other writers: device atomics,
-        or the control plane's stripe locks held until the add has finished."""
+        or the control plane's stripe locks held until the add has finished. The add runs on the
+        GPU that holds ``dst`` (``src`` copied there first when it is another)."""
         if dst.numel() == 0:
             return
         if self.accumulate_mode == "atomic":
+            if src.device != dst.device:
+                with current(dst.device):
+                    src = src.to(dst.device, non_blocking=True)
             accumulate_atomic(dst, src)
             return
-        stream = torch.accelerator.current_stream(self.device)
+        stream = torch.accelerator.current_stream(dst.device)
 
         def add(a: torch.Tensor, b: torch.Tensor) -> None:
-            a.add_(b)
+            add_into(a, b)
             stream.synchronize()
 
         self._control.locked_apply(dst, src, owner=owner, byte_offset=byte_offset, apply=add)
@@ -229,7 +253,8 @@ class DeviceTransport:
         """The control plane's barrier, after this rank's queued device work has finished."""
         if self._closed:
             raise RuntimeError("the ODC transport is closed")
-        torch.accelerator.synchronize(self.device)  # every stream: pushes may run on a side stream's backward
+        for d in self._devices:  # every stream: pushes may run on a side stream's backward
+            torch.accelerator.synchronize(d)
         self._control.barrier(tag)
 
     def abort(self, message: str) -> None:
@@ -242,7 +267,8 @@ class DeviceTransport:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            torch.accelerator.synchronize(self.device)
+            for d in self._devices:
+                torch.accelerator.synchronize(d)
         own = self._buffers[self.rank] if len(self._buffers) > self.rank else None
         self._buffers = []
         del own

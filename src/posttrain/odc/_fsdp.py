@@ -64,6 +64,7 @@ class ODC:
         self._protocol = MinibatchProtocol(
             config, shard_group=shard_group, replicate_group=replicate_group, layouts=self.layouts,
             steps=self, param_ids={id(p.param) for lay in self.layouts for p in lay.params},
+            device=first.device,
         )
         self.rank = self._protocol.rank
         self.shard_size = self._protocol.shard_size
@@ -161,11 +162,9 @@ class ODC:
         for lay in self.layouts:
             for info in lay.params:
                 p = info.param
-                if p.device.type != "cpu":
-                    raise ValueError(
-                        f"parameter of {lay.name!r} is on {p.device}; the shared-memory ODC "
-                        "transport serves CPU models only"
-                    )
+                if p.device != param.device:
+                    raise ValueError(f"parameter of {lay.name!r} is on {p.device} and another on {param.device}; "
+                                     "ODC takes a model on one device (its transport follows it)")
                 if p.device_mesh != mesh:
                     raise ValueError(f"FSDP module {lay.name!r} uses another device mesh; ODC needs one mesh")
         placements = param.placements

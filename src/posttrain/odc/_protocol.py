@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.profiler import record_function
 
 from posttrain._compat import profiler_enabled
+from posttrain.device import add_into
 
 from ._cuda import DeviceTransport
 from ._transport import ShmTransport
@@ -344,7 +345,7 @@ class MinibatchProtocol:
             if self.config.deterministic:
                 grads = t.region(owner, "grads", torch.uint8)
                 slot = grads.view(self.shard_size, self.grads_bytes)[self.rank, a:b]
-                slot.view(lay.reduce_dtype).add_(rows[owner])
+                add_into(slot.view(lay.reduce_dtype), rows[owner])  # (on the owner's GPU where that is another)
             else:
                 t.accumulate(self._view("grads", owner, lay), rows[owner], owner=owner, byte_offset=a)
         self._pushes += 1

@@ -86,18 +86,21 @@ def loss_units(rollouts: Sequence[Rollout], agg: str) -> int:
 
 
 def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, clip_eps_high: float | None = None,
-                kl_coef: float = 0.0, agg: str = "token-mean",
-                temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+                kl_coef: float = 0.0, agg: str = "token-mean", temperature: float = 1.0,
+                device: torch.device | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The summed, weighted loss of ``rollouts`` packed into one microbatch (divide it by the
     minibatch's :func:`loss_units` before ``backward``), and sums for the step's statistics:
     ``tokens``, ``clipped`` tokens (on the clipped branch, :func:`clipped_surrogate`), ``kl``
     and ``entropy`` sums over response tokens. ``clip_eps`` bounds the ratio below (and above,
     unless ``clip_eps_high`` is given). Log-probabilities and entropy are those of the
-    distribution sampled at ``temperature`` (the rollout's and the reference's must be too)."""
+    distribution sampled at ``temperature`` (the rollout's and the reference's must be too).
+    ``device``: where the model is (the rollouts are moved there; default the CPU); the
+    statistics come back in one transfer."""
     if agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
-    inputs = torch.cat([r.input_ids[:-1] for r in rollouts]).unsqueeze(0)
-    targets = torch.cat([r.input_ids[1:] for r in rollouts])
+    device = device or torch.device("cpu")
+    inputs = torch.cat([r.input_ids[:-1] for r in rollouts]).unsqueeze(0).to(device, non_blocking=True)
+    targets = torch.cat([r.input_ids[1:] for r in rollouts]).to(device, non_blocking=True)
     lengths = [len(r) - 1 for r in rollouts]
     logits = model(inputs, document_lengths=lengths)[0]
     logp_all = token_logprobs(logits, targets, temperature)
@@ -114,19 +117,20 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, cl
         if kl_coef:
             ref.append(r.ref_logprobs.float())
         start += n
-    idx = torch.cat(pieces)
+    idx = torch.cat(pieces).to(device, non_blocking=True)
     logp = logp_all[idx]
-    w, a, old_lp = torch.cat(weights), torch.cat(adv), torch.cat(old)
+    w, a, old_lp = (torch.cat(x).to(device, non_blocking=True) for x in (weights, adv, old))
     ratio = torch.exp(logp - old_lp)
     pg, clipped = clipped_surrogate(ratio, a, clip_eps, clip_eps if clip_eps_high is None else clip_eps_high)
     loss_tok = pg
-    stats = {"tokens": float(idx.numel()), "clipped": float(clipped.sum())}
+    sums = {"clipped": clipped.sum()}
     if kl_coef:
-        d = torch.cat(ref) - logp
+        d = torch.cat(ref).to(device, non_blocking=True) - logp
         kl = torch.exp(d) - d - 1
         loss_tok = loss_tok + kl_coef * kl
-        stats["kl"] = float(kl.detach().sum())
+        sums["kl"] = kl.detach().sum()
     with torch.no_grad():
         probs = torch.softmax(logits[idx].float() / temperature, dim=-1)
-        stats["entropy"] = float(-(probs * torch.log(probs.clamp_min(1e-30))).sum())
-    return (loss_tok * w).sum(), stats
+        sums["entropy"] = -(probs * torch.log(probs.clamp_min(1e-30))).sum()
+        values = torch.stack([v.float() for v in sums.values()]).tolist()  # (one transfer from the device)
+    return (loss_tok * w).sum(), {"tokens": float(idx.numel()), **dict(zip(sums, values))}

@@ -54,7 +54,9 @@ class HFRollout:
     """Sampling with ``generate`` (temperature, top-p, a KV cache) on an unsharded model.
 
     Args:
-        model: a ``transformers`` causal LM (its own copy: weights are replaced by :meth:`load_weights`).
+        model: a ``transformers`` causal LM (its own copy: weights are replaced by :meth:`load_weights`),
+            on the device it samples on (prompts go there; responses and log-probs come back to
+            the CPU).
         eos_token_id, pad_token_id: the tokenizer's.
         temperature, top_p, max_new_tokens: sampling settings.
     """
@@ -68,6 +70,7 @@ class HFRollout:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.eos, self.pad = eos_token_id, pad_token_id if pad_token_id is not None else eos_token_id
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
 
@@ -92,7 +95,7 @@ class HFRollout:
         out: list[list[int]] = []
         torch.manual_seed(seed)
         for prompt in prompts:  # one prompt at a time: no padding, the n samples batched
-            ids = torch.tensor([list(prompt)] * n)
+            ids = torch.tensor([list(prompt)] * n, device=self.device)
             gen = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                       temperature=self.temperature, top_p=self.top_p, top_k=0,
                                       max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
@@ -106,6 +109,7 @@ class HFRollout:
     def logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
         out = []
         for seq, p in zip(sequences, prompt_lens):
+            seq = seq.to(self.device, non_blocking=True)
             logits = self.model(input_ids=seq[:-1].unsqueeze(0), use_cache=False).logits[0]
             out.append(token_logprobs(logits[p - 1:], seq[p:], self.temperature))  # what was sampled
-        return out
+        return [lp.cpu() for lp in out]  # (queued first: one wait for the device)

@@ -5,13 +5,24 @@ A trainer keeps only what differs: what it builds and what one step does."""
 
 from .checkpoint import check_resumable, latest_checkpoint, resume, save_checkpoint
 from .config import OptimConfig, RunConfig, config_from_dict, config_value
-from .launch import OutputLock, check_output_path, check_run, claim_outputs, launch, launch_world, under_torchrun
+from .launch import (
+    OutputLock,
+    check_output_path,
+    check_run,
+    claim_outputs,
+    launch,
+    launch_world,
+    local_world,
+    placement,
+    under_torchrun,
+)
 from .metrics import MetricsLog
 from .trainer import Trainer
 
 __all__ = [
     "MetricsLog", "OptimConfig", "OutputLock", "RunConfig", "Trainer", "check_output_path", "check_resumable", "check_run",
     "claim_outputs",
-    "config_from_dict", "config_value", "latest_checkpoint", "launch", "launch_world", "resume", "save_checkpoint",
+    "config_from_dict", "config_value", "latest_checkpoint", "launch", "launch_world", "local_world", "placement",
+    "resume", "save_checkpoint",
     "under_torchrun",
 ]

@@ -262,6 +262,15 @@ class RunConfig:
         kinds = tuple(k for k in self.DEVICE_KINDS if k in engine_kinds)
         return resolve(self.device, kinds, what=f"{self.TRAINER} with the {self.engine.name} engine")
 
+    @property
+    def device_sharing(self) -> bool:
+        """Whether several ranks of this run may share a GPU: its engine moves data one-sidedly and
+        its collectives of device tensors are all-reduces and broadcasts, which gloo carries
+        (:func:`posttrain.device.backend`)."""
+        from posttrain.dp import engine_class
+
+        return engine_class(self.engine.name).device_sharing
+
     def due(self, step: int, every: int) -> bool:
         """Whether step ``step`` (0-based) ends on a multiple of ``every`` or is the last."""
         return step + 1 == self.steps or bool(every and (step + 1) % every == 0)

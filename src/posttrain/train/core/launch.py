@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.device import backend, check_world, device_count, rank_device, use
+from posttrain.device import backend, check_world, device_count, rank_device, shares_devices, use
 from posttrain.launch import run_job
 
 from .checkpoint import check_resumable
@@ -52,8 +52,7 @@ def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None,
         raise ValueError(f"`tf32` is a CUDA setting (TF32 tensor cores for fp32 matrix products); this run is on the "
                          f"{kind.upper()}: leave it out")
     if world_size is not None:
-        local = os.environ.get("LOCAL_WORLD_SIZE") if under_torchrun() else None
-        check_world(kind, world_size, local_world_size=int(local) if local else None)
+        check_world(kind, world_size, local_world_size=local_world(world_size), shared_ok=cfg.device_sharing)
     for flag, path in (("`checkpoint_dir`", cfg.checkpoint_dir), ("`output_dir`", cfg.output_dir),
                        ("`tensorboard`", cfg.tensorboard)):
         check_output_path(flag, path, directory=True)
@@ -165,17 +164,39 @@ def launch_world(world_size: int | None, device: str = "cpu") -> tuple[int, bool
     return world_size, True
 
 
+def local_world(world_size: int) -> int:
+    """Ranks on this host: torchrun's ``LOCAL_WORLD_SIZE``, else ``world_size`` (the fork launcher
+    starts every rank here)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") if under_torchrun() else None
+    return int(local) if local else world_size
+
+
+def placement(kind: str, world_size: int) -> str:
+    """Where a run's ranks are, as its banner says it: ``2 CPU processes``, ``8 processes, one
+    cuda device each`` or ``2 processes sharing 1 cuda device (gloo for every collective)``."""
+    from posttrain.text import count
+
+    if kind == "cpu":
+        return count(world_size, "CPU process", "CPU processes")
+    if not shares_devices(kind, local_world(world_size)):
+        return f"{count(world_size, 'process', 'processes')}, one {kind} device each"
+    return (f"{count(world_size, 'process', 'processes')} sharing {count(device_count(kind), f'{kind} device')} "
+            "(gloo for every collective)")
+
+
 def launch(worker: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
            timeout_s: float = 24 * 3600) -> list[Any] | None:
     """``worker(rank, world_size, *args)`` on every rank: ``world_size`` forked processes, or,
     under ``torchrun``, this process's rank of torchrun's world; their process groups are
-    :func:`posttrain.device.backend` of the device kind ``device``. Every rank's result, in
-    rank order (``None`` on torchrun ranks other than 0)."""
+    :func:`posttrain.device.backend` of the device kind ``device`` (gloo alone where ranks share
+    a GPU, which :func:`check_run` allowed). Every rank's result, in rank order (``None`` on
+    torchrun ranks other than 0)."""
+    pg_backend = backend(device, shared=shares_devices(device, local_world(world_size)))
     if not under_torchrun():
-        return run_job(worker, world_size, *args, backend=backend(device), timeout_s=timeout_s)
+        return run_job(worker, world_size, *args, backend=pg_backend, timeout_s=timeout_s)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     use(rank_device(device, int(os.environ["RANK"])))
-    dist.init_process_group(backend(device))
+    dist.init_process_group(pg_backend)
     try:
         mine = worker(dist.get_rank(), dist.get_world_size(), *args)
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -85,7 +85,6 @@ class RLConfig(LoraFields, RunConfig):
     record: str | None = None
 
     TRAINER: ClassVar[str] = "the RL trainer"
-    DEVICE_KINDS: ClassVar[tuple[str, ...]] = ("cpu",)  # rollouts, reference and update stay on the CPU until placed
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("prompts", "prompts_per_step", "seed")
 
     def state_fields(self) -> tuple[str, ...]:

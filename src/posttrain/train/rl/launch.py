@@ -1,9 +1,10 @@
-"""Starting an RL run on forked CPU processes."""
+"""Starting an RL run: forked processes on the CPU or one GPU each, or torchrun's ranks."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 from transformers import AutoTokenizer
 
@@ -12,7 +13,7 @@ from posttrain.models import check_model_dir
 from posttrain.models.lora import check_model_targets
 from posttrain.rl import load_rewards
 from posttrain.text import count
-from posttrain.train.core import check_run, claim_outputs, launch, launch_world
+from posttrain.train.core import check_run, claim_outputs, launch, launch_world, placement
 
 from .config import RLConfig
 from .loop import load_prompts, rl_worker
@@ -20,17 +21,19 @@ from .loop import load_prompts, rl_worker
 __all__ = ["run_rl"]
 
 
-def run_rl(cfg: RLConfig, *, world_size: int = 2, quiet: bool = False) -> list[dict] | None:
+def run_rl(cfg: RLConfig, *, world_size: int | None = 2, quiet: bool = False) -> list[dict] | None:
     """Check ``cfg`` (model, prompts, reward, output paths) in this process, then run it on
-    ``world_size`` forked CPU processes (or this process's rank under ``torchrun``); every rank's
-    result (``{"metrics": [...]}``; ``[]`` when the checkpoint already holds every step; ``None`` on
+    ``world_size`` forked processes (on the CPU, or one GPU each: ``cfg.device``; ``None``: one per
+    GPU on CUDA, else 2) or on this process's rank under ``torchrun``; every rank's result
+    (``{"metrics": [...]}``; ``[]`` when the checkpoint already holds every step; ``None`` on
     torchrun ranks other than 0)."""
-    world_size, lead = launch_world(world_size)
+    kind = cfg.device_kind  # (a device the run cannot use: one line, before anything else)
+    world_size, lead = launch_world(world_size, kind)
     if cfg.model_path is None or cfg.prompts is None:
         raise ValueError("posttrain rl needs `model_path` (a transformers model directory) and `prompts` (a JSONL file)")
     check_model_dir(cfg.model_path)
     check_shard_hosts(cfg.engine, world_size)  # ODC's shard groups inside a node (torchrun over several)
-    meta = check_run(cfg, {"`record`": cfg.record})  # unwritable outputs, a mismatched checkpoint: one line
+    meta = check_run(cfg, {"`record`": cfg.record}, world_size)  # devices, outputs, a mismatched checkpoint: one line
     with claim_outputs(cfg, {"`record`": cfg.record}, lead=lead):  # no second run on these outputs meanwhile
         return _run_rl(cfg, world_size, lead, print if (lead and not quiet) else (lambda *a, **k: None), meta)
 
@@ -46,8 +49,9 @@ def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) 
     load_rewards(cfg.reward)
     if cfg.prompts_per_step < world_size:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {world_size} ranks")
-    say(f"posttrain rl: {cfg.advantage} with {cfg.engine.label}+{cfg.balance} updates on "
-        f"{count(world_size, 'CPU process', 'CPU processes')}, "
+    kind = cfg.device_kind
+    where = placement(kind, world_size)
+    say(f"posttrain rl: {cfg.advantage} with {cfg.engine.label}+{cfg.balance} updates on {where}, "
         f"{cfg.prompts_per_step} of {len(prompts)} prompts x {cfg.samples_per_prompt} samples per step, {cfg.steps} steps",
         flush=True)
     if meta is not None:
@@ -58,7 +62,7 @@ def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) 
     elif cfg.record and lead and os.path.exists(cfg.record):
         os.remove(cfg.record)  # a fresh record per run (a resumed run appends)
     began = time.perf_counter()
-    results = launch(rl_worker, world_size, cfg)
+    results = launch(rl_worker, world_size, replace(cfg, device=kind), device=kind)
     if results is None:  # a torchrun rank other than 0
         return None
     m = results[0]["metrics"]

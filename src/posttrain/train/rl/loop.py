@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain.balance import FlopsCost, plan_minibatch
+from posttrain.device import allow_tf32, rank_device, rank_kind, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import load_pretrained
 from posttrain.models.lora import add_lora, merged, write_model
@@ -140,7 +141,7 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
                 continue
             loss, st = policy_loss(model, [rollouts[i] for i in micro.sequence_ids], clip_eps=cfg.clip_eps_low,
                                    clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef, agg=cfg.loss_agg,
-                                   temperature=cfg.temperature)
+                                   temperature=cfg.temperature, device=engine.device)
             for k, v in st.items():
                 sums[k] += v
             (loss / mb.loss_divisor).backward()
@@ -160,6 +161,10 @@ class RLTrainer(Trainer):
 
         from posttrain.models import tied_names
 
+        # the launcher's resolution (auto in a rank started elsewhere: its process group's device)
+        self.device = rank_device(rank_kind(cfg.device), rank)
+        use(self.device)
+        allow_tf32(self.device, cfg.tf32)
         self.tok = AutoTokenizer.from_pretrained(cfg.model_path)
         self.prompts = load_prompts(cfg.prompts, self.tok, max_new_tokens=cfg.max_new_tokens,
                                     max_tokens=cfg.max_tokens)
@@ -170,13 +175,13 @@ class RLTrainer(Trainer):
             add_lora(self.policy, cfg.lora, seed=cfg.seed)
         self.tied = tied_names(self.policy)
         self.cost = FlopsCost.from_config(self.policy.config)
-        self.engine = build_engine(self.policy, cfg.engine)
+        self.engine = build_engine(self.policy.to(self.device), cfg.engine)
         self.reference = None
         try:
-            self.rollout = HFRollout(load_pretrained(cfg.model_path).hf, eos_token_id=self.tok.eos_token_id,
+            self.rollout = HFRollout(load_pretrained(cfg.model_path).hf.to(self.device), eos_token_id=self.tok.eos_token_id,
                                      pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
                                      max_new_tokens=cfg.max_new_tokens)
-            self.reference = ShardedReference(cfg.model_path, cfg, self.cost) if cfg.kl_coef else None
+            self.reference = ShardedReference(cfg.model_path, cfg, self.cost, self.device) if cfg.kl_coef else None
         except BaseException:
             self.close()
             raise

@@ -33,8 +33,11 @@ class ShardedReference:
         microbatches: forward microbatches this rank ran in the last :meth:`logprobs` call.
     """
 
-    def __init__(self, model_path: str, cfg: RLConfig, cost: CostModel | None = None) -> None:
+    def __init__(self, model_path: str, cfg: RLConfig, cost: CostModel | None = None,
+                 device: torch.device | None = None) -> None:
         model = load_pretrained(model_path)
+        if device is not None and device.type != "cpu":
+            model.to(device)
         model.requires_grad_(False)
         model.eval()
         self.model = model
@@ -68,10 +71,11 @@ class ShardedReference:
                 if ids is None:
                     self.engine.run_dummy(backward=False)
                     continue
-                inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0)
-                targets = torch.cat([sequences[i][1:] for i in ids])
+                inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0).to(self.engine.device)
+                targets = torch.cat([sequences[i][1:] for i in ids]).to(self.engine.device)
                 lengths = [len(sequences[i]) - 1 for i in ids]
-                lp = token_logprobs(self.model(inputs, document_lengths=lengths)[0], targets, self.cfg.temperature)
+                lp = token_logprobs(self.model(inputs, document_lengths=lengths)[0], targets,
+                                    self.cfg.temperature).cpu()
                 start = 0
                 for i, n in zip(ids, lengths):
                     out[i] = lp[start + prompt_lens[i] - 1:start + n].tolist()

@@ -20,6 +20,7 @@ from posttrain.train.core import (
     latest_checkpoint,
     launch,
     launch_world,
+    placement,
 )
 from posttrain.train.core.checkpoint import load, verify_checkpoint
 
@@ -71,8 +72,7 @@ def _run_training(cfg: TrainConfig, world_size: int, say) -> list[dict] | None:
         say(f"truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
     source = cfg.data or f"{cfg.profile} synthetic"
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
-    where = (count(world_size, "CPU process", "CPU processes") if kind == "cpu"
-             else f"{count(world_size, 'process', 'processes')}, one {kind} device each")
+    where = placement(kind, world_size)
     if cfg.engine.replicas > 1:
         where += f" (HSDP: {cfg.engine.replicas} replicas of {count(world_size // cfg.engine.replicas, 'shard')})"
     say(f"posttrain: {cfg.engine.label}+{cfg.balance} on {where}, {model} "
