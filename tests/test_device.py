@@ -122,11 +122,14 @@ def test_a_run_resolves_over_what_its_trainer_and_engine_run_on(fake_cuda):
     from posttrain.train.sft.pipeline import PipelineConfig
 
     fake_cuda(1)
-    for dp in ("fsdp", "odc", "odc-fsdp2"):  # auto: every engine of the SFT and RL trainers runs on CUDA
+    for dp in ("fsdp", "odc", "odc-fsdp2"):  # auto: every engine of every trainer runs on CUDA
         assert TrainConfig(engine=EngineConfig(dp)).device_kind == "cuda"
-    assert RLConfig().device_kind == "cuda" and PipelineConfig().device_kind == "cpu"
-    with pytest.raises(ValueError, match="device='cuda': the pipeline trainer with the odc engine runs on cpu only"):
-        _ = PipelineConfig(device="cuda").device_kind
+    assert RLConfig().device_kind == "cuda" and PipelineConfig().device_kind == "cuda"
+    # ranks sharing a GPU: a pipeline alone (messages through host memory) or with flat ODC columns
+    columns = {"dp_size": 2, "data": "chat.jsonl", "model_path": "model"}
+    assert PipelineConfig().device_sharing and PipelineConfig(**columns).device_sharing
+    assert PipelineConfig(engine=EngineConfig("fsdp")).device_sharing
+    assert not PipelineConfig(**columns, engine=EngineConfig("fsdp"), balance="same_micro").device_sharing
     with pytest.raises(ValueError, match="device='gpu' is not one of auto, cpu, cuda"):
         TrainConfig(device="gpu")
 

@@ -1,4 +1,4 @@
-"""``posttrain pipeline``: pipeline-parallel training with activation offload on CPU processes."""
+"""``posttrain pipeline``: pipeline-parallel training with activation offload, on CPU processes or GPUs."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _run(c: PipelineCommand) -> int:
 
     from posttrain.lab.plots import plot_pipeline
     from posttrain.text import count
-    from posttrain.train.core import check_run
+    from posttrain.train.core import check_run, placement
     from posttrain.train.sft.pipeline import format_report, measured_weight_keep, predicted_peaks, run_pipeline
     from posttrain.train.sft.pipeline.loop import resolve_epochs
 
@@ -51,11 +51,11 @@ def _run(c: PipelineCommand) -> int:
         print(f"{cfg.schedule}: {count(cfg.num_ranks, 'rank')} x {count(cfg.num_chunks, 'chunk')}, "
               f"{count(cfg.dp_size, 'data-parallel pipeline')} ({cfg.engine.label}, {cfg.balance}), offload "
               f"{cfg.offload}; {count(cfg.steps, 'step')} on "
-              f"{count(cfg.num_ranks * cfg.dp_size, 'CPU process', 'CPU processes')}", flush=True)
+              f"{placement(cfg.device_kind, cfg.num_ranks * cfg.dp_size)}", flush=True)
     else:
         print(f"{cfg.schedule}: {count(cfg.num_ranks, 'rank')} x {count(cfg.num_chunks, 'chunk')}, "
               f"{count(cfg.num_microbatches, 'microbatch', 'microbatches')}, offload {cfg.offload}; "
-              f"{count(cfg.steps, 'step')} on {count(cfg.num_ranks, 'CPU process', 'CPU processes')}", flush=True)
+              f"{count(cfg.steps, 'step')} on {placement(cfg.device_kind, cfg.num_ranks)}", flush=True)
     results = run_pipeline(cfg)
     if not results:
         print(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} already holds {cfg.steps} steps"
@@ -87,4 +87,4 @@ def _run(c: PipelineCommand) -> int:
 
 def add_parser(sub) -> None:
     add_command(sub, "pipeline", PipelineCommand, _run, config_file=True,
-                help="pipeline-parallel training with activation offload, CPU processes")
+                help="pipeline-parallel training with activation offload, on CPU processes or GPUs")

@@ -1,5 +1,5 @@
 """``posttrain rl``: GRPO/RLOO with rollouts by ``transformers`` ``generate`` and the policy
-update on any data-parallel engine, on CPU processes."""
+update on any data-parallel engine, on CPU processes or GPUs."""
 
 from __future__ import annotations
 

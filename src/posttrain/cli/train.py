@@ -1,4 +1,4 @@
-"""``posttrain train``: data-parallel training on CPU processes (or one rank under torchrun)."""
+"""``posttrain train``: data-parallel training on CPU processes or GPUs (or one rank under torchrun)."""
 
 from __future__ import annotations
 
@@ -52,4 +52,4 @@ def _run(c: TrainCommand) -> int:
 
 def add_parser(sub) -> None:
     add_command(sub, "train", TrainCommand, _run, config_file=True,
-                help="data-parallel training with FSDP2 or ODC on CPU processes (or under torchrun)")
+                help="data-parallel training with FSDP2 or ODC on CPU processes or GPUs (or under torchrun)")

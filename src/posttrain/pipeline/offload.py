@@ -77,7 +77,8 @@ class ActivationStore:
 
     Args:
         params: the parameters of the stages this store serves (saved as-is, never moved).
-        device: where compute runs; ``cuda`` enables the side-stream, pinned-buffer path.
+        device: where compute runs; an accelerator (``cuda``) enables the side-stream, pinned-buffer path
+            (torch's generic stream and event API: ``torch.Stream``, ``torch.Event``).
         min_numel: tensors with at most this many elements stay where they are.
     """
 
@@ -99,8 +100,8 @@ class ActivationStore:
         self.late_reloads = 0
         self.offloaded_bytes = 0
         self._seq = 0
-        self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._async = self.device.type != "cpu"  # an accelerator: copies on a side stream (generic stream API)
+        self._stream = torch.Stream(self.device) if self._async else None
         self._pool: dict[int, list[torch.Tensor]] = defaultdict(list)  # pinned host buffers by size
 
     # -- accounting -------------------------------------------------------------------------
@@ -181,7 +182,7 @@ class ActivationStore:
             self.late_reloads += 1
             self.reload(*s.key)
         if entry.state == "reloading":
-            torch.cuda.current_stream(self.device).wait_event(entry.event)
+            torch.accelerator.current_stream(self.device).wait_event(entry.event)
             entry.state, entry.event = "device", None
         flat = entry.storages.get(s.storage)
         if flat is None:
@@ -208,7 +209,7 @@ class ActivationStore:
         pool = self._pool[nbytes]
         if pool:
             return pool.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._async)
 
     def offload(self, stage: int, microbatch: int) -> None:
         """Start moving ``(stage, microbatch)`` to host memory (synchronous on CPU)."""
@@ -216,13 +217,13 @@ class ActivationStore:
         if entry.state != "device":
             raise RuntimeError(f"stage {stage} microbatch {microbatch}: offload in state {entry.state}")
         host = {}
-        if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
+        if self._async:
+            self._stream.wait_stream(torch.accelerator.current_stream(self.device))
+            with self._stream:
                 for k, flat in entry.storages.items():
                     host[k] = self._host_buffer(flat.numel())
                     host[k].copy_(flat, non_blocking=True)
-                entry.event = torch.cuda.Event()
+                entry.event = torch.Event(self.device)
                 entry.event.record(self._stream)
             # Free the device copy now: the allocator reuses its blocks only once the side stream
             # has passed this copy (record_stream), so nothing waits for the copy to finish.
@@ -248,12 +249,12 @@ class ActivationStore:
         if entry.state != "host":
             raise RuntimeError(f"stage {stage} microbatch {microbatch}: reload in state {entry.state}")
         dev = {}
-        if self._cuda:
-            with torch.cuda.stream(self._stream):
+        if self._async:
+            with self._stream:
                 for k, host in entry.storages.items():
                     dev[k] = torch.empty_like(host, device=self.device)
                     dev[k].copy_(host, non_blocking=True)
-                entry.event = torch.cuda.Event()
+                entry.event = torch.Event(self.device)
                 entry.event.record(self._stream)
             for host in entry.storages.values():  # back to the pool once the copy has read them
                 self._pool[host.numel()].append(host)
@@ -271,7 +272,7 @@ class ActivationStore:
         which they are, until :meth:`release`) and note a ``W`` that reads one (:meth:`missed`)."""
         entry = self._get(stage, microbatch, "split")
         if entry.state == "reloading":  # an I that read nothing
-            torch.cuda.current_stream(self.device).wait_event(entry.event)
+            torch.accelerator.current_stream(self.device).wait_event(entry.event)
             entry.state, entry.event = "device", None
         if entry.state == "offloading":
             entry.event.synchronize()
@@ -282,11 +283,11 @@ class ActivationStore:
         for k in drop:
             flat = entry.storages.pop(k)
             if not on_device:
-                if self._cuda:
+                if self._async:
                     self._pool[flat.numel()].append(flat)
                 continue
-            if self._cuda:  # reloaded on the side stream, read by the compute stream
-                flat.record_stream(torch.cuda.current_stream(self.device))
+            if self._async:  # reloaded on the side stream, read by the compute stream
+                flat.record_stream(torch.accelerator.current_stream(self.device))
             if verify:
                 entry.aside[k] = flat
                 entry.aside_bytes += flat.numel()
@@ -309,12 +310,12 @@ class ActivationStore:
             entry.event.synchronize()
             self._finish_offload(stage, entry)
         if entry.state in ("device", "reloading"):
-            if self._cuda:
+            if self._async:
                 for flat in entry.storages.values():  # the side stream may still be writing it
-                    flat.record_stream(torch.cuda.current_stream(self.device))
+                    flat.record_stream(torch.accelerator.current_stream(self.device))
             self._account(stage, -entry.nbytes - entry.aside_bytes)
         else:
-            if entry.state == "host" and self._cuda:
+            if entry.state == "host" and self._async:
                 for host in entry.storages.values():
                     self._pool[host.numel()].append(host)
             if entry.aside_bytes:

@@ -155,6 +155,14 @@ def to_torch_actions(actions: dict[int, list[Action]]):
     return out
 
 
+def _host_only(group) -> bool:
+    """Whether ``group`` (``None``: the world) sends only CPU tensors point to point: a gloo-only
+    backend (on an accelerator, ranks that share one)."""
+    if not dist.is_initialized():
+        return False
+    return str(dist.get_backend(group)) == "gloo"
+
+
 def _to(target, device: torch.device):
     if target is None:
         return None
@@ -249,6 +257,10 @@ class PipelineRunner:
         self.stages = stages
         self.loss_fn = loss_fn
         self.device = torch.device(device)
+        # where messages travel: the device where the group's backend carries device tensors
+        # (NCCL), else through host memory (gloo carries no point-to-point of CUDA tensors: ranks
+        # sharing one GPU)
+        self.wire = self.device if self.device.type == "cpu" or not _host_only(group) else torch.device("cpu")
         self.policy = offload or OffloadPolicy(0)
         self.m = schedule.num_microbatches
         lowered = add_offload(schedule.actions, self.layout, self.m, self.policy)
@@ -295,13 +307,14 @@ class PipelineRunner:
             header[0] = t.ndim
             header[1:1 + t.ndim] = torch.tensor(t.shape)
             header[-1] = _DTYPES.index(t.dtype)
-            parts.insert(0, (0, header.to(t.device)))
+            parts.insert(0, (0, header.to(self.wire)))
             self._sent_shapes[(kind, stage)] = (tuple(t.shape), t.dtype)
         elif known != (tuple(t.shape), t.dtype):
             raise ValueError(f"microbatch {mb} sends a {tuple(t.shape)} {t.dtype} tensor where earlier microbatches "
                              f"sent {known[0]} {known[1]}: microbatches of different shapes need "
                              f"PipelineRunner(static_shapes=False)")
         for part, x in parts:
+            x = x.to(self.wire)  # (a copy to the host where messages travel there)
             self._pending.append((dist.isend(x, dst, group=self.group, tag=self._tag(kind, stage, mb, part)), x))
 
     def _post_recv(self, stage_from: int, kind: str, stage: int, mb: int):
@@ -309,7 +322,7 @@ class PipelineRunner:
         known = self._shapes.get((kind, stage)) if self.static_shapes else None
         if known is None:
             return None
-        buf = torch.empty(known[0], dtype=known[1], device=self.device)
+        buf = torch.empty(known[0], dtype=known[1], device=self.wire)
         return dist.irecv(buf, self._peer(stage_from), group=self.group, tag=self._tag(kind, stage, mb, 1)), buf
 
     def _recv(self, stage_from: int, kind: str, stage: int, mb: int) -> torch.Tensor:
@@ -317,15 +330,15 @@ class PipelineRunner:
         if posted is not None:
             work, buf = posted
             work.wait()
-            return buf
+            return buf.to(self.device)
         src = self._peer(stage_from)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.wire)
         dist.recv(header, src, group=self.group, tag=self._tag(kind, stage, mb, 0))
         h = header.tolist()
-        buf = torch.empty(h[1:1 + h[0]], dtype=_DTYPES[h[-1]], device=self.device)
+        buf = torch.empty(h[1:1 + h[0]], dtype=_DTYPES[h[-1]], device=self.wire)
         dist.recv(buf, src, group=self.group, tag=self._tag(kind, stage, mb, 1))
         self._shapes[(kind, stage)] = (tuple(buf.shape), buf.dtype)
-        return buf
+        return buf.to(self.device)
 
     def _recv_args(self, a: Action) -> tuple[int, str, int, int]:
         if a.kind == "RECV_F":

@@ -1,4 +1,4 @@
-"""Pipeline-parallel training runs (``posttrain pipeline``) on CPU processes."""
+"""Pipeline-parallel training runs (``posttrain pipeline``) on CPU processes or GPUs."""
 
 from .config import PipelineConfig
 from .loop import build_pipeline_model, microbatch_loss, predicted_peaks, reference_gradients, run_pipeline, step_batch

@@ -105,13 +105,18 @@ class PipelineConfig(LoraFields, RunConfig):
     balance: Literal["same_micro", "diff_micro", "local_sort", "round_robin"] = "diff_micro"
 
     TRAINER: ClassVar[str] = "the pipeline trainer"
-    DEVICE_KINDS: ClassVar[tuple[str, ...]] = ("cpu",)  # stages, P2P and offload on the CPU until placed
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("data", "sequences", "seed", "seq_len", "batch", "train_on_prompt",
                                               "truncate", "skip_long")
     CHECKPOINT_FORMAT: ClassVar[str | None] = "pipeline"
 
     def state_fields(self) -> tuple[str, ...]:
         return ("model_path", "model", "dim", "num_layers", "vocab_size", "seq_len", *super().state_fields())
+
+    @property
+    def device_sharing(self) -> bool:
+        """Whether ranks may share a GPU: a pipeline alone sends through host memory where they do;
+        with ``dp_size`` > 1 its engine decides."""
+        return self.dp_size == 1 or super().device_sharing
 
     def __post_init__(self) -> None:
         super().__post_init__()

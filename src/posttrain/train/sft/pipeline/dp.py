@@ -52,10 +52,10 @@ class PipelineGrid:
         dp_mesh: the 1-D mesh of the ranks holding the same stages (for the column's engine).
     """
 
-    def __init__(self, pp: int, dp: int) -> None:
+    def __init__(self, pp: int, dp: int, device_type: str = "cpu") -> None:
         if dist.get_world_size() != pp * dp:
             raise ValueError(f"{dist.get_world_size()} processes for `num_ranks` {pp} x `dp_size` {dp}")
-        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
         self.pp, self.dp = pp, dp
         self.pp_rank = mesh.get_local_rank("pp")
         self.dp_rank = mesh.get_local_rank("dp")

@@ -1,4 +1,4 @@
-"""Short pipeline training runs on CPU processes: what ``posttrain pipeline`` and the tests run.
+"""Short pipeline training runs on CPU processes or GPUs: what ``posttrain pipeline`` and the tests run.
 
 :func:`run_pipeline` forks one process per pipeline rank; each builds the same seeded model,
 keeps its stages (:func:`~posttrain.pipeline.stages.split_model`), and trains ``steps`` steps of
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.data import synthetic_sequences
+from posttrain.device import allow_tf32, backend, rank_device, rank_kind, shares_devices, use
 from posttrain.dp import Shards, decay_flags
 from posttrain.launch import run_job
 from posttrain.models import build_model, check_model_dir
@@ -97,14 +98,15 @@ class PipelineTrainer(Trainer):
     scalars = ("loss", "step_time_s", "lr", "grad_norm")
 
     def __init__(self, cfg: PipelineConfig, rank: int, world_size: int, *, return_grads: bool = False) -> None:
+        self.device = place(cfg, rank)
         self.sched = sched = cfg.build()
         self.model = model = build_pipeline_model(cfg)
         stages = split_model(model, cfg.num_stages)
-        self.mine = {s: stages[s] for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
+        self.mine = {s: stages[s].to(self.device) for s in range(cfg.num_stages) if sched.layout.rank_of(s) == rank}
         self.data = PipelineData(cfg, _model_config(model)) if cfg.data else None
         self.runner = PipelineRunner(self.mine, sched, loss_fn=packed_loss if self.data else microbatch_loss,
                                      offload=cfg.policy(), weight_split=not cfg.no_weight_split,
-                                     static_shapes=self.data is None)
+                                     static_shapes=self.data is None, device=self.device)
         self.params = list({id(p): p for mod in self.mine.values() for p in mod.parameters()}.values())
         # Tied input and output embeddings on two ranks: two copies whose gradients are summed after
         # every step (Megatron's embedding group), so they stay equal.
@@ -132,7 +134,7 @@ class PipelineTrainer(Trainer):
             dist.all_reduce(self.tied.grad, group=self.tie_group)
         if step == 0 and self.return_grads:
             ids = {id(p) for p in self.params}
-            self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()
+            self.grads = {n: p.grad.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()
                           if id(p) in ids and p.grad is not None}
         shards = Shards(self.params, decay_flags(self.params))
         tied = [self.tied] if self.tie_group is not None and self.rank in self.ends else []
@@ -149,7 +151,7 @@ class PipelineTrainer(Trainer):
         # the tied weight's copy on the last stage's rank is not written twice
         skip = self.tied if self.tied is not None and self.rank != self.sched.layout.rank_of(0) else None
         mine = {id(p) for p in self.params if p is not skip}
-        own = {n: p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
+        own = {n: p.detach().cpu() for n, p in self.model.named_parameters() if id(p) in mine}
         _export(self.cfg, self.model, own, self.rank, self.world_size)
 
 
@@ -174,6 +176,15 @@ def _step_loss(part: float | None, scale: float = 1.0) -> float:
     t = torch.tensor([part or 0.0], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) * scale
+
+
+def place(cfg: PipelineConfig, rank: int) -> torch.device:
+    """This rank's device (the launcher's resolution of ``cfg.device``), made current, with the
+    run's TF32 setting."""
+    device = rank_device(rank_kind(cfg.device), rank)
+    use(device)
+    allow_tf32(device, cfg.tf32)
+    return device
 
 
 def pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_grads: bool = False) -> dict:
@@ -225,12 +236,13 @@ class PipelineDPTrainer(Trainer):
 
         from .dp import PipelineGrid, TiedEmbedding, runnable, shard_stages
 
-        self.grid = grid = PipelineGrid(cfg.num_ranks, cfg.dp_size)
+        self.device = place(cfg, rank)
+        self.grid = grid = PipelineGrid(cfg.num_ranks, cfg.dp_size, self.device.type)
         self.model = model = build_pipeline_model(cfg)
         self.model_config = _model_config(model)
         stages = split_model(model, cfg.num_stages)
         layout = cfg.build().layout
-        self.mine = {s: stages[s] for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
+        self.mine = {s: stages[s].to(self.device) for s in range(cfg.num_stages) if layout.rank_of(s) == grid.pp_rank}
         self.skip = tied_names(model)  # tied aliases, written once on export
         tied_weight = _tied_weight(model, stages)  # before sharding takes the parameters off the stages
         tied = tied_weight is not None
@@ -271,7 +283,8 @@ class PipelineDPTrainer(Trainer):
         if m not in self.runners:
             self.runners[m] = PipelineRunner(self.mine, cfg.build(m), loss_fn=packed_loss, offload=cfg.policy(),
                                              weight_split=not cfg.no_weight_split, split_checked=self.checked,
-                                             sharded=engine, group=grid.pp_group, static_shapes=False)
+                                             sharded=engine, group=grid.pp_group, static_shapes=False,
+                                             device=self.device)
             self.runners[m].store.is_weight = engine.holds
         batch = self.data.pack(samples, sets, 0.0)  # (the divisor comes from the minibatch below)
         dist.barrier()  # every pipeline starts the step together (timing: the slowest pipeline paces the step)
@@ -308,7 +321,7 @@ class PipelineDPTrainer(Trainer):
         if self.return_params:
             self.engine.close(restore=True)  # the full parameters back on this rank's stages (a collective)
             params = {id(p) for mod in self.mine.values() for p in mod.parameters()}
-            self.params = {n: p.detach().clone() for n, p in self.model.named_parameters() if id(p) in params}
+            self.params = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters() if id(p) in params}
 
     def close(self) -> None:
         self.engine.close()
@@ -329,7 +342,8 @@ def dp_pipeline_worker(rank: int, world_size: int, cfg: PipelineConfig, return_p
 
 
 def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: float = 300.0) -> list[dict]:
-    """Run ``cfg`` on ``cfg.num_ranks`` forked CPU processes; one dict per rank (see :func:`pipeline_worker`).
+    """Run ``cfg`` on ``cfg.num_ranks`` (x ``dp_size``) processes, on the CPU or GPUs (``cfg.device``);
+    one dict per rank (see :func:`pipeline_worker`).
 
     Resumes from ``cfg.checkpoint_dir`` when it holds a checkpoint; ``[]`` when that checkpoint
     already holds ``cfg.steps`` steps.
@@ -338,18 +352,22 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
         ValueError: bad configuration, or a rank rejected its input.
     """
     cfg.build()  # schedule errors surface here, before any process starts
-    meta = check_run(cfg)  # unwritable outputs, a mismatched checkpoint: one line, before any data is read
+    # devices, unwritable outputs, a mismatched checkpoint: one line, before any data is read
+    meta = check_run(cfg, world_size=cfg.num_ranks * cfg.dp_size)
     with claim_outputs(cfg):  # no second run on these outputs while this one lives
         cfg = resolve_epochs(cfg)
         if cfg.model_path:
             check_model_and_data(cfg)
         if meta is not None and meta["steps_done"] >= cfg.steps:
             return []  # nothing left to do
+        kind = cfg.device_kind
+        world = cfg.num_ranks * cfg.dp_size
+        pg = backend(kind, shared=shares_devices(kind, world))
+        cfg = replace(cfg, device=kind)
         if cfg.dp_size > 1:
-            world = cfg.num_ranks * cfg.dp_size
-            out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s)
+            out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s, backend=pg)
             return [out[r] for r in range(world)]
-        out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s)
+        out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s, backend=pg)
         return [out[r] for r in range(cfg.num_ranks)]
 
 
