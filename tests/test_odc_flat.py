@@ -61,7 +61,7 @@ def train_flat(rank: int, world_size: int, counts: list[int], *, make_model=make
         opt.step()
         opt.zero_grad()
     extra = {"num_params": len(handle.parameters()), "grads_bytes": handle.buffer_bytes["grads"],
-             "params_bytes": handle.buffer_bytes["params"]}
+             "params_bytes": handle.buffer_bytes["params"], "prefetch": dict(handle.prefetch_stats)}
     state = handle.full_state_dict()
     stats = dict(handle.stats)
     if close:
@@ -82,6 +82,40 @@ def test_flat_parity_with_single_process_reference(counts):
         units = 3
         assert stats["gathers"] == counts[rank] * (2 * (units - 1) + 1) * STEPS, stats
         assert stats["pushes"] == counts[rank] * units * STEPS, stats
+
+
+def _frozen_llama():
+    model = tiny_llama()
+    model.model.layers[0].mlp.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("case", ["gpt", "llama-frozen-ac", "hsdp"])
+def test_prefetched_gathers_change_nothing_but_when_they_happen(case):
+    """``prefetch=True`` on the CPU runs the accelerator's bookkeeping (gather the next unit in
+    forward and the previous one in backward, early; here at once, there on a side stream):
+    the reference's parameters, the same number of gathers (each early one taken, none wasted),
+    with frozen parameters, activation checkpointing and HSDP."""
+    counts = [3, 1, 0, 2] if case == "hsdp" else [3, 1]
+    kw = {"prefetch": True}
+    if case == "llama-frozen-ac":
+        kw.update(make_model=_frozen_llama, ac=True)
+        want = train_reference(counts, make_model=_frozen_llama)
+    else:
+        want = train_reference(counts)
+    if case == "hsdp":
+        kw.update(mesh_shape=(2, 2))
+    plain = run_ranks(train_flat, len(counts), counts, **{**kw, "prefetch": False})
+    got = run_ranks(train_flat, len(counts), counts, **kw)
+    for (state, stats, extra), (_, plain_stats, _) in zip(got, plain):
+        assert_states_close(state, want, rtol=1e-4, atol=1e-5)
+        assert stats["gathers"] == plain_stats["gathers"] and stats["pushes"] == plain_stats["pushes"]
+        assert extra["prefetch"]["unused"] == 0, extra
+        if stats["pushes"]:  # a rank that ran microbatches gathered ahead in both passes
+            assert extra["prefetch"]["prefetched"] > 0, extra
+    if case == "gpt":  # 2 blocks: both ahead in forward once the order is known, the first in backward
+        n = counts[0] * STEPS
+        assert got[0][2]["prefetch"]["prefetched"] == 3 * n - 2, got[0][2]
 
 
 def test_flat_collective_mode_matches_reference():

@@ -20,6 +20,12 @@ its gathers and pushes are plain copies and adds:
   post-hook: a resharded unit frees the vectors' storage and hooks its outputs, so the first
   gradient reaching them refills the same storage before the unit's backward reads its saved
   weights (or, under activation checkpointing, recomputes its forward).
+- Prefetch (``ODCConfig.prefetch``, on by default on an accelerator): a unit's pre-hook also
+  gathers the resharded unit that came after it in the last forward into fresh vectors, on a
+  side stream (the next pre-hook waits for its event), and the first gradient reaching a unit
+  refills it and then the storage of the unit whose forward ended before it (the next one
+  backward needs). The gathers are the same copies from constant exposures, only earlier; a
+  prefetch no forward took is dropped at minibatch exit (counted in ``prefetch_stats``).
 - When autograd has accumulated the leaf's gradient (one tensor: the split's backward
   concatenates; the split covers the padding too, so no slice backward zero-fills and copies the
   whole vector again), row ``p`` is added into owner ``p``'s accumulator (in ``reduce_dtype``)
@@ -96,6 +102,54 @@ class FlatUnit:
         return [p.numel() for p in self.params]
 
 
+class _Refill:
+    """The gradient hook of a resharded unit's outputs in one forward: the first gradient to
+    arrive refills the unit's freed storage (the saved weight views read it) and, with prefetch,
+    starts refilling :attr:`before` (the unit whose forward ended before this one: the next
+    backward) ahead."""
+
+    def __init__(self, odc: FlatODC, u: FlatUnit, full: torch.Tensor | None, frozen: torch.Tensor | None) -> None:
+        self.odc, self.u = odc, u
+        self.tensors = (full, frozen)
+        self.sizes = [t.untyped_storage().nbytes() if t is not None else 0 for t in self.tensors]
+        self.before: _Refill | None = None
+        self.started = self.fired = False
+        self.event: object | None = None
+
+    def start(self, *, ahead: bool) -> None:
+        """Fill the storage again (once): on the side stream ``ahead``, else here."""
+        if self.started:
+            return
+        self.started = True
+        bufs = []
+        for t, nbytes in zip(self.tensors, self.sizes):
+            if t is None or t.untyped_storage().nbytes() == nbytes:
+                bufs.append(None)  # absent, or already refilled
+                continue
+            storage = t.untyped_storage()
+            storage.resize_(nbytes)
+            # A tensor of its own on the same storage: filling it does not bump the version
+            # counter that autograd checks on the saved weight views.
+            bufs.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride()))
+        if all(b is None for b in bufs):
+            return
+        if ahead:
+            self.event = self.odc._ahead(lambda: self.odc._fill(self.u, *bufs))
+            self.odc.prefetch_stats["prefetched"] += 1
+        else:
+            self.odc._fill(self.u, *bufs)
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self.fired:
+            self.fired = True
+            self.start(ahead=False)
+            self.odc._wait(self.event)
+            before, self.before = self.before, None
+            if before is not None:
+                before.start(ahead=True)
+        return grad
+
+
 class _ModelSharded(RuntimeError):
     pass
 
@@ -156,6 +210,16 @@ class FlatODC:
         self.on_close: Callable[[], None] | None = None
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
+        # prefetch ([Note: flat ODC]): the side stream (None on the CPU: gathers ahead run at once)
+        auto = self.device.type != "cpu"
+        self._prefetch = (auto if config.prefetch is None else config.prefetch) and config.mode == "one-sided"
+        self._side = torch.Stream(self.device) if self._prefetch and self.device.type != "cpu" else None
+        self._next: dict[int, FlatUnit] = {}  # id(unit) -> the unit whose forward ran after it last time
+        self._prev_pre: FlatUnit | None = None  # the unit whose pre-hook ran last
+        self._ready: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, object]] = {}  # prefetched vectors
+        self._last_refill: _Refill | None = None  # the latest resharded unit's refill (backward's chain)
+        #: prefetches issued and those no forward took (dropped at minibatch exit)
+        self.prefetch_stats = {"prefetched": 0, "unused": 0}
         self.layouts = self._build_units(model, units)  # checked before anything is taken off the model
         self._take_parameters()
         try:
@@ -465,6 +529,8 @@ class FlatODC:
             h.remove()
         self._hooks = []
         self._gathered.clear()
+        self._ready.clear()
+        self._last_refill = self._prev_pre = None
         for u in self.layouts:
             u.full = u.frozen_full = None
         if self._protocol is not None:
@@ -548,6 +614,9 @@ class FlatODC:
 
     def release(self) -> None:
         self._gathered.clear()
+        self.prefetch_stats["unused"] += len(self._ready)
+        self._ready.clear()
+        self._last_refill = self._prev_pre = None
         for u in self.layouts:
             for t in (u.full, u.frozen_full):
                 if t is not None:
@@ -639,6 +708,44 @@ class FlatODC:
         return n
 
     # ---------------------------------------------------------------- hooks
+    def _ahead(self, fill: Callable[[], None]) -> object | None:
+        """Run ``fill`` (gathers into buffers the compute stream allocated) on the side stream,
+        after the compute stream's queued work; the event the consumer waits on (:meth:`_wait`).
+        On the CPU ``fill`` runs at once and there is nothing to wait on."""
+        if self._side is None:
+            fill()
+            return None
+        self._side.wait_stream(torch.accelerator.current_stream(self.device))
+        with self._side:
+            fill()
+            event = torch.Event(self.device)
+            event.record(self._side)
+        return event
+
+    def _wait(self, event: object | None) -> None:
+        if event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(event)
+
+    def _vectors(self, u: FlatUnit) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        n = self.shard_size
+        full = torch.empty(u.shard_numel * n, dtype=u.param_dtype, device=self.device) if u.shard is not None else None
+        frozen = (torch.empty(u.frozen_shard_numel * n, dtype=u.param_dtype, device=self.device)
+                  if u.frozen_shard is not None else None)
+        return full, frozen
+
+    def _prefetch_after(self, u: FlatUnit) -> None:
+        """In a minibatch's forward: learn that ``u`` came after the previous unit, and gather the
+        resharded unit that came after ``u`` last time ahead of its pre-hook."""
+        if self._prev_pre is not None:
+            self._next[id(self._prev_pre)] = u
+        self._prev_pre = u
+        nxt = self._next.get(id(u))
+        if nxt is None or nxt is u or not nxt.reshard or id(nxt) in self._ready:
+            return
+        full, frozen = self._vectors(nxt)
+        self._ready[id(nxt)] = (full, frozen, self._ahead(lambda: self._fill(nxt, full, frozen)))
+        self.prefetch_stats["prefetched"] += 1
+
     def _fill(self, u: FlatUnit, full: torch.Tensor | None, frozen: torch.Tensor | None) -> None:
         """Gather every owner's shards of ``u`` into ``full`` / ``frozen`` (whole padded vectors)."""
         p = self._protocol
@@ -669,11 +776,17 @@ class FlatODC:
         cast_inputs = self.mp_policy.cast_forward_inputs and u.param_dtype != u.master_dtype
 
         def pre_forward(module, args, kwargs):
-            n = self.shard_size
-            full = torch.empty(u.shard_numel * n, dtype=u.param_dtype, device=self.device) if u.shard is not None else None
-            frozen = (torch.empty(u.frozen_shard_numel * n, dtype=u.param_dtype, device=self.device)
-                      if u.frozen_shard is not None else None)
-            self._fill(u, full, frozen)
+            ready = self._ready.pop(id(u), None)
+            if ready is not None:  # gathered ahead (constant exposures: still this minibatch's)
+                full, frozen, event = ready
+                self._wait(event)
+            else:
+                full, frozen = self._vectors(u)
+                self._fill(u, full, frozen)
+            if self._prefetch and self._protocol.in_minibatch:
+                if u.module is self.model:  # a forward of the whole model begins: backward's chain too
+                    self._last_refill = None
+                self._prefetch_after(u)
             views: list[torch.Tensor] = []
             if full is not None:
                 if torch.is_grad_enabled():
@@ -718,33 +831,15 @@ class FlatODC:
             if not u.reshard:
                 return output
             full, frozen = u.full, u.frozen_full
-            sizes = [t.untyped_storage().nbytes() if t is not None else 0 for t in (full, frozen)]
+            refill = _Refill(self, u, full, frozen)
             for t in (full, frozen):
                 if t is not None:
                     t.untyped_storage().resize_(0)
-            fired = False
-
-            def regather(grad):
-                nonlocal fired
-                if fired:
-                    return grad
-                fired = True
-                bufs = []
-                for t, nbytes in zip((full, frozen), sizes):
-                    if t is None or t.untyped_storage().nbytes() == nbytes:
-                        bufs.append(None)  # absent, or already refilled
-                        continue
-                    storage = t.untyped_storage()
-                    storage.resize_(nbytes)
-                    # A tensor of its own on the same storage: filling it does not bump the
-                    # version counter that autograd checks on the saved weight views.
-                    bufs.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride()))
-                self._fill(u, *bufs)
-                return grad
-
+            if self._prefetch and self._protocol.in_minibatch and torch.is_grad_enabled():
+                refill.before, self._last_refill = self._last_refill, refill
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(regather)
+                    t.register_hook(refill)
             return output
 
         return post_forward

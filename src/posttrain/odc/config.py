@@ -34,6 +34,12 @@ class ODCConfig:
             (the host's stripe locks, held until each add has finished). No effect on the CPU.
         timeout_s: how long a rank waits at the minibatch barriers for a slow peer before
             failing. A peer that aborts or dies is noticed within about 0.2 s regardless.
+        prefetch: flat ODC: gather the next unit while this one computes (the unit the last
+            forward ran next), and in backward the unit before, on a side stream.
+            ``None``: on for models on an accelerator in one-sided mode. ``True``: also on the
+            CPU, where the early gather runs at once (no overlap: what the CPU tests check the
+            bookkeeping with). No effect in collective mode (its barrier per gather) or on ODC
+            on FSDP2 (FSDP2 prefetches on its own all-gather stream).
     """
 
     mode: Literal["one-sided", "collective"] = "one-sided"
@@ -41,6 +47,7 @@ class ODCConfig:
     grad_divide_factor: float = 1.0
     device_accumulate: Literal["atomic", "locked"] = "atomic"
     timeout_s: float = 1800.0
+    prefetch: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("one-sided", "collective"):
@@ -51,5 +58,7 @@ class ODCConfig:
             raise ValueError(f"grad_divide_factor={self.grad_divide_factor} must be positive")
         if self.device_accumulate not in ("atomic", "locked"):
             raise ValueError(f"device_accumulate={self.device_accumulate!r} is not one of 'atomic', 'locked'")
+        if self.prefetch not in (None, True, False):
+            raise ValueError(f"prefetch={self.prefetch!r} must be True, False or None (auto)")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive")
