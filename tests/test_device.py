@@ -184,3 +184,53 @@ def test_tf32_on_cuda_sets_and_clears_the_matmul_flag():
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     device.allow_tf32(dev, False)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+def test_communication_is_timed_by_a_recorder_or_handed_host_times():
+    """Engines time a gather or push through ``comm_span``: a Recorder times it itself (on a GPU
+    with events on the stream, resolved after the step's synchronization; here host times), a
+    plain hook gets ``(kind, start, end)``, ``None`` costs nothing. A prefetch is drawn on the comm
+    lane but is not subtracted from compute (it runs beside it)."""
+    from posttrain.spans import COMM_KINDS, Recorder, comm_span, lane_of
+
+    rec = Recorder(3, torch.device("cpu"))
+    assert rec.device is None  # the CPU: host times
+    with comm_span(rec, "gather"):
+        pass
+    with comm_span(rec, "prefetch"):
+        pass
+    rec.resolve()  # (nothing pending on the CPU)
+    assert [(s.rank, s.lane, s.name) for s in rec.spans] == [(3, "comm", "gather"), (3, "comm", "prefetch")]
+    got = []
+    with comm_span(lambda kind, start, end: got.append((kind, end >= start)), "reduce"):
+        pass
+    assert got == [("reduce", True)]
+    with comm_span(None, "reduce"):
+        pass
+    assert "prefetch" not in COMM_KINDS and lane_of("prefetch") == "comm"
+    rec.clear()
+    assert rec.spans == []
+
+
+@pytest.mark.cuda
+def test_a_recorder_on_a_gpu_times_kernels_not_launches():
+    """On CUDA a span lasts as long as its kernels run: a matmul loop the host only queues."""
+    import time
+
+    dev = torch.device("cuda", 0)
+    from posttrain.spans import Recorder
+
+    rec = Recorder(0, dev)
+    a = torch.randn(4096, 4096, device=dev)
+    a = a @ a / 4096  # (cuBLAS set up outside the span)
+    torch.accelerator.synchronize(dev)
+    rec.clear()
+    t0 = time.perf_counter()
+    with rec.span("microbatch"):
+        for _ in range(20):
+            a = a @ a / 4096
+    launched = time.perf_counter() - t0
+    torch.accelerator.synchronize(dev)
+    rec.resolve()
+    (span,) = rec.spans
+    assert span.duration > launched and span.start >= t0 - 1.0

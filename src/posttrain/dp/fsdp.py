@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import posttrain.odc as odc
 from posttrain._compat import AllGather, ReduceScatter, all_gather_single, reduce_scatter_single
+from posttrain.spans import comm_span
 
 from .engine import CommHook, DataParallelEngine, EngineConfig, MinibatchInfo, ensure_optimizer_state, mixed_precision
 from .registry import register_engine
@@ -40,21 +40,17 @@ class _TimedAllGather(_Timed, AllGather):
     """FSDP2's default all-gather (``dist.all_gather_single``), timed."""
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        start = time.perf_counter()
-        work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        self._hook("gather", start, time.perf_counter())
-        return work
+        with comm_span(self._hook, "gather"):
+            return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _TimedReduceScatter(_Timed, ReduceScatter):
     """FSDP2's default reduce-scatter (``dist.reduce_scatter_single``), timed."""
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        start = time.perf_counter()
-        work = reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
-        self._hook("reduce", start, time.perf_counter())
-        return work
+        with comm_span(self._hook, "reduce"):
+            return reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                         async_op=async_op)
 
 
 @register_engine("fsdp")

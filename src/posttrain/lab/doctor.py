@@ -31,8 +31,10 @@ __all__ = ["CHECKS", "Doctor", "copy_bandwidths", "find_tests"]
 #: What the doctor checks on a CUDA machine, in the order it runs them.
 CHECKS = (
     "the devices: GPU model, memory and count; driver, CUDA and torch versions",
-    "the CUDA test subset (pytest -m cuda): FSDP2 training on the GPU against the CPU loss curve, "
-    "the pipeline's CUDA offload store (pinned host buffers, side stream, events)",
+    "the CUDA test subset (pytest -m cuda): every engine in train, RL and the pipeline (x flat ODC) on "
+    "the GPU against the CPU run (ranks sharing the GPU over gloo where there are fewer GPUs; two-GPU "
+    "cases skip on one), ODC's device transport, the offload store (pinned buffers, side stream, events), "
+    "event-timed spans",
     "copy bandwidth beside a device-to-device copy: host-to-device and device-to-host from pinned "
     "memory (the offload link, PipeOffload's k)",
     "ODC's device transport (2 processes, CUDA IPC): gather and scatter-accumulate (per-writer slots, "

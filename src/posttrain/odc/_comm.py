@@ -19,7 +19,6 @@ row ``p`` of the local gradient into owner ``p``'s ``grads`` slice. Neither invo
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from posttrain._compat import AllGather, ReduceScatter, ShardedParamInfo
+from posttrain.spans import comm_span
 
 from ._protocol import traced
 
@@ -109,11 +109,8 @@ class ODCAllGather(_ODCComm, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        start = time.perf_counter()
-        with traced("ODC::gather"):
+        with comm_span(self._odc.on_comm, "gather"), traced("ODC::gather"):
             self._odc.gather(self._layout, output_tensor, input_tensor, group)
-        if self._odc.on_comm is not None:
-            self._odc.on_comm("gather", start, time.perf_counter())
         return None
 
 
@@ -128,11 +125,8 @@ class ODCReduceScatter(_ODCComm, ReduceScatter):
         op=None,
         async_op: bool = False,
     ) -> dist.Work | None:
-        start = time.perf_counter()
-        with traced("ODC::scatter_accumulate"):
+        with comm_span(self._odc.on_comm, "reduce"), traced("ODC::scatter_accumulate"):
             self._odc.scatter_accumulate(self._layout, output_tensor, input_tensor, group)
-        if self._odc.on_comm is not None:
-            self._odc.on_comm("reduce", start, time.perf_counter())
         return None
 
 

@@ -42,7 +42,6 @@ The module's parameters are not registered on it while it is sharded: the optimi
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -57,6 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from posttrain._compat import all_gather_single, tree_flatten, tree_map_only, tree_unflatten
 from posttrain.models.blocks import find_blocks
+from posttrain.spans import comm_span
 
 from ._protocol import Minibatch, MinibatchProtocol, traced
 from .config import ODCConfig
@@ -134,7 +134,7 @@ class _Refill:
         if all(b is None for b in bufs):
             return
         if ahead:
-            self.event = self.odc._ahead(lambda: self.odc._fill(self.u, *bufs))
+            self.event = self.odc._ahead(lambda: self.odc._fill(self.u, *bufs, "prefetch"))
             self.odc.prefetch_stats["prefetched"] += 1
         else:
             self.odc._fill(self.u, *bufs)
@@ -743,21 +743,22 @@ class FlatODC:
         if nxt is None or nxt is u or not nxt.reshard or id(nxt) in self._ready:
             return
         full, frozen = self._vectors(nxt)
-        self._ready[id(nxt)] = (full, frozen, self._ahead(lambda: self._fill(nxt, full, frozen)))
+        self._ready[id(nxt)] = (full, frozen, self._ahead(lambda: self._fill(nxt, full, frozen, "prefetch")))
         self.prefetch_stats["prefetched"] += 1
 
-    def _fill(self, u: FlatUnit, full: torch.Tensor | None, frozen: torch.Tensor | None) -> None:
-        """Gather every owner's shards of ``u`` into ``full`` / ``frozen`` (whole padded vectors)."""
+    def _fill(self, u: FlatUnit, full: torch.Tensor | None, frozen: torch.Tensor | None, kind: str = "gather") -> None:
+        """Gather every owner's shards of ``u`` into ``full`` / ``frozen`` (whole padded vectors);
+        timed for the comm hook as ``kind`` (``prefetch``: ahead, beside the compute)."""
         p = self._protocol
-        start = time.perf_counter()
-        with traced("ODC::gather"):
-            if not p.in_minibatch:
+        if not p.in_minibatch:
+            with traced("ODC::gather"):
                 p.check_usable()
                 # Outside a minibatch (evaluation) the exposures may be stale: a collective.
                 for dst, src in ((full, u.shard), (frozen, u.frozen_shard)):
                     if dst is not None:
                         all_gather_single(dst, src.detach().to(u.param_dtype), group=self.shard_group)
-                return
+            return
+        with comm_span(p.on_comm, kind), traced("ODC::gather"):
             p.before_gather()
             rows = full.view(self.shard_size, u.shard_numel) if full is not None else None
             frozen_rows = frozen.view(self.shard_size, u.frozen_shard_numel) if frozen is not None else None
@@ -769,8 +770,6 @@ class FlatODC:
                     frozen_rows[q].copy_(src[u.shard_numel :])
             p.stats["gathers"] += 1
             p.stats["gather_bytes"] += u.gather_bytes * self.shard_size
-        if p.on_comm is not None:
-            p.on_comm("gather", start, time.perf_counter())
 
     def _make_pre_forward(self, u: FlatUnit):
         cast_inputs = self.mp_policy.cast_forward_inputs and u.param_dtype != u.master_dtype
@@ -847,14 +846,11 @@ class FlatODC:
     def _make_push(self, u: FlatUnit):
         def push(full: torch.Tensor) -> None:
             p = self._protocol
-            start = time.perf_counter()
-            with traced("ODC::scatter_accumulate"):
-                p.check_in_minibatch_for_backward()
+            p.check_in_minibatch_for_backward()
+            with comm_span(p.on_comm, "reduce"), traced("ODC::scatter_accumulate"):
                 p.push_rows(u, full.grad.view(self.shard_size, u.shard_numel))
                 self._gathered.pop(id(full), None)
                 full.grad = None
                 full.untyped_storage().resize_(0)
-            if p.on_comm is not None:
-                p.on_comm("reduce", start, time.perf_counter())
 
         return push

@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from posttrain.device import backend, check_world
 from posttrain.launch import run_ranks
 from posttrain.train.sft import (
     TrainConfig,
@@ -94,8 +95,10 @@ class ODCBench:
 
     Attributes:
         train: the model, data and steps every variant shares (its engine and balancing method
-            are the variants').
-        world_size: CPU processes.
+            are the variants'); its ``device`` defaults to the CPU here (``--device cuda``: one
+            rank per GPU).
+        world_size: processes (on CUDA one per GPU: FSDP2 is among the variants, and NCCL runs one
+            rank per GPU).
         repeats: interleaved rounds; ratios are medians, with the range over rounds.
         sweep: measure ODC's mechanism and its headroom at every ``sequences_per_rank`` x
             ``sweep_max_tokens`` point, beside the calibrated simulator's predictions.
@@ -107,9 +110,9 @@ class ODCBench:
     """
 
     train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(steps=8, sequences=16, max_len=1024),
+        default_factory=lambda: TrainConfig(steps=8, sequences=16, max_len=1024, device="cpu"),
         metadata={"fields": ("profile", "data", "model", "engine.precision", "steps", "sequences", "max_len",
-                             "max_tokens", "dim", "num_layers", "optim.lr", "seed")})
+                             "max_tokens", "dim", "num_layers", "optim.lr", "seed", "device")})
     world_size: int = 2
     repeats: int = 5
     sweep: bool = False
@@ -136,6 +139,7 @@ class ODCBench:
 
     def run(self, log=print) -> dict:
         """:func:`sweep_odc` with ``sweep``, else :func:`bench_odc`; written to ``json``."""
+        check_world(self.train.device_kind, self.world_size)  # (FSDP2's variants: one rank per GPU)
         json_path = self.json if self.json is not None else (
             "out/bench_odc_sweep.json" if self.sweep else "out/bench_odc.json")
         if self.sweep:
@@ -144,6 +148,13 @@ class ODCBench:
                              repeats=self.repeats, predict=not self.no_predict, json_path=json_path or None, log=log)
         return bench_odc(self.train, world_size=self.world_size, repeats=self.repeats, json_path=json_path or None,
                          log=log)
+
+
+def _on_ranks(worker: Callable, world_size: int, cfg: TrainConfig, *args) -> list:
+    """``worker(rank, world_size, cfg, *args)`` on ``world_size`` ranks of ``cfg``'s device
+    (resolved once: every variant and bound on the same device, one rank per GPU on CUDA)."""
+    kind = cfg.device_kind
+    return run_ranks(worker, world_size, replace(cfg, device=kind), *args, backend=backend(kind), timeout_s=3600)
 
 
 def _steady_tokens(cfg: TrainConfig, world_size: int) -> int:
@@ -158,19 +169,19 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     the same run)."""
     tokens = _steady_tokens(cfg, world_size)
     times: dict = {}
-    for part in run_ranks(sequence_times_worker, world_size, cfg, timeout_s=3600):
+    for part in _on_ranks(sequence_times_worker, world_size, cfg):
         times.update(part)
     candidates, exact = partition_candidates(cfg, world_size, times)
     # Per step each candidate lasts as long as its slowest rank. The fastest is chosen on one run and
     # timed on another: taking the minimum of noisy runs as the bound would favour noise.
     steps = cfg.steps - 1
-    per_rank = run_ranks(partition_bound_worker, world_size, cfg, candidates, timeout_s=3600)
+    per_rank = _on_ranks(partition_bound_worker, world_size, cfg, candidates)
     by_candidate = {name: [max(r[name][k] for r in per_rank) for k in range(steps)] for name in candidates}
     best = [min(by_candidate, key=lambda name: by_candidate[name][k]) for k in range(steps)]
     # ODC's own plan (diff_micro's assignment) is timed again beside the chosen one, step by step in
     # the same run, so the two compare without the noise between runs.
     chosen = {"chosen": [candidates[name][k] for k, name in enumerate(best)], "diff_micro": candidates["diff_micro"]}
-    per_rank = run_ranks(partition_bound_worker, world_size, cfg, chosen, timeout_s=3600)
+    per_rank = _on_ranks(partition_bound_worker, world_size, cfg, chosen)
     partition_s = sum(max(r["chosen"][k] for r in per_rank) for k in range(steps))
     plan_s = sum(max(r["diff_micro"][k] for r in per_rank) for k in range(steps))
     # The even bound divides the same measured compute evenly over the ranks, so the two bounds
@@ -205,7 +216,7 @@ def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: 
         dp, mode, balance = job
         cfg = _variant_cfg(base, dp, mode, balance)
         name = f"{cfg.engine.label}+{balance}"
-        got[name] = summarize(run_ranks(train_worker, world_size, cfg, timeout_s=3600))
+        got[name] = summarize(_on_ranks(train_worker, world_size, cfg))
         log(f"  {prefix}{name:32} {got[name]['tokens_per_s']:9.0f} tokens/s", flush=True)
     return got
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from posttrain.balance import FlopsCost, fit_least_squares, pack_share
 from posttrain.balance.exact import min_max_partition
+from posttrain.device import rank_device, rank_kind, synchronize, use
 from posttrain.models import build_model
 
 from .config import TrainConfig
@@ -38,28 +39,38 @@ __all__ = ["PARTITION_CANDIDATES", "partition_bound_worker",
            "partition_candidates", "sequence_times_worker"]
 
 
-def _model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+def _model(cfg: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.model_config(vocab_size))
+    model = build_model(cfg.model, cfg.model_config(vocab_size)).to(device)
     return model.to(torch.bfloat16) if cfg.engine.precision == "bf16" else model
+
+
+def _device(cfg: TrainConfig, rank: int) -> torch.device:
+    """This rank's device (``cfg.device`` as the launcher resolved it), made current."""
+    device = rank_device(rank_kind(cfg.device), rank)
+    use(device)
+    return device
 
 
 def sequence_times_worker(rank: int, world_size: int, cfg: TrainConfig) -> dict[tuple[int, int], float]:
     """Seconds of forward+backward of each sequence alone, ``(step, index) -> seconds``, for the
     steps after the first. The ranks split the sequences and measure at the same time; the caller
     merges their dicts."""
+    device = _device(cfg, rank)
     data = TrainData(cfg, world_size)
-    model = _model(cfg, data.vocab_size)
+    model = _model(cfg, data.vocab_size, device)
     jobs = [(step, i) for step in range(1, cfg.steps) for i in range(cfg.sequences)]
     seqs = {step: data.minibatch(step) for step in range(1, cfg.steps)}
     seqs0 = data.minibatch(0)
     for i in range(rank, cfg.sequences, world_size):
-        microbatch_loss(model, seqs0, [i], 1.0).backward()  # warm-up: step 0, as training's
+        microbatch_loss(model, seqs0, [i], 1.0, device=device).backward()  # warm-up: step 0, as training's
     out = {}
+    synchronize(device)
     dist.barrier()
     for step, i in jobs[rank::world_size]:
         t0 = time.perf_counter()
-        microbatch_loss(model, seqs[step], [i], 1.0).backward()
+        microbatch_loss(model, seqs[step], [i], 1.0, device=device).backward()
+        synchronize(device)  # (on a GPU: the kernels, not their launch)
         out[(step, i)] = time.perf_counter() - t0
     model.zero_grad()
     dist.barrier()
@@ -104,13 +115,15 @@ def partition_bound_worker(rank: int, world_size: int, cfg: TrainConfig,
     """Per candidate and step after the first, this rank's seconds to run its share packed into
     microbatches, back to back, with no communication (a candidate's step lasts as long as its
     slowest rank). Step 0's share (``diff_micro``'s) runs first, untimed, as training's does."""
+    device = _device(cfg, rank)
     data = TrainData(cfg, world_size)
-    model = _model(cfg, data.vocab_size)
+    model = _model(cfg, data.vocab_size, device)
     cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
     seqs0 = data.minibatch(0)
     for mb in plan_step(cfg, seqs0, world_size, cost, method="diff_micro").microbatches_for(rank):
         if mb.sequence_ids:
-            microbatch_loss(model, seqs0, mb.sequence_ids, 1.0).backward()  # warm-up
+            microbatch_loss(model, seqs0, mb.sequence_ids, 1.0, device=device).backward()  # warm-up
+    synchronize(device)
     out: dict[str, list[float]] = {name: [] for name in candidates}
     for step in range(1, cfg.steps):
         seqs = data.minibatch(step)
@@ -120,7 +133,8 @@ def partition_bound_worker(rank: int, world_size: int, cfg: TrainConfig,
             dist.barrier()
             t0 = time.perf_counter()
             for ids in mine:
-                microbatch_loss(model, seqs, ids, 1.0).backward()
+                microbatch_loss(model, seqs, ids, 1.0, device=device).backward()
+            synchronize(device)
             out[name].append(time.perf_counter() - t0)
     model.zero_grad()
     return out

@@ -194,10 +194,10 @@ class SFTTrainer(Trainer):
         use(self.device)
         allow_tf32(self.device, cfg.tf32)
         self.data = TrainData(cfg, world_size)
-        self.rec = Recorder(rank)
+        self.rec = Recorder(rank, self.device)  # (on a GPU: spans timed by events on the stream)
         self.training = build_training(cfg, self.data.vocab_size, self.device)
         self.engine = self.training.engine
-        self.engine.set_comm_hook(self.rec.add)
+        self.engine.set_comm_hook(self.rec)
         self.eval_samples = self.data.eval_samples()
         self.cost = step_cost(cfg, self.data.vocab_size)
         #: the peak rate mfu divides by (TFLOP/s a device): given, or the ranks' mean of a short matmul
@@ -240,6 +240,7 @@ class SFTTrainer(Trainer):
             recipe = optimizer_step(self.optimizer, cfg.optim, step, cfg.steps, [engine.shards()], self.device,
                                     loss=loss_sum)
             synchronize(self.device)  # once a step: the step's time includes its queued kernels
+        rec.resolve()  # (device-timed spans: their kernels have run)
         busy = time.perf_counter() - t0
         comm = sum(rec.total(k) for k in COMM_KINDS)
         own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
