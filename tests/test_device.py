@@ -234,3 +234,12 @@ def test_a_recorder_on_a_gpu_times_kernels_not_launches():
     rec.resolve()
     (span,) = rec.spans
     assert span.duration > launched and span.start >= t0 - 1.0
+
+
+def test_pipeline_messages_travel_where_the_backend_carries_them():
+    """A pipeline rank sends device tensors through NCCL where the group has it for that device,
+    and through host memory where gloo alone serves it (ranks sharing a GPU)."""
+    from posttrain.pipeline.runtime import backend_for
+
+    assert backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl" and backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert backend_for("cpu:gloo,cuda:gloo", "cuda") == "gloo" and backend_for("gloo", "cuda") == "gloo"

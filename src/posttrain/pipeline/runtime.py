@@ -155,12 +155,18 @@ def to_torch_actions(actions: dict[int, list[Action]]):
     return out
 
 
-def _host_only(group) -> bool:
-    """Whether ``group`` (``None``: the world) sends only CPU tensors point to point: a gloo-only
-    backend (on an accelerator, ranks that share one)."""
-    if not dist.is_initialized():
-        return False
-    return str(dist.get_backend(group)) == "gloo"
+def backend_for(config: str, device_type: str) -> str:
+    """The backend a process group's ``config`` (``torch.distributed.get_backend_config``: ``gloo``
+    or ``cpu:gloo,cuda:nccl``) uses for tensors on ``device_type``."""
+    if ":" not in config:
+        return config
+    return dict(part.split(":", 1) for part in config.split(",")).get(device_type, "gloo")
+
+
+def _host_only(group, device: torch.device) -> bool:
+    """Whether ``group`` (``None``: the world) sends ``device`` tensors with gloo, which has no
+    point-to-point for CUDA tensors (ranks sharing a GPU: the process group is gloo alone)."""
+    return dist.is_initialized() and backend_for(dist.get_backend_config(group), device.type) == "gloo"
 
 
 def _to(target, device: torch.device):
@@ -260,7 +266,8 @@ class PipelineRunner:
         # where messages travel: the device where the group's backend carries device tensors
         # (NCCL), else through host memory (gloo carries no point-to-point of CUDA tensors: ranks
         # sharing one GPU)
-        self.wire = self.device if self.device.type == "cpu" or not _host_only(group) else torch.device("cpu")
+        self.wire = (self.device if self.device.type == "cpu" or not _host_only(group, self.device)
+                     else torch.device("cpu"))
         self.policy = offload or OffloadPolicy(0)
         self.m = schedule.num_microbatches
         lowered = add_offload(schedule.actions, self.layout, self.m, self.policy)
