@@ -63,7 +63,7 @@ def test_each_rank_takes_its_local_device_and_nccl_gets_one_rank_per_gpu(fake_cu
     assert device.rank_device("cpu", 7) == torch.device("cpu")
     device.check_world("cuda", 2)
     device.check_world("cpu", 64)
-    with pytest.raises(ValueError, match=r"world_size=3 ranks on this host but it has 2 cuda device.*use an ODC engine"):
+    with pytest.raises(ValueError, match=r"world_size=3 ranks on this host but it has 2 cuda device.*use flat ODC"):
         device.check_world("cuda", 3)
     device.check_world("cuda", 3, shared_ok=True)  # an engine whose ranks may share a GPU
     device.check_world("cuda", 16, local_world_size=2)  # torchrun: 2 on this host, the rest elsewhere

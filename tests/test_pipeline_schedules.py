@@ -241,6 +241,27 @@ def test_send_recv_lowering_golden():
     assert "SEND_F1" not in text[1] and "RECV_F2" not in text[1] and "0SEND_F0" in text[0]
 
 
+def test_nccl_point_to_point_needs_each_peers_messages_received_in_sending_order():
+    """NCCL ignores tags: a peer's sends pair with the receiver's receives in posting order. The
+    runner sends over NCCL only where every pair of ranks keeps that order (else through host
+    memory, over gloo, which matches tags): true of every schedule here but zbv."""
+    from posttrain.pipeline import add_send_recv
+    from posttrain.pipeline.runtime import execution_order, p2p_orders_match
+
+    def orders(s):
+        lowered = add_send_recv(s.actions, s.layout)
+        return [execution_order(lowered[r]) for r in range(s.layout.num_ranks)]
+
+    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)):
+        s = build_schedule(name, num_ranks=2, num_microbatches=4, num_chunks=chunks)
+        assert p2p_orders_match(orders(s), s.layout) == (name != "zbv"), name
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    got = orders(s)
+    sends = [i for i, a in enumerate(got[0]) if a.kind == "SEND_F"]
+    got[0][sends[0]], got[0][sends[1]] = got[0][sends[1]], got[0][sends[0]]  # microbatch 1 sent first
+    assert not p2p_orders_match(got, s.layout)
+
+
 def test_offload_lowering_golden_and_memory():
     from posttrain.pipeline import OffloadPolicy, add_offload, add_send_recv, format_schedule
 

@@ -95,7 +95,8 @@ def device_count(kind: str) -> int:
     return 1 if kind == "cpu" else torch.accelerator.device_count()
 
 
-def check_world(kind: str, world_size: int, *, local_world_size: int | None = None, shared_ok: bool = False) -> None:
+def check_world(kind: str, world_size: int, *, local_world_size: int | None = None,
+                shared_ok: bool = False) -> None:
     """Refuse, before any process starts, more ranks on this host than ``kind`` has devices
     (NCCL runs one rank per GPU: two ranks on one device are refused by its communicator), unless
     ``shared_ok``: the run's data path needs no NCCL (ODC's engines: their gathers and adds go
@@ -107,8 +108,8 @@ def check_world(kind: str, world_size: int, *, local_world_size: int | None = No
     local = world_size if local_world_size is None else local_world_size
     if shares_devices(kind, local) and not shared_ok:
         raise ValueError(f"world_size={local} ranks on this host but it has {device_count(kind)} {kind} device(s); "
-                         f"NCCL runs one rank per device: lower `world_size`, use an ODC engine (`dp` odc or "
-                         f"odc-fsdp2, whose ranks may share a GPU) or `device` cpu")
+                         f"NCCL runs one rank per device: lower `world_size`, use flat ODC (`dp` odc, whose ranks "
+                         f"may share a GPU) or `device` cpu")
 
 
 def visible_index(pid: str) -> int | None:

@@ -132,7 +132,8 @@ class FlatODCEngine(DataParallelEngine):
         optimizer.load_state_dict({"state": osd_state, "param_groups": groups})
 
     def iter_full_state(self) -> Iterator[dict[str, torch.Tensor]]:
-        return self.handle.iter_full_units()
+        for part in self.handle.iter_full_units():  # (on the CPU, whatever the device: as FSDP2's engine)
+            yield {k: v.cpu() for k, v in part.items()}
 
     # ------------------------------------------------------------ pipeline stages
     def holds(self, tensor: torch.Tensor) -> bool:

@@ -210,9 +210,13 @@ class FlatODC:
         self.on_close: Callable[[], None] | None = None
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
-        # prefetch ([Note: flat ODC]): the side stream (None on the CPU: gathers ahead run at once)
+        self.layouts = self._build_units(model, units)  # checked before anything is taken off the model
+        # prefetch ([Note: flat ODC]): it needs to see a forward begin (the model's own pre-hook) to
+        # keep its order to one forward, so without the model among the units (a pipeline's stages)
+        # units gather on time; the side stream (None on the CPU: gathers ahead run at once)
         auto = self.device.type != "cpu"
-        self._prefetch = (auto if config.prefetch is None else config.prefetch) and config.mode == "one-sided"
+        self._prefetch = ((auto if config.prefetch is None else config.prefetch) and config.mode == "one-sided"
+                          and any(u.module is model for u in self.layouts))
         self._side = torch.Stream(self.device) if self._prefetch and self.device.type != "cpu" else None
         self._next: dict[int, FlatUnit] = {}  # id(unit) -> the unit whose forward ran after it last time
         self._prev_pre: FlatUnit | None = None  # the unit whose pre-hook ran last
@@ -220,7 +224,6 @@ class FlatODC:
         self._last_refill: _Refill | None = None  # the latest resharded unit's refill (backward's chain)
         #: prefetches issued and those no forward took (dropped at minibatch exit)
         self.prefetch_stats = {"prefetched": 0, "unused": 0}
-        self.layouts = self._build_units(model, units)  # checked before anything is taken off the model
         self._take_parameters()
         try:
             self._protocol = MinibatchProtocol(
@@ -785,6 +788,7 @@ class FlatODC:
             if self._prefetch and self._protocol.in_minibatch:
                 if u.module is self.model:  # a forward of the whole model begins: backward's chain too
                     self._last_refill = None
+                    self._prev_pre = None
                 self._prefetch_after(u)
             views: list[torch.Tensor] = []
             if full is not None:

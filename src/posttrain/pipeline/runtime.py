@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain._compat import TorchAction, TorchComputationType, stage_backward_input, stage_backward_weight
-from posttrain.device import max_memory_allocated, reset_peak_memory
+from posttrain.device import max_memory_allocated, reset_peak_memory, synchronize
 
 from ._ir import Action
 from .offload import ActivationStore
@@ -153,6 +153,26 @@ def to_torch_actions(actions: dict[int, list[Action]]):
                              f"run offload schedules with posttrain's PipelineRunner")
         out[rank] = [TorchAction(a.stage, kinds[a.kind], a.microbatch) for a in acts]
     return out
+
+
+def p2p_orders_match(orders: Sequence[Sequence[Action]], layout) -> bool:
+    """Whether, for every pair of ranks, the messages one sends the other (in its execution order
+    ``orders[rank]``) are received in the same order: what NCCL's point-to-point needs, since it
+    ignores tags and pairs a peer's sends and receives in posting order."""
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for rank, actions in enumerate(orders):
+        for a in actions:
+            s, j = a.stage, a.microbatch
+            if a.kind == "SEND_F":
+                sent.setdefault((rank, layout.rank_of(s + 1)), []).append(("F", s, j))
+            elif a.kind == "SEND_B":
+                sent.setdefault((rank, layout.rank_of(s - 1)), []).append(("B", s, j))
+            elif a.kind == "RECV_F":
+                received.setdefault((layout.rank_of(s - 1), rank), []).append(("F", s - 1, j))
+            elif a.kind == "RECV_B":
+                received.setdefault((layout.rank_of(s + 1), rank), []).append(("B", s + 1, j))
+    return sent == received
 
 
 def backend_for(config: str, device_type: str) -> str:
@@ -266,13 +286,18 @@ class PipelineRunner:
         # where messages travel: the device where the group's backend carries device tensors
         # (NCCL), else through host memory (gloo carries no point-to-point of CUDA tensors: ranks
         # sharing one GPU)
-        self.wire = (self.device if self.device.type == "cpu" or not _host_only(group, self.device)
-                     else torch.device("cpu"))
+        # (set below, once the action lists are known: NCCL needs matching orders)
+        self.wire = self.device
         self.policy = offload or OffloadPolicy(0)
         self.m = schedule.num_microbatches
         lowered = add_offload(schedule.actions, self.layout, self.m, self.policy)
         self.lowered = add_send_recv(lowered, self.layout)
         self.order = execution_order(self.lowered[self.rank])
+        if self.device.type != "cpu" and (_host_only(group, self.device) or not p2p_orders_match(
+                [execution_order(self.lowered[r]) for r in range(self.layout.num_ranks)], self.layout)):
+            # gloo has no point-to-point of device tensors (ranks sharing a GPU); NCCL ignores tags
+            # and pairs each peer's messages in posting order, which this schedule's orders break
+            self.wire = torch.device("cpu")
         self.static_shapes = static_shapes
         self._shapes: dict = {}  # (kind, sending stage) -> (shape, dtype) learned from the first header
         self._sent_shapes: dict = {}
@@ -314,20 +339,20 @@ class PipelineRunner:
             header[0] = t.ndim
             header[1:1 + t.ndim] = torch.tensor(t.shape)
             header[-1] = _DTYPES.index(t.dtype)
-            parts.insert(0, (0, header.to(self.wire)))
+            parts.insert(0, (0, header))  # (on the CPU: gloo, which matches tags, whatever the payload's wire)
             self._sent_shapes[(kind, stage)] = (tuple(t.shape), t.dtype)
         elif known != (tuple(t.shape), t.dtype):
             raise ValueError(f"microbatch {mb} sends a {tuple(t.shape)} {t.dtype} tensor where earlier microbatches "
                              f"sent {known[0]} {known[1]}: microbatches of different shapes need "
                              f"PipelineRunner(static_shapes=False)")
         for part, x in parts:
-            x = x.to(self.wire)  # (a copy to the host where messages travel there)
+            x = x.to(self.wire) if part else x  # (a payload copied to the host where messages travel there)
             self._pending.append((dist.isend(x, dst, group=self.group, tag=self._tag(kind, stage, mb, part)), x))
 
     def _post_recv(self, stage_from: int, kind: str, stage: int, mb: int):
         """Post the receive of a payload whose shape is known (static shapes); ``None`` if it is not."""
         known = self._shapes.get((kind, stage)) if self.static_shapes else None
-        if known is None:
+        if known is None or self.wire.type != "cpu":  # (NCCL: receives in the action order, none ahead)
             return None
         buf = torch.empty(known[0], dtype=known[1], device=self.wire)
         return dist.irecv(buf, self._peer(stage_from), group=self.group, tag=self._tag(kind, stage, mb, 1)), buf
@@ -339,7 +364,7 @@ class PipelineRunner:
             work.wait()
             return buf.to(self.device)
         src = self._peer(stage_from)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.wire)
+        header = torch.empty(_HEADER, dtype=torch.int64)
         dist.recv(header, src, group=self.group, tag=self._tag(kind, stage, mb, 0))
         h = header.tolist()
         buf = torch.empty(h[1:1 + h[0]], dtype=_DTYPES[h[-1]], device=self.wire)
@@ -416,6 +441,7 @@ class PipelineRunner:
         if self.store.held():
             raise PipelineActionError(f"rank {self.rank}: saved activations still held after the step: "
                                       f"{self.store.held()} (schedule missing a backward)")
+        synchronize(self.device)  # (on a GPU: the step's kernels, not their launch; once a step)
         step_time = time.perf_counter() - t_start
         return self._result(loss, step_time, record, t_start)
 

@@ -192,8 +192,9 @@ def launch(worker: Callable[..., Any], world_size: int, *args: Any, device: str 
     a GPU, which :func:`check_run` allowed). Every rank's result, in rank order (``None`` on
     torchrun ranks other than 0)."""
     pg_backend = backend(device, shared=shares_devices(device, local_world(world_size)))
-    if not under_torchrun():
-        return run_job(worker, world_size, *args, backend=pg_backend, timeout_s=timeout_s)
+    if not under_torchrun():  # (GPU ranks spawned, over gloo too: a forked child of a CUDA parent cannot use it)
+        return run_job(worker, world_size, *args, backend=pg_backend, timeout_s=timeout_s,
+                       start="spawn" if device != "cpu" else None)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     use(rank_device(device, int(os.environ["RANK"])))
     dist.init_process_group(pg_backend)

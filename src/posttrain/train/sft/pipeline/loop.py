@@ -310,7 +310,7 @@ class PipelineDPTrainer(Trainer):
 
     def export(self) -> None:
         own = {}
-        for part in self.engine.iter_full_state():  # a collective over the column
+        for part in self.engine.iter_full_state():  # a collective over the column (parts on the CPU)
             own.update({self.model_names[n]: v for n, v in part.items() if n in self.model_names})
         if self.grid.dp_rank == 0:  # one pipeline writes: the full parameters over its pipeline
             _export(self.cfg, self.model, own, self.grid.pp_rank, self.cfg.num_ranks, group=self.grid.pp_group,
@@ -362,12 +362,12 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
             return []  # nothing left to do
         kind = cfg.device_kind
         world = cfg.num_ranks * cfg.dp_size
-        pg = backend(kind, shared=shares_devices(kind, world))
+        how = {"backend": backend(kind, shared=shares_devices(kind, world)), "start": "spawn" if kind != "cpu" else None}
         cfg = replace(cfg, device=kind)
         if cfg.dp_size > 1:
-            out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s, backend=pg)
+            out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s, **how)
             return [out[r] for r in range(world)]
-        out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s, backend=pg)
+        out = run_job(pipeline_worker, cfg.num_ranks, cfg, return_grads, timeout_s=timeout_s, **how)
         return [out[r] for r in range(cfg.num_ranks)]
 
 
