@@ -243,3 +243,13 @@ def test_pipeline_messages_travel_where_the_backend_carries_them():
 
     assert backend_for("cpu:gloo,cuda:nccl", "cuda") == "nccl" and backend_for("cpu:gloo,cuda:nccl", "cpu") == "gloo"
     assert backend_for("cpu:gloo,cuda:gloo", "cuda") == "gloo" and backend_for("gloo", "cuda") == "gloo"
+
+
+def test_the_banner_says_where_the_ranks_are(fake_cuda, monkeypatch):
+    from posttrain.train.core import placement
+
+    fake_cuda(2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert placement("cpu", 2) == "2 CPU processes"
+    assert placement("cuda", 2) == "2 processes, one cuda device each"
+    assert placement("cuda", 4) == "4 processes sharing 2 cuda devices (gloo for every collective)"
