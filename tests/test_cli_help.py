@@ -39,3 +39,23 @@ def test_help_has_no_markup_dead_links_or_doubled_words():
         assert not doubled, (name, doubled)
     assert "posttrain command line." not in helps["posttrain"]
     assert "zbv" in helps["posttrain pipeline"]  # the schedules are listed, not pointed at
+
+
+def test_the_command_list_is_answered_without_importing_the_commands():
+    """``posttrain --help``, a bare ``posttrain`` and a mistyped command list the commands from
+    ``SUMMARIES`` without importing torch (a command's options come from the code it runs, which
+    takes seconds to import); the summaries are the commands' own help, word for word."""
+    import subprocess
+    import sys
+
+    from posttrain.cli import COMMANDS, SUMMARIES
+
+    full = next(a for a in build_parser(None)._actions if isinstance(a, argparse._SubParsersAction))
+    assert {c.dest: c.help for c in full._choices_actions} == SUMMARIES and list(SUMMARIES) == list(COMMANDS)
+    probe = ("import sys\nfrom posttrain.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    print('torch imported' if 'torch' in sys.modules else 'no torch', e.code)")
+    for argv, code in ((["--help"], 0), ([], 2), (["trian"], 2)):
+        proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+        assert proc.stdout.strip().splitlines()[-1] == f"no torch {code}", (argv, proc.stdout, proc.stderr)
+    proc = subprocess.run([sys.executable, "-c", probe, "--help"], capture_output=True, text=True, timeout=60)
+    assert all(f"    {name}" in proc.stdout for name in COMMANDS) and SUMMARIES["rl"] in " ".join(proc.stdout.split())

@@ -42,12 +42,42 @@ import signal
 import sys
 import threading
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "SUMMARIES", "build_parser", "main"]
 
 #: Each command and the module of this package that adds it, in the order ``--help`` lists them.
 COMMANDS = {"demo": "demo", "train": "train", "export": "export", "chat-task": "chat", "evaluate": "chat",
             "rl": "rl", "pipeline": "pipeline", "bench": "bench", "simulate": "simulate", "plan": "plan",
             "results": "results", "doctor": "doctor"}
+
+
+#: Each command's one-line help, as ``posttrain --help`` lists it without importing the commands
+#: (their options come from the code they run: torch, transformers, seconds); a test holds these
+#: equal to the help each command's module gives.
+SUMMARIES = {
+    "demo": "FSDP2 and ODC on a tiny GPT, 2 CPU processes, over rounds: table, factors, predictions, timeline",
+    "train": "data-parallel training with FSDP2 or ODC on CPU processes or GPUs (or under torchrun)",
+    "export": "turn a training checkpoint into a transformers model directory",
+    "chat-task": "write the embedded chat task: a small model directory and chat data",
+    "evaluate": "exact-match accuracy of a model's greedy answers to held-out chats",
+    "rl": "GRPO/RLOO: sample, reward, and update the policy on any data-parallel engine",
+    "pipeline": "pipeline-parallel training with activation offload, on CPU processes or GPUs",
+    "bench": "benchmarks: ratios measured side by side in one run",
+    "simulate": "discrete-event simulation at cluster scale (FSDP vs ODC, pipeline)",
+    "plan": "recommendations from the simulator",
+    "results": "rerun every measurement of docs/results.md and rewrite it (hours)",
+    "doctor": "check the GPU paths here (devices, the CUDA tests, copy bandwidth) and write a report",
+}
+
+
+def _listing_parser() -> argparse.ArgumentParser:
+    """The ``posttrain`` parser for what names no command (``--help``, nothing, a typo): the
+    commands and their help, none of them imported."""
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        sub.add_parser(name, help=SUMMARIES[name])
+    return parser
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -103,12 +133,14 @@ def _command_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:  # --help, nothing or a typo: answered without importing torch
+        _listing_parser().parse_args(argv)  # (exits: the help, or the error listing the commands)
     from posttrain.launch import Interrupted, RanksFailedError, RunError
 
     from .options import apply_config_file, name_flags
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(argv[0] if argv else None)
+    parser = build_parser(argv[0])
     try:
         apply_config_file(parser, argv)
     except ValueError as e:
