@@ -251,11 +251,11 @@ class DataParallelEngine(ABC):
         """Restore a :meth:`state_dict` (as filled in place by ``dcp.load``)."""
 
     @abstractmethod
-    def iter_full_state(self) -> Iterator[dict[str, torch.Tensor]]:
+    def iter_full_state(self, device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The full parameters under the model's own names, a part at a time (a collective;
-        every rank gets every part), on the CPU whatever the model's device (what exports,
-        rollout weight loads and comparisons take). Holds at most one part's full parameters at a
-        time."""
+        every rank gets every part), as fresh tensors on ``device`` (default: the CPU, whatever the
+        model's device: what exports and comparisons take; RL's rollout weight load asks for its
+        own device). Holds at most one part's full parameters at a time."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every full parameter under the model's own names (a collective)."""

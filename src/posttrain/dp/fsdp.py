@@ -114,15 +114,16 @@ class FSDP2Engine(DataParallelEngine):
                 if isinstance(p, DTensor):
                     m._parameters[name] = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
 
-    def iter_full_state(self) -> Iterator[dict[str, torch.Tensor]]:
+    def iter_full_state(self, device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor]]:
         # One FSDP module (a block, then what the root shards itself) at a time.
         owners = [n for n, m in self.model.named_modules() if isinstance(m, FSDPModule)]
         parts: dict[str, dict[str, torch.Tensor]] = {n: {} for n in owners}
         for key, value in self.model.state_dict().items():
             owner = max((n for n in owners if n == "" or key.startswith(n + ".")), key=len)
             parts[owner][key] = value
-        for owner in owners:  # (on the CPU, whatever the device: what export and comparisons take)
-            yield {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+        where = device or torch.device("cpu")
+        for owner in owners:  # (fresh tensors: a full_tensor() is one, a plain parameter is copied)
+            yield {k: (v.full_tensor().detach() if isinstance(v, DTensor) else v.detach().clone()).to(where)
                    for k, v in parts[owner].items()}
 
 

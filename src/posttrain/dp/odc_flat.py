@@ -131,9 +131,10 @@ class FlatODCEngine(DataParallelEngine):
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["optim"]["param_groups"]]
         optimizer.load_state_dict({"state": osd_state, "param_groups": groups})
 
-    def iter_full_state(self) -> Iterator[dict[str, torch.Tensor]]:
-        for part in self.handle.iter_full_units():  # (on the CPU, whatever the device: as FSDP2's engine)
-            yield {k: v.cpu() for k, v in part.items()}
+    def iter_full_state(self, device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        where = device or torch.device("cpu")
+        for part in self.handle.iter_full_units():  # (fresh tensors, gathered for this call)
+            yield {k: v.to(where) for k, v in part.items()}
 
     # ------------------------------------------------------------ pipeline stages
     def holds(self, tensor: torch.Tensor) -> bool:

@@ -198,7 +198,7 @@ class RLTrainer(Trainer):
         dist.barrier()
         t0 = time.perf_counter()
         self.rollout.wake()
-        parts = engine.iter_full_state()
+        parts = engine.iter_full_state(self.device)  # (GPU to GPU on a GPU: no round trip through the host)
         self.rollout.load_weights(parts if cfg.lora is None else merged(parts, cfg.lora.scale))
         mine = list(range(rank, len(batch), world_size))
         responses = self.rollout.generate([batch[i].ids for i in mine], n, seed=cfg.seed * 7919 + step * 131 + rank)
