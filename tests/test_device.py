@@ -245,6 +245,18 @@ def test_pipeline_messages_travel_where_the_backend_carries_them():
     assert backend_for("cpu:gloo,cuda:gloo", "cuda") == "gloo" and backend_for("gloo", "cuda") == "gloo"
 
 
+def test_gpu_ranks_are_spawned_with_nccl_or_with_gloo_where_they_share_a_gpu(fake_cuda, monkeypatch):
+    from posttrain.train.core import job_options
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    fake_cuda(2)
+    assert job_options("cpu", 2) == {"backend": "gloo", "start": None}  # (forked)
+    assert job_options("cuda", 2) == {"backend": "cpu:gloo,cuda:nccl", "start": "spawn"}
+    assert job_options("cuda", 4) == {"backend": "gloo", "start": "spawn"}  # a child forked after CUDA cannot use it
+    t = torch.arange(3.0)
+    assert device.staged(t, t.device) is t
+
+
 def test_the_banner_says_where_the_ranks_are(fake_cuda, monkeypatch):
     from posttrain.train.core import placement
 

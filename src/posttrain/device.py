@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 __all__ = ["DEVICES", "add_into", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
            "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "physical_id", "rank_device",
-           "rank_kind", "reset_peak_memory", "resolve", "shares_devices", "start_method", "synchronize", "use",
+           "rank_kind", "reset_peak_memory", "resolve", "shares_devices", "staged", "start_method", "synchronize", "use",
            "visible_index"]
 
 #: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
@@ -122,15 +122,16 @@ def visible_index(pid: str) -> int | None:
     return next((i for i in range(device_count(kind)) if physical_id(torch.device(kind, i)) == pid), None)
 
 
+def staged(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``src`` on ``device``: itself there, else a copy (device to device, stream-ordered)."""
+    return src if src.device == device else src.to(device, non_blocking=True)
+
+
 def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst += src`` run where ``dst`` lives: ``src`` from another device is first copied there
     (a peer GPU's memory mapped into this process is written by a kernel on that GPU, which needs
     no peer access). ``src`` is converted to ``dst``'s dtype by the add."""
-    if src.device == dst.device:
-        dst.add_(src)
-        return
-    with current(dst.device):
-        dst.add_(src.to(dst.device, non_blocking=True))
+    dst.add_(staged(src, dst.device))
 
 
 def start_method(backend_name: str) -> str:

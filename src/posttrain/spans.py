@@ -15,7 +15,8 @@ kernel launches, not kernels, so a recorder given the device times its spans wit
 on the stream instead (:meth:`Recorder.resolve` turns them into seconds once the device has run
 them, placed on the host clock from an anchor event recorded at :meth:`Recorder.clear`, when the
 device is idle). Engines time their communication through :func:`comm_span`, so a gather or a
-push is timed where it runs (ODC's prefetched gathers on their side stream). The simulator produces the same type.
+push is timed where it runs (ODC's prefetched gathers on their side stream). The simulator
+produces the same type.
 :func:`write_chrome_trace` writes any runs as one Chrome trace (chrome://tracing, ui.perfetto.dev),
 so a real run and a simulated one open side by side; ``posttrain.lab.plots`` draws them.
 """
@@ -93,7 +94,6 @@ class Recorder:
             finally:
                 self.add(name, start, time.perf_counter())
             return
-
         if self._anchor is None:
             self._anchor = (time.perf_counter(), self._event())
         first = self._event()

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
-from posttrain.device import add_into, current, physical_id, visible_index
+from posttrain.device import add_into, current, physical_id, staged, visible_index
 
 from ._transport import ShmTransport, region_offsets
 
@@ -230,10 +230,7 @@ class DeviceTransport:
         if dst.numel() == 0:
             return
         if self.accumulate_mode == "atomic":
-            if src.device != dst.device:
-                with current(dst.device):
-                    src = src.to(dst.device, non_blocking=True)
-            accumulate_atomic(dst, src)
+            accumulate_atomic(dst, staged(src, dst.device))
             return
         stream = torch.accelerator.current_stream(dst.device)
 

@@ -283,11 +283,7 @@ class PipelineRunner:
         self.stages = stages
         self.loss_fn = loss_fn
         self.device = torch.device(device)
-        # where messages travel: the device where the group's backend carries device tensors
-        # (NCCL), else through host memory (gloo carries no point-to-point of CUDA tensors: ranks
-        # sharing one GPU)
-        # (set below, once the action lists are known: NCCL needs matching orders)
-        self.wire = self.device
+        self.wire = self.device  # where payloads travel (host memory instead, below, where NCCL cannot carry them)
         self.policy = offload or OffloadPolicy(0)
         self.m = schedule.num_microbatches
         lowered = add_offload(schedule.actions, self.layout, self.m, self.policy)

@@ -57,8 +57,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from posttrain.device import backend, check_world
+from posttrain.device import check_world
 from posttrain.launch import run_ranks
+from posttrain.train.core import job_options
 from posttrain.train.sft import (
     TrainConfig,
     TrainData,
@@ -154,7 +155,8 @@ def _on_ranks(worker: Callable, world_size: int, cfg: TrainConfig, *args) -> lis
     """``worker(rank, world_size, cfg, *args)`` on ``world_size`` ranks of ``cfg``'s device
     (resolved once: every variant and bound on the same device, one rank per GPU on CUDA)."""
     kind = cfg.device_kind
-    return run_ranks(worker, world_size, replace(cfg, device=kind), *args, backend=backend(kind), timeout_s=3600)
+    return run_ranks(worker, world_size, replace(cfg, device=kind), *args, timeout_s=3600,
+                     **job_options(kind, world_size))
 
 
 def _steady_tokens(cfg: TrainConfig, world_size: int) -> int:

@@ -10,6 +10,7 @@ from .launch import (
     check_output_path,
     check_run,
     claim_outputs,
+    job_options,
     launch,
     launch_world,
     local_world,
@@ -22,7 +23,7 @@ from .trainer import Trainer
 __all__ = [
     "MetricsLog", "OptimConfig", "OutputLock", "RunConfig", "Trainer", "check_output_path", "check_resumable", "check_run",
     "claim_outputs",
-    "config_from_dict", "config_value", "latest_checkpoint", "launch", "launch_world", "local_world", "placement",
+    "config_from_dict", "config_value", "job_options", "latest_checkpoint", "launch", "launch_world", "local_world", "placement",
     "resume", "save_checkpoint",
     "under_torchrun",
 ]

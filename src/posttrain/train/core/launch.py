@@ -184,20 +184,27 @@ def placement(kind: str, world_size: int) -> str:
             "(gloo for every collective)")
 
 
+def job_options(device: str, world_size: int) -> dict[str, str | None]:
+    """How ``world_size`` ranks of device kind ``device`` start (:func:`~posttrain.launch.run_job`'s
+    ``backend`` and ``start``): :func:`posttrain.device.backend`, gloo alone where ranks share a GPU
+    (which :func:`check_run` allowed); GPU ranks spawned, over gloo too (a child forked from a parent
+    that touched CUDA cannot use it)."""
+    return {"backend": backend(device, shared=shares_devices(device, local_world(world_size))),
+            "start": "spawn" if device != "cpu" else None}
+
+
 def launch(worker: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
            timeout_s: float = 24 * 3600) -> list[Any] | None:
     """``worker(rank, world_size, *args)`` on every rank: ``world_size`` forked processes, or,
     under ``torchrun``, this process's rank of torchrun's world; their process groups are
-    :func:`posttrain.device.backend` of the device kind ``device`` (gloo alone where ranks share
-    a GPU, which :func:`check_run` allowed). Every rank's result, in rank order (``None`` on
+    :func:`job_options` of the device kind ``device``. Every rank's result, in rank order (``None`` on
     torchrun ranks other than 0)."""
-    pg_backend = backend(device, shared=shares_devices(device, local_world(world_size)))
-    if not under_torchrun():  # (GPU ranks spawned, over gloo too: a forked child of a CUDA parent cannot use it)
-        return run_job(worker, world_size, *args, backend=pg_backend, timeout_s=timeout_s,
-                       start="spawn" if device != "cpu" else None)
+    how = job_options(device, world_size)
+    if not under_torchrun():
+        return run_job(worker, world_size, *args, timeout_s=timeout_s, **how)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     use(rank_device(device, int(os.environ["RANK"])))
-    dist.init_process_group(pg_backend)
+    dist.init_process_group(how["backend"])
     try:
         mine = worker(dist.get_rank(), dist.get_world_size(), *args)
         every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

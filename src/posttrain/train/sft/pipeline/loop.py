@@ -18,13 +18,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.data import synthetic_sequences
-from posttrain.device import allow_tf32, backend, rank_device, rank_kind, shares_devices, use
+from posttrain.device import allow_tf32, rank_device, rank_kind, use
 from posttrain.dp import Shards, decay_flags
 from posttrain.launch import run_job
 from posttrain.models import build_model, check_model_dir
 from posttrain.pipeline import PipelineRunner, add_offload, add_send_recv, simulate
 from posttrain.pipeline.stages import split_model
-from posttrain.train.core import Trainer, check_run, claim_outputs
+from posttrain.train.core import Trainer, check_run, claim_outputs, job_options
 from posttrain.train.core.recipe import optimizer_step, with_copies
 
 from .checkpoint import ColumnState, PipelineState
@@ -362,7 +362,7 @@ def run_pipeline(cfg: PipelineConfig, *, return_grads: bool = False, timeout_s: 
             return []  # nothing left to do
         kind = cfg.device_kind
         world = cfg.num_ranks * cfg.dp_size
-        how = {"backend": backend(kind, shared=shares_devices(kind, world)), "start": "spawn" if kind != "cpu" else None}
+        how = job_options(kind, world)
         cfg = replace(cfg, device=kind)
         if cfg.dp_size > 1:
             out = run_job(dp_pipeline_worker, world, cfg, return_grads, timeout_s=timeout_s, **how)
