@@ -9,8 +9,8 @@ import torch.nn as nn
 from posttrain.launch import RanksFailedError, run_ranks
 from posttrain.pipeline import OffloadPolicy, build_schedule
 from posttrain.pipeline._ir import parse_schedule
-from posttrain.pipeline.offload import ActivationStore
-from posttrain.pipeline.runtime import PipelineRunner, execution_order, to_torch_actions
+from posttrain.pipeline.offload import ActivationStore, HostPool
+from posttrain.pipeline.runtime import PipelineRunner, execution_order, plan_receives, to_torch_actions
 from posttrain.pipeline.stages import split_model
 from posttrain.train.core import OptimConfig
 from posttrain.train.sft.pipeline import (
@@ -199,6 +199,59 @@ def test_microbatches_of_different_shapes_need_static_shapes_off():
     assert "need PipelineRunner(static_shapes=False)" in e.value.errors[0]
 
 
+def _batches_worker(rank, world, cfg, nccl_order):
+    import torch.distributed as dist
+
+    from posttrain.pipeline.stages import split_model
+    from posttrain.train.sft.pipeline import build_pipeline_model, microbatch_loss
+
+    batches = []
+    real = dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append(sorted("send" if op.op is dist.isend else "recv" for op in ops))
+        return real(ops)
+
+    dist.batch_isend_irecv = recording
+    stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
+    static = cfg.schedule != "1f1b"
+    schedule = cfg.build()
+    mine = {s: stages[s] for s in range(cfg.num_stages) if schedule.layout.rank_of(s) == rank}
+    runner = PipelineRunner(mine, schedule, loss_fn=microbatch_loss, static_shapes=static)
+    if nccl_order:  # how payloads are posted over NCCL, here over gloo
+        orders = [execution_order(runner.lowered[r]) for r in range(world)]
+        runner._order_messages(plan_receives(orders, runner.layout))
+    x = [torch.zeros(1, 16 if static else n, dtype=torch.long) for n in (16, 20, 24, 28)]
+    return batches, runner.step(x, x).loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_steps_sends_and_receives_are_posted_in_batches_as_over_nccl(schedule):
+    """NCCL completes a lone send of a large message only once the peer has posted its receive,
+    so in 1F1B's steady state (both neighbours send, then receive) unbatched sends would wait for
+    each other forever. Every payload must go through ``batch_isend_irecv``, and where a rank
+    sends and receives between two compute actions, both in one batch (gloo here, the same code
+    path, with NCCL's order of posting: the planned receives, a batch's headers first; 1F1B with
+    varying shapes, so every message has its header; interleaved 1F1B with a receive posted a
+    batch early, which it needs). On gloo, sends go before a header is waited for (a peer's
+    receive of a payload holds its thread); the loss is the same either way."""
+    cfg = PipelineConfig(schedule=schedule, num_ranks=2, chunks=2 if schedule != "1f1b" else 1, num_microbatches=4,
+                         num_layers=4, seq_len=32, steps=1)
+    losses = []
+    for nccl_order in (True, False):
+        out = run_ranks(_batches_worker, 2, cfg, nccl_order, timeout_s=60)
+        # each rank sends and receives a payload per microbatch and stage boundary it is on
+        sent = sum(b.count("send") for batches, _ in out for b in batches)
+        received = sum(b.count("recv") for batches, _ in out for b in batches)
+        assert sent == 2 * 4 * (cfg.num_stages - 1), sent
+        if nccl_order or schedule == "1f1b":  # (gloo with static shapes: receives posted ahead, alone)
+            assert received == sent, (sent, received)
+        if nccl_order:  # a send and a receive together, on both ranks
+            assert all(any(b.count("recv") and b.count("send") for b in batches) for batches, _ in out), out
+        losses.append(next(loss for _, loss in out if loss is not None))
+    assert losses[0] == losses[1]
+
+
 # -- execution order and torch action lists ---------------------------------------------------
 
 def test_reload_runs_before_the_compute_action_in_front_of_it_but_after_earlier_copies():
@@ -271,6 +324,59 @@ def test_a_ranks_peak_is_its_stages_together_not_the_sum_of_their_peaks():
               "result": {"rank_peak_bytes": 3 * 2**20, "peak_bytes": {0: 2 * 2**20, 1: 2 * 2**20}, "peak_units": 1.5,
                          "offloaded_bytes": 0}}
     assert format_report([result], [2]).splitlines()[1].split()[2] == "3.00"  # not 4.00, the sum
+
+
+def test_the_host_pool_stops_allocating_and_stays_bounded_over_200_steps_of_varying_shapes():
+    """Packed variable-length microbatches: the saved tensors change size every step. A pool that
+    reuses only buffers of the exact byte size allocates nearly every offload and keeps it all;
+    with size classes and a bound, allocations stop and what the pool holds after a step stays
+    near the largest step's demand (the bound: what is in use plus the peak in use; measured here
+    1.14x the largest step's offloaded bytes, asserted 1.5x)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32)
+    store = ActivationStore(lin.parameters())
+    gen = torch.Generator().manual_seed(1)
+    allocations, worst = [], 0
+    for _ in range(200):
+        lengths = torch.randint(40, 400, (4,), generator=gen).tolist()  # four microbatches a step
+        losses = []
+        for j, n in enumerate(lengths):
+            losses.append(_forward(store, lin, torch.randn(n, 32), key=(0, j)))
+            store.offload(0, j)
+        demand = store.offloaded_bytes
+        for j in reversed(range(len(lengths))):
+            store.reload(0, j)
+            losses[j].backward()
+            store.release(0, j)
+        store.reset_stats()
+        worst = max(worst, demand)
+        pool = store.pool
+        assert pool.live_bytes == 0
+        assert pool.held_bytes <= pool.peak_live_bytes and pool.held_bytes <= 1.5 * worst, (pool.held_bytes, worst)
+        allocations.append(pool.allocations)
+    assert allocations[99] > 0
+    assert allocations[-1] - allocations[99] <= 2, allocations[::20]  # settled: the last 100 steps reuse
+
+
+def test_host_pool_size_classes_views_and_explicit_bound():
+    pageable, pinned = HostPool(pin=False), HostPool(pin=False, max_cached_bytes=0)
+    pinned.steps = 1  # the pinned rounding, without page-locking memory here
+    assert [pageable.size_class(n) for n in (1, 4097, 6000, 8192, 8193)] == [4096, 5120, 6144, 8192, 10240]
+    assert [pinned.size_class(n) for n in (1, 4097, 6000, 8192, 8193)] == [4096, 8192, 8192, 8192, 16384]
+    a = pageable.take(6000)
+    assert a.numel() == 6000 and a.dtype == torch.uint8 and pageable.live_bytes == 6144
+    pageable.give(a)
+    b = pageable.take(5000)  # a smaller class: the free buffer that fits best
+    assert b.data_ptr() == a.data_ptr() and pageable.allocations == 1 and pageable.live_bytes == 6144
+    c = pageable.take(5000)  # none free: a new buffer of the class
+    assert pageable.allocations == 2 and pageable.live_bytes == 6144 + 5120
+    pageable.give(b)
+    pageable.give(c)
+    x = pinned.take(10_000)
+    pinned.give(x)  # max_cached_bytes=0: nothing kept
+    assert pinned.held_bytes == 0 and pinned.take(10_000) is not None and pinned.allocations == 2
+    with pytest.raises(ValueError, match="max_cached_bytes=-1"):
+        HostPool(pin=False, max_cached_bytes=-1)
 
 
 def test_store_reloads_late_when_no_reload_was_scheduled_and_counts_it():

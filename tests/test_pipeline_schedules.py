@@ -262,6 +262,72 @@ def test_nccl_point_to_point_needs_each_peers_messages_received_in_sending_order
     assert not p2p_orders_match(got, s.layout)
 
 
+def test_nccl_carries_a_schedule_only_where_its_batches_complete_one_after_another():
+    """NCCL runs a rank's batches in order on one stream and completes a (large) send only when the
+    peer's receive is in the batch the peer's stream is at. Where two ranks would each wait in their
+    current batch for a message the other posts in a later one, `plan_receives` posts the receive
+    earlier; a schedule it cannot plan goes through host memory. Pinpoints a change in the batching
+    rule (`message_runs`), the planner or a schedule's message order."""
+    from posttrain.pipeline import OffloadPolicy, add_offload, add_send_recv
+    from posttrain.pipeline.runtime import (
+        _message,
+        execution_order,
+        message_runs,
+        nccl_batches_complete,
+        p2p_orders_match,
+        plan_receives,
+    )
+
+    def orders(s, offload="none"):
+        m = s.num_microbatches
+        lowered = add_send_recv(add_offload(s.actions, s.layout, m, OffloadPolicy.parse(offload, s.layout.num_chunks)),
+                                s.layout)
+        return [execution_order(lowered[r]) for r in range(s.layout.num_ranks)]
+
+    def hoisted(os_, plan):  # receives the plan posts before their own run
+        return sum(1 for r, o in enumerate(os_) for start, idx in plan[r].items() for i in idx
+                   if i != start and any(o[k].kind in ("F", "B", "I", "W") for k in range(start, i)))
+
+    unplanned = set()
+    for ranks in (2, 4, 8):
+        for name, chunks in (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("zb_h1_tight", 1), ("interleaved_1f1b", 2),
+                             ("group_interleaved", 2), ("group_interleaved_zb", 2), ("interleaved_zb", 2), ("zbv", 2)):
+            for m in (ranks, 2 * ranks, 4 * ranks):
+                s = build_schedule(name, num_ranks=ranks, num_microbatches=m, num_chunks=chunks)
+                for offload in ("none", "full"):  # copies between two messages do not split their batch
+                    os_ = orders(s, offload)
+                    plan = plan_receives(os_, s.layout)
+                    # planned wherever each pair receives in sending order (NCCL ignores tags)
+                    assert (plan is None) == (not p2p_orders_match(os_, s.layout)), (ranks, name, m, offload)
+                    if plan is None:
+                        unplanned.add(name)
+                        continue
+                    batches = []
+                    for r, o in enumerate(os_):
+                        runs = message_runs(o)
+                        groups = {start: [_message(o[i], s.layout) for i in idx if o[i].kind.startswith("SEND")]
+                                  for start, idx in runs}
+                        for start, idx in plan[r].items():
+                            groups[start] += [_message(o[i], s.layout) for i in idx]
+                        batches.append([[x for x in g if x[1] != r] for g in groups.values()])
+                    assert nccl_batches_complete(batches)[0], (ranks, name, m, offload)
+                    if name in ("1f1b", "gpipe"):  # every receive in its own run
+                        assert hoisted(os_, plan) == 0, (ranks, name, m)
+    assert unplanned == {"zbv", "group_interleaved_zb"}, unplanned
+    # 1F1B at 2 ranks: rank 0 sends microbatch 1's activation and receives microbatch 0's gradient in one batch
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    o = orders(s)[0]
+    [(start, idx)] = [(start, idx) for start, idx in message_runs(o) if len(idx) == 2]
+    assert [str(o[i]) for i in idx] == ["0SEND_F1", "0RECV_B0"]
+    # interleaved 1F1B's steady state needs receives posted a batch early
+    s = build_schedule("interleaved_1f1b", num_ranks=4, num_microbatches=8, num_chunks=2)
+    assert hoisted(orders(s), plan_receives(orders(s), s.layout)) > 0
+    # the same two messages in separate batches on both ranks, each sending first: a hang
+    crossed = [[[("send", 1, "x")], [("recv", 1, "y")]], [[("send", 0, "y")], [("recv", 0, "x")]]]
+    assert not nccl_batches_complete(crossed)[0]
+    assert nccl_batches_complete([[[("send", 1, "x"), ("recv", 1, "y")]], [[("send", 0, "y"), ("recv", 0, "x")]]])[0]
+
+
 def test_offload_lowering_golden_and_memory():
     from posttrain.pipeline import OffloadPolicy, add_offload, add_send_recv, format_schedule
 

@@ -13,9 +13,10 @@ pair, and the runner calls :meth:`~ActivationStore.offload`, :meth:`~ActivationS
   (dtype, size, stride, offset) into it, so shared memory moves once.
 - *offload* (state device -> host): every storage of the entry is copied into host memory and
   the device copy is dropped. On CUDA the copy runs on a side stream into a pinned buffer taken
-  from a pool; the device memory is handed back when the copy's event has completed (checked
-  without blocking), so the compute stream never waits. On CPU the "host store" is a separate
-  buffer, copied synchronously: the same state machine, so CPU tests exercise every transition.
+  from a :class:`HostPool`; the device memory is handed back when the copy's event has completed
+  (checked without blocking), so the compute stream never waits. On CPU the "host store" is a
+  buffer from the same pool (not pinned), copied synchronously: the same state machine and the
+  same pool, so CPU tests exercise every transition and the pool's bounds.
 - *reload* (host -> device): the copy back, again on the side stream on CUDA; the compute stream
   waits on its event only when the backward unpacks the first tensor of the entry.
 - *unpack*: the saved tensor rebuilt as a view of the device storage. A backward that finds its
@@ -47,7 +48,102 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ActivationStore"]
+__all__ = ["ActivationStore", "HostPool"]
+
+
+class HostPool:
+    """Host buffers for offloaded activations, reused across steps, with a bound on what it keeps.
+
+    A pool that only reused a buffer of the exact byte size (as this one did before) pins new
+    memory for nearly every offload once packed variable-length microbatches change the size of
+    their saved tensors every step, and keeps all of it: a long run exhausts host memory, and each
+    allocation (a page-locking system call) inflates the offload's measured cost. Instead a request
+    is rounded up to a *size class* and handed out as a view narrowed to the bytes asked for, and a
+    returned buffer is kept for reuse only while the free buffers together stay within
+    ``max_cached_bytes``; beyond it the least recently returned are dropped.
+
+    Size classes: for pinned memory the powers of two, because torch's pinned-memory allocator
+    rounds every allocation up to one anyway (a finer class would save nothing) and keeps freed
+    blocks in its own cache for the next allocation of that size, so a buffer this pool drops is
+    reused there; for pageable memory (the CPU) quarter steps between powers of two (at most 25%
+    larger than asked). :meth:`size_class` gives the rule.
+
+    Bound: the pool holds what is in use (:attr:`live_bytes`, the size classes of the requests
+    handed out) plus at most ``max_cached_bytes`` free; ``None`` (default) makes that the peak of
+    :attr:`live_bytes` so far, so a steady run keeps about one step's worth, and allocations stop
+    once the buffers kept cover a step (:attr:`allocations`; :meth:`take` picks the best fit).
+
+    Args:
+        pin: allocate page-locked memory (for asynchronous copies from an accelerator).
+        max_cached_bytes: the most the free buffers may hold together (``None``: the peak in use).
+    """
+
+    _MIN_CLASS = 4096
+
+    def __init__(self, *, pin: bool, max_cached_bytes: int | None = None) -> None:
+        if max_cached_bytes is not None and max_cached_bytes < 0:
+            raise ValueError(f"max_cached_bytes={max_cached_bytes} must be >= 0 (or None: the peak in use)")
+        self.pin = pin
+        self.max_cached_bytes = max_cached_bytes
+        self.steps = 1 if pin else 4  # classes per doubling (see size_class)
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)  # size class -> buffers
+        self._order: dict[int, torch.Tensor] = {}  # id -> free buffer, least recently returned first
+        self.allocations = 0  #: buffers allocated since the pool began
+        self.allocated_bytes = 0  #: their bytes (freed ones included)
+        self.live_bytes = 0  #: bytes of the buffers handed out now
+        self.cached_bytes = 0  #: bytes of the free buffers kept
+        self.peak_live_bytes = 0
+
+    def size_class(self, nbytes: int) -> int:
+        """The buffer size a request of ``nbytes`` gets (at least 4 KiB): the next power of two
+        for pinned memory; else the smallest of 2^k, 1.25, 1.5 and 1.75 x 2^k that holds it."""
+        if nbytes <= self._MIN_CLASS:
+            return self._MIN_CLASS
+        below = (nbytes - 1).bit_length() - 1  # 2^below < nbytes <= 2^(below + 1)
+        step = (1 << below) // self.steps
+        return -(-nbytes // step) * step
+
+    @property
+    def held_bytes(self) -> int:
+        """Everything the pool holds: in use and free."""
+        return self.live_bytes + self.cached_bytes
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` buffer of ``nbytes`` (a view of a pooled buffer); give it back with :meth:`give`.
+
+        The smallest free buffer that holds the request's size class serves it (best fit: a step
+        whose sizes shift reuses the last step's buffers, which a fit of one class alone would
+        not, with the bound then evicting and allocating again); none: a new buffer of the class."""
+        size = self.size_class(nbytes)
+        fit = next((c for c in sorted(self._free) if c >= size and self._free[c]), None)
+        if fit is not None:
+            buf = self._free[fit].pop()
+            del self._order[id(buf)]
+            self.cached_bytes -= fit
+            size = fit
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            self.allocations += 1
+            self.allocated_bytes += size
+        self.live_bytes += size
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        return buf[:nbytes]
+
+    def give(self, view: torch.Tensor) -> None:
+        """Return a buffer :meth:`take` handed out (the caller no longer reads or writes it; on an
+        accelerator, any copy reading it is ordered before later copies on the same stream)."""
+        buf = view if view._base is None else view._base
+        size = buf.numel()
+        self.live_bytes -= size
+        self._free[size].append(buf)
+        self._order[id(buf)] = buf
+        self.cached_bytes += size
+        cap = self.peak_live_bytes if self.max_cached_bytes is None else self.max_cached_bytes
+        while self.cached_bytes > cap:
+            old = self._order.pop(next(iter(self._order)))
+            bucket = self._free[old.numel()]
+            del bucket[next(i for i, b in enumerate(bucket) if b is old)]
+            self.cached_bytes -= old.numel()
 
 
 @dataclass
@@ -80,9 +176,11 @@ class ActivationStore:
         device: where compute runs; an accelerator (``cuda``) enables the side-stream, pinned-buffer path
             (torch's generic stream and event API: ``torch.Stream``, ``torch.Event``).
         min_numel: tensors with at most this many elements stay where they are.
+        max_cached_bytes: what the host pool keeps of buffers not in use (see :class:`HostPool`).
     """
 
-    def __init__(self, params, device: torch.device | str = "cpu", min_numel: int = 1024) -> None:
+    def __init__(self, params, device: torch.device | str = "cpu", min_numel: int = 1024, *,
+                 max_cached_bytes: int | None = None) -> None:
         self.device = torch.device(device)
         self.min_numel = min_numel
         # (a sharded DTensor parameter by its local shard)
@@ -102,7 +200,8 @@ class ActivationStore:
         self._seq = 0
         self._async = self.device.type != "cpu"  # an accelerator: copies on a side stream (generic stream API)
         self._stream = torch.Stream(self.device) if self._async else None
-        self._pool: dict[int, list[torch.Tensor]] = defaultdict(list)  # pinned host buffers by size
+        #: host buffers (pinned on an accelerator), reused across steps within a bound
+        self.pool = HostPool(pin=self._async, max_cached_bytes=max_cached_bytes)
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -205,12 +304,6 @@ class ActivationStore:
 
     # -- transitions ------------------------------------------------------------------------
 
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        pool = self._pool[nbytes]
-        if pool:
-            return pool.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._async)
-
     def offload(self, stage: int, microbatch: int) -> None:
         """Start moving ``(stage, microbatch)`` to host memory (synchronous on CPU)."""
         entry = self._get(stage, microbatch, "offload")
@@ -221,7 +314,7 @@ class ActivationStore:
             self._stream.wait_stream(torch.accelerator.current_stream(self.device))
             with self._stream:
                 for k, flat in entry.storages.items():
-                    host[k] = self._host_buffer(flat.numel())
+                    host[k] = self.pool.take(flat.numel())
                     host[k].copy_(flat, non_blocking=True)
                 entry.event = torch.Event(self.device)
                 entry.event.record(self._stream)
@@ -233,7 +326,8 @@ class ActivationStore:
             entry.state = "offloading"
         else:
             for k, flat in entry.storages.items():
-                host[k] = flat.clone()
+                host[k] = self.pool.take(flat.numel())
+                host[k].copy_(flat)
             entry.state = "host"
             self._account(stage, -entry.nbytes)
         entry.storages = host
@@ -256,12 +350,13 @@ class ActivationStore:
                     dev[k].copy_(host, non_blocking=True)
                 entry.event = torch.Event(self.device)
                 entry.event.record(self._stream)
-            for host in entry.storages.values():  # back to the pool once the copy has read them
-                self._pool[host.numel()].append(host)
+            for host in entry.storages.values():  # back to the pool: later copies on the stream follow this one
+                self.pool.give(host)
             entry.state = "reloading"
         else:
             for k, host in entry.storages.items():
                 dev[k] = host.clone()
+                self.pool.give(host)
             entry.state = "device"
         entry.storages = dev
         self._account(stage, entry.nbytes)
@@ -283,8 +378,7 @@ class ActivationStore:
         for k in drop:
             flat = entry.storages.pop(k)
             if not on_device:
-                if self._async:
-                    self._pool[flat.numel()].append(flat)
+                self.pool.give(flat)
                 continue
             if self._async:  # reloaded on the side stream, read by the compute stream
                 flat.record_stream(torch.accelerator.current_stream(self.device))
@@ -315,9 +409,9 @@ class ActivationStore:
                     flat.record_stream(torch.accelerator.current_stream(self.device))
             self._account(stage, -entry.nbytes - entry.aside_bytes)
         else:
-            if entry.state == "host" and self._async:
+            if entry.state == "host":
                 for host in entry.storages.values():
-                    self._pool[host.numel()].append(host)
+                    self.pool.give(host)
             if entry.aside_bytes:
                 self._account(stage, -entry.aside_bytes)
 

@@ -53,10 +53,12 @@ from .passes import OffloadPolicy, add_offload, add_send_recv
 from .schedules import Schedule
 
 __all__ = ["PipelineActionError", "PipelineRunner", "ShardedWeights", "StepResult", "execution_order",
-           "graph_leaves", "to_torch_actions"]
+           "graph_leaves", "message_runs", "nccl_batches_complete", "plan_receives", "to_torch_actions"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 10  # ndim, up to 8 dims, dtype code
+_MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_COMPUTE = ("F", "B", "I", "W")
 
 
 class PipelineActionError(RuntimeError):
@@ -175,6 +177,121 @@ def p2p_orders_match(orders: Sequence[Sequence[Action]], layout) -> bool:
     return sent == received
 
 
+def _message(a: Action, layout) -> tuple[str, int, tuple]:
+    """``(send|recv, peer rank, message)`` of a message action; ``message`` is ``(F|B, sending
+    stage, microbatch)``, the same on both ends."""
+    s, j = a.stage, a.microbatch
+    if a.kind == "SEND_F":
+        return "send", layout.rank_of(s + 1), ("F", s, j)
+    if a.kind == "SEND_B":
+        return "send", layout.rank_of(s - 1), ("B", s, j)
+    if a.kind == "RECV_F":
+        return "recv", layout.rank_of(s - 1), ("F", s - 1, j)
+    return "recv", layout.rank_of(s + 1), ("B", s + 1, j)
+
+
+def message_runs(order: Sequence[Action]) -> list[tuple[int, list[int]]]:
+    """The runs of message actions in one rank's execution ``order``: the messages between two
+    compute actions (copies between them aside: an ``OFFLOAD`` or ``RELOAD`` neither needs nor
+    feeds a message), as ``(index of the run's first message, indices of its messages)``."""
+    runs: list[tuple[int, list[int]]] = []
+    current: list[int] = []
+    for i, a in enumerate(order):
+        if a.kind in _MESSAGES:
+            current.append(i)
+        elif a.kind in _COMPUTE and current:
+            runs.append((current[0], current))
+            current = []
+    if current:
+        runs.append((current[0], current))
+    return runs
+
+
+def nccl_batches_complete(batches: Sequence[Sequence[Sequence[tuple[str, int, object]]]]) -> tuple[bool, list[int], set]:
+    """Whether every rank's batches (``batches[rank]``: lists of ``(send|recv, peer, message)``)
+    complete when each rank posts them one after another on one stream, as NCCL runs them: an
+    operation completes once the peer's operation of the same message is in the batch the peer's
+    stream is at, and a stream moves on once its batch has completed. Returns ``(complete, the
+    batch each rank's stream stopped at, the messages done)``: where not complete, two or more
+    ranks each wait in their current batch for a message another posts only in a later one."""
+    heads = [0] * len(batches)
+    done: set = set()
+    while True:
+        progress = False
+        for r, bs in enumerate(batches):
+            while heads[r] < len(bs) and all(m in done for _, _, m in bs[heads[r]]):
+                heads[r] += 1
+                progress = True
+        current = [set(bs[heads[r]]) if heads[r] < len(bs) else set() for r, bs in enumerate(batches)]
+        for r, ops in enumerate(current):
+            for op, peer, m in ops:
+                if m not in done and ("recv" if op == "send" else "send", r, m) in current[peer]:
+                    done.add(m)
+                    progress = True
+        if not progress:
+            return all(h == len(bs) for h, bs in zip(heads, batches)), heads, done
+
+
+def plan_receives(orders: Sequence[Sequence[Action]], layout) -> list[dict[int, list[int]]] | None:
+    """Where each rank posts its receives so that NCCL can carry a schedule: ``plan[rank]`` maps
+    the index (in ``orders[rank]``) of a run's first message (:func:`message_runs`) to the indices
+    of the receives posted with that run's sends, in order. ``None`` where no such plan was found
+    (the runner then sends through host memory).
+
+    NCCL ignores tags and pairs a peer's sends with the receiver's receives in posting order, so
+    every pair of ranks must receive in the order the other sent (:func:`p2p_orders_match`), and
+    it runs a rank's batches one after another on one stream (:func:`nccl_batches_complete`).
+    Each receive starts in its own run; where the batches would stop, a receive the stopped
+    sender waits for is posted earlier, with the batch the receiver's stream is at (and so are
+    the receives from the same peer before it, which keeps their order): interleaved schedules
+    then post a receive with the sends of the compute action before, as torch's own runtime
+    does. A receive is waited for where the schedule places it, whenever it was posted."""
+    if not p2p_orders_match(orders, layout):
+        return None
+    num = len(orders)
+    runs = [message_runs(o) for o in orders]
+    info = [{i: _message(orders[r][i], layout) for _, idx in runs[r] for i in idx} for r in range(num)]
+    # (a stage's neighbour on the same rank: no message)
+    sends = [[[i for i in idx if info[r][i][0] == "send" and info[r][i][1] != r] for _, idx in runs[r]] for r in range(num)]
+    recvs = [[i for _, idx in runs[r] for i in idx if info[r][i][0] == "recv" and info[r][i][1] != r] for r in range(num)]
+    at = [{i: k for k, (_, idx) in enumerate(runs[r]) for i in idx} for r in range(num)]  # receive -> its run
+    limit = sum(len(x) for x in recvs) + 1
+    for _ in range(limit):
+        batches = []
+        for r in range(num):
+            groups = [[info[r][i] for i in sends[r][k]] for k in range(len(runs[r]))]
+            for i in recvs[r]:
+                groups[at[r][i]].append(info[r][i])
+            batches.append([g for g in groups])
+        complete, heads, done = nccl_batches_complete(batches)
+        if complete:
+            plan = []
+            for r in range(num):
+                rank_plan: dict[int, list[int]] = {}
+                for i in recvs[r]:
+                    rank_plan.setdefault(runs[r][at[r][i]][0], []).append(i)
+                plan.append(rank_plan)
+            return plan
+        moved = False
+        for a in range(num):
+            if heads[a] >= len(runs[a]):
+                continue
+            for i in sends[a][heads[a]]:
+                _, p, m = info[a][i]
+                if m in done:
+                    continue
+                j = next(j for j in recvs[p] if info[p][j][2] == m)
+                if at[p][j] <= heads[p]:
+                    continue
+                for k in recvs[p]:  # it and the receives from the same peer before it
+                    if k <= j and info[p][k][1] == a and at[p][k] > heads[p]:
+                        at[p][k] = heads[p]
+                        moved = True
+        if not moved:
+            return None
+    return None
+
+
 def backend_for(config: str, device_type: str) -> str:
     """The backend a process group's ``config`` (``torch.distributed.get_backend_config``: ``gloo``
     or ``cpu:gloo,cuda:nccl``) uses for tensors on ``device_type``."""
@@ -289,12 +406,19 @@ class PipelineRunner:
         lowered = add_offload(schedule.actions, self.layout, self.m, self.policy)
         self.lowered = add_send_recv(lowered, self.layout)
         self.order = execution_order(self.lowered[self.rank])
-        if self.device.type != "cpu" and (_host_only(group, self.device) or not p2p_orders_match(
-                [execution_order(self.lowered[r]) for r in range(self.layout.num_ranks)], self.layout)):
-            # gloo has no point-to-point of device tensors (ranks sharing a GPU); NCCL ignores tags
-            # and pairs each peer's messages in posting order, which this schedule's orders break
+        plan = None
+        if self.device.type != "cpu" and not _host_only(group, self.device):
+            plan = plan_receives([execution_order(self.lowered[r]) for r in range(self.layout.num_ranks)], self.layout)
+        if self.device.type != "cpu" and plan is None:
+            # gloo has no point-to-point of device tensors (ranks sharing a GPU); or NCCL cannot carry
+            # this schedule's messages (plan_receives: its tag-less pairing or its batches' order)
             self.wire = torch.device("cpu")
         self.static_shapes = static_shapes
+        self._order_messages(plan)
+        if self._nccl_order and self.world > 1:
+            # NCCL's first operation on a group starts its communicator, and a batch of point-to-point
+            # operations may not be that first one unless every rank takes part: a collective does it
+            dist.all_reduce(torch.zeros(1, device=self.wire), group=self.group)
         self._shapes: dict = {}  # (kind, sending stage) -> (shape, dtype) learned from the first header
         self._sent_shapes: dict = {}
         # each receive is posted when the compute action two compute actions before it starts
@@ -314,6 +438,17 @@ class PipelineRunner:
         # stage -> its first split was checked against W's reads (and held)
         self._split_ok: dict[int, bool] = {} if split_checked is None else split_checked
 
+    def _order_messages(self, plan: list[dict[int, list[int]]] | None) -> None:
+        """How this rank posts its messages: the messages between two compute actions as one batch
+        (:meth:`_exchange`), and with it the receives ``plan`` (:func:`plan_receives`) puts there:
+        NCCL's order (no receive posted ahead on its own; a batch's headers waited for before its
+        payloads are posted). ``None``: each run's own receives (gloo, which matches tags)."""
+        self._nccl_order = plan is not None
+        self._batch_at = {start: [self.order[i] for i in idx] for start, idx in message_runs(self.order)}
+        self._recv_plan: dict[int, list[Action]] = (
+            {start: [self.order[i] for i in idx] for start, idx in plan[self.rank].items()} if plan is not None else
+            {start: [a for a in run if a.kind in ("RECV_F", "RECV_B")] for start, run in self._batch_at.items()})
+
     # -- communication ----------------------------------------------------------------------
 
     def _tag(self, kind: str, stage: int, mb: int, part: int) -> int:
@@ -323,55 +458,118 @@ class PipelineRunner:
         r = self.layout.rank_of(stage)
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
-    def _send(self, t: torch.Tensor, stage_to: int, kind: str, stage: int, mb: int) -> None:
+    def _send_ops(self, t: torch.Tensor, stage_to: int, kind: str, stage: int, mb: int) -> list:
+        """Post the header of ``t`` where one goes (gloo, at once) and return the payload's send to
+        post with the batch it belongs to."""
         t = t.detach().contiguous()
         if t.ndim > _HEADER - 2 or t.dtype not in _DTYPES:
             raise ValueError(f"cannot send a {t.ndim}-d {t.dtype} tensor between stages")
         dst = self._peer(stage_to)
         known = self._sent_shapes.get((kind, stage))
-        parts = [(1, t)]
         if known is None or not self.static_shapes:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = t.ndim
             header[1:1 + t.ndim] = torch.tensor(t.shape)
             header[-1] = _DTYPES.index(t.dtype)
-            parts.insert(0, (0, header))  # (on the CPU: gloo, which matches tags, whatever the payload's wire)
+            # (on the CPU: gloo, which matches tags, whatever the payload's wire)
+            self._pending.append((dist.isend(header, dst, group=self.group, tag=self._tag(kind, stage, mb, 0)), header))
             self._sent_shapes[(kind, stage)] = (tuple(t.shape), t.dtype)
         elif known != (tuple(t.shape), t.dtype):
             raise ValueError(f"microbatch {mb} sends a {tuple(t.shape)} {t.dtype} tensor where earlier microbatches "
                              f"sent {known[0]} {known[1]}: microbatches of different shapes need "
                              f"PipelineRunner(static_shapes=False)")
-        for part, x in parts:
-            x = x.to(self.wire) if part else x  # (a payload copied to the host where messages travel there)
-            self._pending.append((dist.isend(x, dst, group=self.group, tag=self._tag(kind, stage, mb, part)), x))
+        x = t.to(self.wire)  # (a payload copied to the host where messages travel there)
+        return [dist.P2POp(dist.isend, x, dst, self.group, self._tag(kind, stage, mb, 1))]
 
     def _post_recv(self, stage_from: int, kind: str, stage: int, mb: int):
-        """Post the receive of a payload whose shape is known (static shapes); ``None`` if it is not."""
+        """Post the receive of a payload whose shape is known (static shapes) ahead of its batch,
+        on the CPU only; ``None`` if it is not."""
         known = self._shapes.get((kind, stage)) if self.static_shapes else None
-        if known is None or self.wire.type != "cpu":  # (NCCL: receives in the action order, none ahead)
+        if known is None or self._nccl_order:  # (NCCL: receives in the action order, none ahead)
             return None
         buf = torch.empty(known[0], dtype=known[1], device=self.wire)
         return dist.irecv(buf, self._peer(stage_from), group=self.group, tag=self._tag(kind, stage, mb, 1)), buf
 
-    def _recv(self, stage_from: int, kind: str, stage: int, mb: int) -> torch.Tensor:
-        posted = self._posted.pop((kind, stage, mb), None) or self._post_recv(stage_from, kind, stage, mb)
-        if posted is not None:
-            work, buf = posted
-            work.wait()
-            return buf.to(self.device)
+    def _recv_op(self, stage_from: int, kind: str, stage: int, mb: int):
+        """The payload receive to post with its batch: its shape from the first header, or from
+        this message's header when shapes vary (waited for here)."""
         src = self._peer(stage_from)
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, src, group=self.group, tag=self._tag(kind, stage, mb, 0))
-        h = header.tolist()
-        buf = torch.empty(h[1:1 + h[0]], dtype=_DTYPES[h[-1]], device=self.wire)
-        dist.recv(buf, src, group=self.group, tag=self._tag(kind, stage, mb, 1))
-        self._shapes[(kind, stage)] = (tuple(buf.shape), buf.dtype)
-        return buf.to(self.device)
+        known = self._shapes.get((kind, stage)) if self.static_shapes else None
+        if known is None:
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            dist.recv(header, src, group=self.group, tag=self._tag(kind, stage, mb, 0))
+            h = header.tolist()
+            known = self._shapes[(kind, stage)] = (tuple(h[1:1 + h[0]]), _DTYPES[h[-1]])
+        buf = torch.empty(known[0], dtype=known[1], device=self.wire)
+        return dist.P2POp(dist.irecv, buf, src, self.group, self._tag(kind, stage, mb, 1)), buf
 
     def _recv_args(self, a: Action) -> tuple[int, str, int, int]:
         if a.kind == "RECV_F":
             return a.stage - 1, "F", a.stage - 1, a.microbatch
         return a.stage + 1, "B", a.stage + 1, a.microbatch
+
+    def _exchange(self, start: int) -> None:
+        """One batch: the messages between two compute actions (the run beginning at ``start`` in
+        the order), its sends and the receives planned with it posted together with
+        ``batch_isend_irecv``, as torch's own schedules do. NCCL completes a lone send only once
+        the peer has posted the matching receive (beyond what its buffers hold), so in 1F1B's
+        steady state, where both neighbours send before they receive, unbatched sends would wait
+        for each other forever; batched, they progress together (:func:`plan_receives` says which
+        receives go with which batch over NCCL; here each run's own).
+
+        Headers (shapes, over gloo) are sent first. Where a receive's shape is not known yet this
+        rank then waits for its header: on NCCL before posting anything (NCCL payloads never hold
+        a rank's host thread, so a peer reaches its own headers without them, and the batch stays
+        whole), on the CPU after posting the sends (gloo's receive of a payload does hold the
+        peer's thread: it may need this batch's send before it can send its header). Then the
+        run's own receives are waited for, wherever they were posted. Gloo takes this same path
+        in the CPU suite."""
+        run = self._batch_at[start]
+        ops: list = []
+        posting: list[tuple[tuple[str, int, int], torch.Tensor]] = []  # receives in this batch: (key, buffer)
+
+        def flush() -> None:
+            if ops:
+                works = dist.batch_isend_irecv(ops)
+                recv_works = [w for op, w in zip(ops, works) if op.op is dist.irecv]
+                self._pending += [(w, op.tensor) for op, w in zip(ops, works) if op.op is not dist.irecv]
+                for (key, buf), work in zip(posting, recv_works):
+                    self._posted[key] = (work, buf)
+                ops.clear()
+                posting.clear()
+
+        for a in run:
+            if a.kind == "SEND_F":
+                ops += self._send_ops(self._outputs[(a.stage, a.microbatch)], a.stage + 1, "F", a.stage, a.microbatch)
+            elif a.kind == "SEND_B":
+                ops += self._send_ops(self._dx.pop((a.stage, a.microbatch)), a.stage - 1, "B", a.stage, a.microbatch)
+        if not self._nccl_order:
+            flush()
+        for a in self._recv_plan.get(start, ()):
+            args = self._recv_args(a)
+            if args[1:] in self._posted:  # posted ahead (the CPU)
+                continue
+            posted = self._post_recv(*args)  # (alone, where gloo matches tags and the shape is known)
+            if posted is not None:
+                self._posted[args[1:]] = posted
+                continue
+            op, buf = self._recv_op(*args)
+            ops.append(op)
+            posting.append((args[1:], buf))
+        flush()
+        for a in run:
+            if a.kind not in ("RECV_F", "RECV_B"):
+                continue
+            key = self._recv_args(a)[1:]
+            if key not in self._posted:
+                raise AssertionError(f"rank {self.rank}: {a} was not posted by its batch or an earlier one")
+            work, buf = self._posted.pop(key)
+            work.wait()
+            x = buf.to(self.device)
+            if a.kind == "RECV_F":
+                self._inputs[(a.stage, a.microbatch)] = x.requires_grad_()
+            else:
+                self._grads[(a.stage, a.microbatch)] = x
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -420,9 +618,15 @@ class PipelineRunner:
                 posted = self._post_recv(*args)
                 if posted is not None:
                     self._posted[args[1:]] = posted
+            if a.kind in _MESSAGES and i not in self._batch_at:
+                continue  # exchanged with the batch that begins before it
             t0 = time.perf_counter()
             try:
-                out = self._run(a, inputs, targets)
+                if a.kind in _MESSAGES:
+                    self._exchange(i)
+                    out = None
+                else:
+                    out = self._run(a, inputs, targets)
             except PipelineActionError:
                 raise
             except Exception as e:
@@ -430,7 +634,11 @@ class PipelineRunner:
                                           f"microbatch {a.microbatch}: {type(e).__name__}: {e}") from e
             if out is not None:
                 loss += out.detach()
-            record.append((str(a), t0 - t_start, time.perf_counter() - t_start))
+            if a.kind in _MESSAGES:
+                for m in self._batch_at[i]:
+                    record.append((str(m), t0 - t_start, time.perf_counter() - t_start))
+            else:
+                record.append((str(a), t0 - t_start, time.perf_counter() - t_start))
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
@@ -459,15 +667,7 @@ class PipelineRunner:
             if s < self._last and self.layout.rank_of(s + 1) == self.rank:
                 self._inputs[(s + 1, j)] = y.detach().requires_grad_()
             return y if s == self._last else None
-        if a.kind == "SEND_F":
-            self._send(self._outputs[key], s + 1, "F", s, j)
-        elif a.kind == "RECV_F":
-            self._inputs[key] = self._recv(*self._recv_args(a)).requires_grad_()
-        elif a.kind == "SEND_B":
-            self._send(self._dx.pop(key), s - 1, "B", s, j)
-        elif a.kind == "RECV_B":
-            self._grads[key] = self._recv(*self._recv_args(a))
-        elif a.kind in ("B", "I"):
+        if a.kind in ("B", "I"):
             y = self._outputs.pop(key)
             grad = None if s == self._last else self._grads.pop(key, None)
             if s != self._last and grad is None:
