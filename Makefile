@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
 BENCHES := odc rl transport overhead balance pipeline pipeline-dp lora
 
-.PHONY: setup test test-fast test-full lint demo results gpu-check clean $(addprefix bench-,$(BENCHES))
+.PHONY: setup test test-fast test-full test-torch-compat lint demo results gpu-check clean $(addprefix bench-,$(BENCHES))
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,23 @@ test-fast: setup lint
 test-full: setup
 	$(PY) -m pytest -q -m full
 
+# A second torch (docs/torch.md): the tests that read FSDP2's and pipelining's internals, under the
+# CUDA build of torch 2.14.1 that this machine kind keeps on disk (about 5.5 GB; runs on the CPU).
+TORCH_COMPAT ?= 2.14.1
+COMPAT_VENV ?= .venv-torch$(TORCH_COMPAT)
+COMPAT_TESTS := tests/test_odc_parity.py tests/test_odc_protocol.py tests/test_dp_engines.py tests/test_odc_flat.py \
+	tests/test_pipeline_runtime.py tests/test_pipeline_schedules.py tests/test_layout.py
+
+$(COMPAT_VENV)/.installed: pyproject.toml requirements/lock.txt
+	python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==$(TORCH_COMPAT)
+	grep -v '^torch==' requirements/lock.txt > $(COMPAT_VENV)/lock.txt
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check -c $(COMPAT_VENV)/lock.txt -e ".[test]"
+	touch $@
+
+test-torch-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
 lint: setup
 	$(VENV)/bin/ruff check src tests examples
 
@@ -42,4 +59,4 @@ gpu-check: setup
 	$(PY) -m posttrain doctor
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .hypothesis
+	rm -rf $(VENV) $(COMPAT_VENV) out .pytest_cache .hypothesis

@@ -1,54 +1,113 @@
 #!/usr/bin/env bash
-# The GPU verification in one call on a machine with a GPU (issue: verify the CUDA paths), run from
-# the checkout's root. Everything it finds goes under $OUT (default out/gpu):
-#   env.txt            nvidia-smi, torch / CUDA / transformers versions, cores
-#   doctor.txt         `posttrain doctor`'s log; gpu-report.md its report (tests, copies, ODC's device
-#                      transport, flat ODC's engine overhead, offload on one Llama stage)
-#   bench_*.txt        CPU benchmarks that need more cores than a 2-core machine has, run beside the
-#                      doctor on other cores (taskset), each on its own cores
-# Where packages are missing (no network), wheels in .whl/ are installed into /tmp/site first.
-# Usage: bash scripts/gpu-verify.sh [cpu-benches: odc | pipeline | none]   (default odc)
-# Environment: OUT, DOCTOR_TIMEOUT, BENCH_TIMEOUT, TEST_TIMEOUT (seconds), DOCTOR_ARGS, AFTER_DOCTOR (a command),
-#   DOCTOR=0 (benchmarks only), PROFILE (the odc benchmarks' length profile, default long_tail).
+# The GPU verification, in two calls that each fit a device command (10 minutes) with room, run from
+# the checkout's root on the GPU machine (15 minutes of machine time a session, its start included):
+#
+#   bash scripts/gpu-verify.sh tests                   (a) the CUDA tests: pytest -m cuda, every core
+#   bash scripts/gpu-verify.sh measure [odc|pipeline|none]
+#                                                      (b) posttrain doctor's measurements (copies, ODC's
+#                                                          device transport, flat ODC's engine overhead,
+#                                                          offload on a Llama stage); with odc or pipeline,
+#                                                          two CPU benchmarks beside it on cores 4-15 and
+#                                                          the doctor on 0-3; with none (the default) the
+#                                                          doctor on every core
+#   bash scripts/gpu-verify.sh --dry-run [tests|measure]   here, on the CPU: the plan, the tests (a) would
+#                                                          run and the time expected from the last recorded
+#                                                          durations (scripts/gpu-durations.txt)
+#
+# Before the calls, here: python scripts/gpu_wheels.py --with trl==1.16.0 (the packages the image
+# lacks, into .whl/; each call carries .whl). Everything found goes under $OUT (default out/gpu):
+#   env.txt        nvidia-smi, torch / CUDA / transformers versions, cores
+#   tests.txt      (a) pytest's log with --durations; durations.txt the per-test seconds, to commit as
+#                  scripts/gpu-durations.txt so that the next run is planned from them
+#   doctor.txt     (b) the doctor's log; gpu-report.md its report; bench_*.txt the CPU benchmarks
+# Environment: OUT, PART_TIMEOUT (seconds for the part, default 460), TEST_TIMEOUT (per test, default
+#   120), WORKERS (pytest-xdist workers for (a), default 3; 0: one process), PROFILE (odc benchmarks'
+#   length profile, default long_tail), DOCTOR_ARGS, PY.
 set -u
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+PART=${1:-}
+case $PART in
+  tests|measure) ;;
+  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]" >&2; exit 2 ;;
+esac
+BENCHES=${2:-none}
+case $BENCHES in
+  odc|pipeline|none) ;;
+  *) echo "gpu-verify: the CPU benchmarks beside (b) are odc, pipeline or none, not '$BENCHES'" >&2; exit 2 ;;
+esac
 OUT=${OUT:-out/gpu}
-BENCHES=${1:-odc}
+if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
+PART_TIMEOUT=${PART_TIMEOUT:-460}
+TEST_TIMEOUT=${TEST_TIMEOUT:-120}
+WORKERS=${WORKERS:-3}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+
+if [ "$DRY" = 1 ]; then
+  echo "gpu-verify (dry run) of part '$PART' on this machine; on the GPU machine it would:"
+  echo "  - install .whl/*.whl into /tmp/site ($(ls .whl/*.whl 2>/dev/null | wc -l) wheels here; make them with scripts/gpu_wheels.py)"
+  if [ "$PART" = tests ]; then
+    echo "  - run pytest -m cuda with $WORKERS workers, $TEST_TIMEOUT s a test, the part cut at $PART_TIMEOUT s:"
+    $PY -m pytest -q --collect-only -m cuda -p no:cacheprovider tests 2>/dev/null | grep "::" >"${TMPDIR:-/tmp}/gpu-tests.txt"
+    $PY scripts/gpu_plan.py "${TMPDIR:-/tmp}/gpu-tests.txt" scripts/gpu-durations.txt "$WORKERS" "$TEST_TIMEOUT" "$PART_TIMEOUT"
+    exit $?
+  fi
+  if [ "$BENCHES" = none ]; then cores="every core"; else cores="cores 0-3, with $BENCHES benchmarks on 4-15"; fi
+  echo "  - run posttrain doctor --no-tests on $cores: devices, copies, ODC's device transport, flat ODC's engine"
+  echo "    overhead, offload on a Llama stage; cut at $PART_TIMEOUT s (the H200 run of 2026-11-26 took about"
+  echo "    6 minutes for tests and measurements together with the benchmarks beside it: docs/results.md)"
+  exit 0
+fi
+
 mkdir -p "$OUT"
 set -o pipefail
-export PYTHONUNBUFFERED=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-# a hung test fails alone (pytest-timeout, where installed)
-python3 -c "import pytest_timeout" 2>/dev/null && export PYTEST_ADDOPTS="--timeout=${TEST_TIMEOUT:-150} ${PYTEST_ADDOPTS:-}"
-PY=${PY:-python3}
 { nvidia-smi; $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; nproc; } >"$OUT/env.txt" 2>&1
 cores=$(nproc)
-if [ "$cores" -ge 16 ]; then
-  GPU_CORES=0-3
-  case $BENCHES in
-    odc)
-      ODC="$PY -m posttrain bench odc --profile ${PROFILE:-long_tail} --max-len 4096 --steps 4 --sweep --sequences-per-rank 4 --sweep-max-tokens 4096 --repeats 3 --json ''"
-      taskset -c 4-7 timeout ${BENCH_TIMEOUT:-480} bash -c "$ODC --world-size 4" >"$OUT/bench_odc_w4.txt" 2>&1 &
-      taskset -c 8-15 timeout ${BENCH_TIMEOUT:-480} bash -c "$ODC --world-size 8" >"$OUT/bench_odc_w8.txt" 2>&1 &
-      ;;
-    pipeline)
-      PDP="$PY -m posttrain bench pipeline-dp --repeats 3 --json ''"
-      taskset -c 4-7 timeout ${BENCH_TIMEOUT:-480} bash -c "$PDP --pp-size 2 --dp-size 2" >"$OUT/bench_pdp_2x2.txt" 2>&1 &
-      taskset -c 8-15 timeout ${BENCH_TIMEOUT:-480} bash -c "$PDP --pp-size 2 --dp-size 4" >"$OUT/bench_pdp_2x4.txt" 2>&1 &
-      ;;
-  esac
-else
-  GPU_CORES=0-$((cores - 1))
-fi
 rc=0
-if [ "${DOCTOR:-1}" = 1 ]; then
-  taskset -c "$GPU_CORES" timeout ${DOCTOR_TIMEOUT:-500} $PY -m posttrain doctor --out "$OUT/gpu-report.md" ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt" || rc=$?
+if [ "$PART" = tests ]; then
+  xdist=""
+  if [ "$WORKERS" -gt 0 ] && $PY -c "import xdist" 2>/dev/null; then xdist="-n $WORKERS"; fi
+  tmo=""
+  $PY -c "import pytest_timeout" 2>/dev/null && tmo="--timeout=$TEST_TIMEOUT"
+  timeout "$PART_TIMEOUT" $PY -m pytest -q -m cuda -p no:cacheprovider $xdist $tmo --durations=0 -rfE tests 2>&1 \
+    | tee "$OUT/tests.txt" || rc=$?
+  # per-test seconds (call phase, setup and teardown summed) for the next run's plan
+  $PY - "$OUT/tests.txt" >"$OUT/durations.txt" <<'EOF'
+import re, sys
+total = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"^\s*([0-9.]+)s (?:call|setup|teardown)\s+(\S+)", line)
+    if m:
+        total[m.group(2)] = total.get(m.group(2), 0.0) + float(m.group(1))
+for test, s in sorted(total.items()):
+    print(f"{s:.1f} {test}")
+EOF
+else
+  if [ "$cores" -ge 16 ] && [ "$BENCHES" != none ]; then
+    GPU_CORES=0-3
+    case $BENCHES in
+      odc)
+        ODC="$PY -m posttrain bench odc --profile ${PROFILE:-long_tail} --max-len 4096 --steps 4 --sweep --sequences-per-rank 4 --sweep-max-tokens 4096 --repeats 3 --json ''"
+        taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$ODC --world-size 4" >"$OUT/bench_odc_w4.txt" 2>&1 &
+        taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$ODC --world-size 8" >"$OUT/bench_odc_w8.txt" 2>&1 &
+        ;;
+      pipeline)
+        PDP="$PY -m posttrain bench pipeline-dp --repeats 3 --json ''"
+        taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$PDP --pp-size 2 --dp-size 2" >"$OUT/bench_pdp_2x2.txt" 2>&1 &
+        taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$PDP --pp-size 2 --dp-size 4" >"$OUT/bench_pdp_2x4.txt" 2>&1 &
+        ;;
+    esac
+  else
+    GPU_CORES=0-$((cores - 1))
+  fi
+  taskset -c "$GPU_CORES" timeout "$PART_TIMEOUT" $PY -m posttrain doctor --no-tests --out "$OUT/gpu-report.md" \
+    ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt" || rc=$?
+  wait
 fi
-# more GPU work after the doctor, while the CPU benchmarks still run (e.g. a measurement at another size)
-if [ -n "${AFTER_DOCTOR:-}" ]; then taskset -c "$GPU_CORES" bash -c "$AFTER_DOCTOR" 2>&1 | tee "$OUT/after-doctor.txt"; fi
-wait
-echo "gpu-verify: done (doctor exit $rc); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo "gpu-verify $PART: done (exit $rc); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $rc

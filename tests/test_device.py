@@ -12,6 +12,7 @@ import torch
 
 import posttrain.device as device
 from posttrain.dp import EngineConfig
+from posttrain.launch import run_ranks
 
 
 @pytest.fixture
@@ -172,18 +173,64 @@ def test_tf32_is_a_cuda_setting_refused_on_the_cpu_and_nothing_there():
 
     with pytest.raises(ValueError, match=r"`tf32` is a CUDA setting .* this run is on the CPU: leave it out"):
         check_run(TrainConfig(device="cpu", tf32=True))
-    before = torch.backends.cuda.matmul.allow_tf32
+    before = torch.backends.cuda.matmul.fp32_precision
     device.allow_tf32(torch.device("cpu"), True)  # nothing to set on the CPU
-    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert torch.backends.cuda.matmul.fp32_precision == before
 
 
 @pytest.mark.cuda
-def test_tf32_on_cuda_sets_and_clears_the_matmul_flag():
+def test_tf32_on_cuda_sets_and_clears_the_matmul_and_conv_precision():
+    """Through ``fp32_precision`` (the ``allow_tf32`` flags are the legacy API; torch refuses to
+    read them once the two are mixed)."""
     dev = torch.device("cuda", 0)
     device.allow_tf32(dev, True)
-    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "tf32"
     device.allow_tf32(dev, False)
-    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert torch.backends.cuda.matmul.fp32_precision == torch.backends.cudnn.conv.fp32_precision == "ieee"
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_on_stream_enters_a_stream_twice_and_restores_the_previous_one(kind):
+    """torch 2.11's ``torch.Stream`` context is not re-entrant on a GPU (one object entered again
+    before it exits raises; its CPU stream does not, checked here on 2.11 too); ``on_stream``
+    enters a fresh object for the same stream each time and restores the stream that was current."""
+    dev = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
+    side = torch.Stream(dev)
+    with device.on_stream(side), device.on_stream(side):
+        if kind == "cuda":
+            assert torch.accelerator.current_stream(dev) == side
+    if kind == "cuda":
+        assert torch.accelerator.current_stream(dev) != side
+
+
+def test_a_recorder_resolves_device_spans_by_waiting_for_their_events(monkeypatch):
+    """On an accelerator a span is two events; ``resolve`` times them, and an event the device has
+    not reached yet cannot be timed (torch raises): it must wait for each end event first. Fake
+    events here (the CPU has none) that raise like an unreached CUDA event until synchronized."""
+    from posttrain.spans import Recorder
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self):
+            Event.clock += 1.0
+            self.t, self.done = Event.clock, False
+
+        def synchronize(self):
+            self.done = True
+
+        def elapsed_time(self, end):
+            if not end.done:
+                raise RuntimeError("CUDA error: device not ready")
+            return (end.t - self.t) * 1000.0  # ms
+
+    rec = Recorder(0, torch.device("cuda", 0))
+    monkeypatch.setattr(rec, "_event", Event)
+    rec.clear()
+    with rec.span("gather"):
+        pass
+    rec.resolve()
+    assert [s.name for s in rec.spans] == ["gather"] and rec.total("gather") == pytest.approx(1.0)
 
 
 def test_communication_is_timed_by_a_recorder_or_handed_host_times():
@@ -265,3 +312,25 @@ def test_the_banner_says_where_the_ranks_are(fake_cuda, monkeypatch):
     assert placement("cpu", 2) == "2 CPU processes"
     assert placement("cuda", 2) == "2 processes, one cuda device each"
     assert placement("cuda", 4) == "4 processes sharing 2 cuda devices (gloo for every collective)"
+
+
+def _grid_under_torchrun_sharing(rank, world_size):
+    import os
+
+    from posttrain.train.sft.pipeline.dp import PipelineGrid
+
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it: rank 1 names a GPU a one-GPU host lacks
+    dev = device.rank_device("cuda", rank)
+    device.use(dev)
+    grid = PipelineGrid(world_size, 1, "cuda")
+    return torch.accelerator.current_device_index(), grid.pp_rank
+
+
+@pytest.mark.cuda
+def test_a_pipeline_grid_under_torchrun_with_ranks_sharing_a_gpu_keeps_each_ranks_device():
+    """A DeviceMesh sets the device from LOCAL_RANK unless the accelerator is initialized; under
+    torchrun with more ranks than GPUs that index does not exist. ``use`` initializes the rank's
+    device first, so the grid keeps it."""
+    count = torch.accelerator.device_count()
+    out = run_ranks(_grid_under_torchrun_sharing, count + 1, backend="gloo", start="spawn", timeout_s=120)
+    assert [d for d, _ in out] == [r % count for r in range(count + 1)]

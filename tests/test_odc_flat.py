@@ -90,17 +90,27 @@ def _frozen_llama():
     return model
 
 
-@pytest.mark.parametrize("case", ["gpt", "llama-frozen-ac", "hsdp"])
+def _sublayer_units(model):
+    return [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)] + [model]
+
+
+@pytest.mark.parametrize("case", ["gpt", "llama-frozen-ac", "llama-units-inside-ac", "hsdp"])
 def test_prefetched_gathers_change_nothing_but_when_they_happen(case):
     """``prefetch=True`` on the CPU runs the accelerator's bookkeeping (gather the next unit in
     forward and the previous one in backward, early; here at once, there on a side stream):
     the reference's parameters, the same number of gathers (each early one taken, none wasted),
-    with frozen parameters, activation checkpointing and HSDP."""
+    with frozen parameters, activation checkpointing and HSDP. With units inside a checkpointed
+    block (attention and MLP of each layer), the recomputation in backward calls them again: it
+    gathers for itself, keeps those weights for the recomputed graph, and teaches the prefetch
+    nothing (a recomputation taken for the forward's order gathers the wrong units ahead)."""
     counts = [3, 1, 0, 2] if case == "hsdp" else [3, 1]
     kw = {"prefetch": True}
     if case == "llama-frozen-ac":
         kw.update(make_model=_frozen_llama, ac=True)
         want = train_reference(counts, make_model=_frozen_llama)
+    elif case == "llama-units-inside-ac":
+        kw.update(make_model=tiny_llama, units=_sublayer_units, ac=True)
+        want = train_reference(counts, make_model=tiny_llama)
     else:
         want = train_reference(counts)
     if case == "hsdp":
@@ -116,6 +126,34 @@ def test_prefetched_gathers_change_nothing_but_when_they_happen(case):
     if case == "gpt":  # 2 blocks: both ahead in forward once the order is known, the first in backward
         n = counts[0] * STEPS
         assert got[0][2]["prefetch"]["prefetched"] == 3 * n - 2, got[0][2]
+    if case == "llama-units-inside-ac":  # as many ahead as without checkpointing
+        no_ac = run_ranks(train_flat, len(counts), counts, **{**kw, "ac": False})
+        assert [g[2]["prefetch"] for g in got] == [g[2]["prefetch"] for g in no_ac]
+
+
+def _drain_worker(rank, world_size):
+    handle = odc_mod.flat_shard(make_gpt(), prefetch=True).odc
+
+    class Side:  # the accelerator's side stream, as far as dropping buffers goes
+        waits = 0
+
+        def synchronize(self):
+            Side.waits += 1
+
+    handle._side = Side()
+    handle._ready[0] = (None, None, None)  # a prefetch no forward took, at the minibatch's exit
+    handle.release()
+    at_exit = Side.waits
+    handle.close(restore=False)  # the failure path frees everything (no collective)
+    return at_exit, Side.waits
+
+
+def test_buffers_the_side_stream_writes_are_dropped_only_after_it_has_written_them():
+    """Prefetched vectors and refilled storages are written on the side stream: dropped while it
+    still writes them (an unused prefetch at minibatch exit, everything when a failure frees the
+    handle), their memory could be handed to a new tensor and overwritten. Both wait for the side
+    stream first (its synchronize; on a GPU, the event of every copy on it)."""
+    assert run_ranks(_drain_worker, 1) == [(1, 2)]
 
 
 def test_flat_collective_mode_matches_reference():

@@ -62,6 +62,34 @@ def test_hsdp_with_one_rank_per_shard_group_is_refused():
         assert got.startswith("ODC on FSDP2 with one rank per shard group and several replicas"), got
 
 
+def _unused_parameter(rank, world_size, fsdp_reduces_unused):
+    import posttrain.odc as odc_mod
+    from odc_helpers import make_gpt, shard
+    from posttrain import _compat
+
+    if not fsdp_reduces_unused:  # FSDP2 as torch 2.11 and 2.12 have it: no set_reduce_scatter_unused_params
+        _compat.reduces_unused_params = lambda module: False
+    model = make_gpt()
+    model.unused = torch.nn.Linear(4, 4)  # trainable, never used by forward
+    shard(model)
+    with odc_mod.enable(model) as odc:
+        try:
+            with odc.minibatch(num_tokens=8):
+                model(torch.randint(0, 32, (1, 9)))[0].sum().backward()
+        except RuntimeError as e:
+            return str(e).splitlines()[0]
+    return "trained"
+
+
+def test_a_parameter_without_a_gradient_on_a_torch_that_leaves_it_out_is_refused_in_one_line():
+    """torch 2.11 and 2.12's FSDP2 leaves a trainable parameter that got no gradient out of its
+    reduce-scatter (2.13 and later reduce it as zero when asked): ODC's rows then lack it, which
+    it refuses in one line naming the fixes instead of adding rows to the wrong owners."""
+    assert run_ranks(_unused_parameter, 2, True) == ["trained"] * 2
+    for got in run_ranks(_unused_parameter, 2, False):
+        assert "got no gradient in this backward" in got and "use flat ODC" in got, got
+
+
 @pytest.mark.parametrize("reshard", [True, False, 2], ids=["reshard-True", "reshard-False", "reshard-int2"])
 def test_parity_reshard_after_forward(reshard):
     """Each reshard_after_forward setting; int re-gathers over the smaller post-forward group."""

@@ -150,6 +150,84 @@ def test_log_probabilities_are_taken_at_the_sampling_temperature(tiny_model):
     assert st["clipped"] == 0
 
 
+def _rollout(tiny_model, **kw):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.rl import HFRollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
+    return HFRollout(model, eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id, **kw)
+
+
+def test_batched_generation_samples_what_one_prompt_at_a_time_would(tiny_model):
+    """Every prompt of a step in one ``generate`` call, left-padded with an attention mask: with
+    sampling made greedy (a vanishing top_p keeps only the likeliest token) each row's response is
+    the one its prompt gets alone, for prompts of different lengths in one batch, in a batch cut
+    by ``max_batch_tokens`` too. Responses end at the first end-of-sequence token (kept) or at
+    ``max_new_tokens``; the same seed gives the same samples."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (3, 9, 5, 12)]
+    greedy = _rollout(tiny_model, top_p=1e-9, max_new_tokens=6)
+    alone = [greedy.generate([p], 2, seed=0) for p in prompts]
+    together = greedy.generate(prompts, 2, seed=0)
+    assert together == [r for rows in alone for r in rows]
+    greedy.max_batch_tokens = 40  # a few calls of a few rows each
+    assert greedy.generate(prompts, 2, seed=0) == together
+    eos = greedy.eos
+    for r in together:
+        assert (r[-1] == eos and eos not in r[:-1]) or (len(r) == 6 and eos not in r)
+
+    sampler = _rollout(tiny_model, temperature=1.5, max_new_tokens=6)
+    first = sampler.generate(prompts, 4, seed=11)
+    assert sampler.generate(prompts, 4, seed=11) == first and sampler.generate(prompts, 4, seed=12) != first
+    assert len(first) == 16
+
+
+def test_batched_scoring_gives_each_sequences_own_logprobs(tiny_model):
+    """``HFRollout.logprobs``: one right-padded forward for sequences of different lengths gives
+    what each gets alone."""
+    rollout = _rollout(tiny_model, temperature=1.5)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, 60, (n,), generator=gen) for n in (7, 15, 10)]
+    lens = [3, 6, 4]
+    together = rollout.logprobs(seqs, lens)
+    for s, p, got in zip(seqs, lens, together):
+        torch.testing.assert_close(got, rollout.logprobs([s], [p])[0], atol=1e-5, rtol=1e-5)
+        assert got.shape == (len(s) - p,)
+
+
+def test_on_policy_old_logprobs_come_from_the_updates_own_forward(tiny_model):
+    """One epoch, one minibatch: the weights that sampled are the ones updated, so ``old_logprobs``
+    ``None`` takes them from the update's forward, detached: the ratio is exactly 1 (nothing
+    clipped, however tight the clip) and the loss and every gradient equal those with the old
+    log-probs computed apart by the same model."""
+    model = load_pretrained(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 60, (n,), generator=gen) for n in (9, 14)]
+    lens, adv = [4, 5], [0.8, -0.5]
+    with torch.no_grad():
+        logits = model(torch.cat([s[:-1] for s in seqs]).unsqueeze(0), document_lengths=[len(s) - 1 for s in seqs])[0]
+        lp = token_logprobs(logits, torch.cat([s[1:] for s in seqs]), 1.5)
+    olds, start = [], 0
+    for s, p in zip(seqs, lens):
+        olds.append(lp[start + p - 1:start + len(s) - 1].clone())
+        start += len(s) - 1
+    results = []
+    for old in (olds, [None, None]):
+        model.zero_grad()
+        rolls = [Rollout(s, p, a, o) for s, p, a, o in zip(seqs, lens, adv, old)]
+        loss, st = policy_loss(model, rolls, temperature=1.5, clip_eps=1e-6, kl_coef=0.0)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], st))
+    (want, want_g, _), (got, got_g, st) = results
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for g, w in zip(got_g, want_g):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
+    assert st["clipped"] == 0
+    with pytest.raises(ValueError, match="give all or none"):
+        policy_loss(model, [Rollout(seqs[0], 4, 1.0, olds[0]), Rollout(seqs[1], 5, 1.0, None)])
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_equal_reward_groups_are_skipped_or_trained_as_asked(tmp_path, tiny_model, monkeypatch, skip):
     """A reward every response earns equally: every group has zero advantage. Skipped (the
@@ -213,19 +291,26 @@ def test_several_rewards_are_weighted_and_each_reported(tmp_path, tiny_model, mo
 
 
 def test_the_loop_drives_the_rollout_engine_through_its_weight_sync_phases(tmp_path, tiny_model, monkeypatch):
-    """wake, load_weights (in buckets), generate, logprobs, sleep: every step, in that order."""
+    """wake, load_weights (in buckets), generate, sleep: every step, in that order; no scoring
+    forward on the rollout engine (the old log-probs are the update's own, on-policy)."""
     from posttrain.data.tasks import chat_task_records
     from posttrain.rl import HFRollout
 
     log = tmp_path / "calls.txt"
-    for name in ("wake", "load_weights", "generate", "logprobs", "sleep"):
+    for name in ("wake", "load_weights", "generate", "logprobs", "sleep"):  # (logprobs: must not be called)
         original = getattr(HFRollout, name)
 
         def wrapped(self, *args, _name=name, _original=original, **kwargs):
-            if _name == "load_weights":  # count the buckets
+            if _name == "load_weights":  # count the buckets, and check the copy equals what they gave
                 args = (list(args[0]),)
                 with open(log, "a") as f:
                     f.write(f"{_name} {len(args[0])}\n")
+                result = _original(self, *args, **kwargs)
+                own = self.model.state_dict()
+                for part in args[0]:
+                    for key, value in part.items():
+                        assert torch.equal(own[key.removeprefix("hf.")], value), key
+                return result
             else:
                 with open(log, "a") as f:
                     f.write(f"{_name}\n")
@@ -240,7 +325,39 @@ def test_the_loop_drives_the_rollout_engine_through_its_weight_sync_phases(tmp_p
     calls = log.read_text().split("\n")[:-1]
     buckets = int(calls[1].split()[1])
     assert buckets > 1  # one bucket per engine unit, not the whole model at once
-    assert calls == ["wake", f"load_weights {buckets}", "generate", "logprobs", "sleep"] * 2
+    assert calls == ["wake", f"load_weights {buckets}", "generate", "sleep"] * 2
+
+
+def test_rollout_weights_load_by_name_and_a_mismatch_is_refused_in_one_line(tiny_model):
+    """The rollout copy takes the engine's full state in buckets (under the ``hf.`` wrapper's
+    names here) and then equals it, tied weights included; a name it lacks or a parameter no
+    bucket gave is refused after every bucket was taken (taking them is a collective)."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.rl import HFRollout
+
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p))  # differs from the rollout's copy everywhere
+    rollout = HFRollout(AutoModelForCausalLM.from_pretrained(tiny_model("llama")), eos_token_id=0, pad_token_id=0)
+    names = [n for n, _ in source.named_parameters()]
+    full = {f"hf.{n}": p.detach().clone() for n, p in source.named_parameters()}
+    buckets = [{k: full[k] for k in list(full)[i:i + 3]} for i in range(0, len(full), 3)]
+    rollout.load_weights(iter(buckets))
+    got = dict(rollout.model.named_parameters())
+    for n in names:
+        torch.testing.assert_close(got[n], full[f"hf.{n}"], rtol=0, atol=0, msg=n)
+
+    taken = []
+    extra = [*buckets, {"hf.model.layers.99.mlp.up_proj.weight": torch.zeros(1)}]
+    with pytest.raises(ValueError, match=r"1 name\(s\) the rollout model lacks \(hf.model.layers.99"):
+        rollout.load_weights(b for b in extra if not taken.append(b))
+    assert len(taken) == len(extra)  # every bucket taken before refusing
+    short = [{k: v for k, v in b.items() if "layers.0.mlp" not in k} for b in buckets]
+    with pytest.raises(ValueError, match=r"3 of its parameters not given \(model.layers.0.mlp"):
+        rollout.load_weights(iter(short))
 
 
 def test_rl_config_clip_bounds_default_to_the_symmetric_shorthand():
@@ -313,11 +430,43 @@ def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_m
     assert results[0][1]["tokens"] == sum(n for _, n in LENGTHS)
 
 
+def _rl_checked_worker(rank, world, cfg):
+    """An RL run whose export also checks, in the rank, that the rollout copy loads the engine's
+    full state exactly and that the files written hold it."""
+    import glob
+    import os
+
+    from safetensors.torch import load_file
+
+    from posttrain.train.rl.loop import RLTrainer
+
+    class Checked(RLTrainer):
+        checks = None
+
+        def export(self):
+            super().export()
+            full = {}
+            for part in self.engine.iter_full_state():  # (a collective; CPU tensors)
+                full.update({k.removeprefix("hf."): v for k, v in part.items()})
+            self.rollout.load_weights(self.engine.iter_full_state(self.device))
+            own = self.rollout.model.state_dict()
+            rollout_ok = all(torch.equal(own[k].cpu(), v) for k, v in full.items())
+            exported = {}
+            for f in glob.glob(os.path.join(self.cfg.output_dir, "*.safetensors")):
+                exported.update(load_file(f))
+            export_ok = bool(exported) and all(torch.equal(t, full[k].to(t.dtype)) for k, t in exported.items())
+            self.checks = (rollout_ok, export_ok)
+
+    trainer = Checked(cfg, rank, world)
+    return trainer.run(), trainer.checks
+
+
 @pytest.mark.cuda
 def test_a_short_rl_run_on_cuda_samples_updates_and_exports(tmp_path, tiny_model):
     """The whole loop on the GPU: rollouts sampled there, the reference and the update sharded
     there by flat ODC (2 ranks, sharing one GPU where there is one; the FSDP2 update on the GPU is
-    the single-update test's)."""
+    the single-update test's); the rollout copy takes the engine's full state exactly and the
+    export holds it."""
     from posttrain.data.tasks import chat_task_records
 
     prompts = tmp_path / "prompts.jsonl"
@@ -325,10 +474,30 @@ def test_a_short_rl_run_on_cuda_samples_updates_and_exports(tmp_path, tiny_model
     cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), samples_per_prompt=4, prompts_per_step=4,
                    max_new_tokens=8, steps=2, max_tokens=128, kl_coef=0.05, engine=EngineConfig("odc"), device="cuda",
                    skip_equal_reward_groups=False, output_dir=str(tmp_path / "out"))
-    rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
+    out = run_ranks(_rl_checked_worker, 2, cfg, backend=device_backend("cuda", shared=2 > CUDA_WORLD), start="spawn",
+                    timeout_s=300)
+    rows = out[0][0]
     assert len(rows) == 2 and all(r["updates"] == 1 and r["rollout_tokens_per_s"] > 0 for r in rows)
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["kl"]) for r in rows)
     assert (tmp_path / "out" / "config.json").exists()
+    assert [checks for _, checks in out] == [(True, True)] * 2, "rollout copy or export differs from the engine's state"
+
+
+def _rl_checked_on_cpu(tmp_path, tiny_model):
+    from posttrain.data.tasks import chat_task_records
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), samples_per_prompt=2, prompts_per_step=2,
+                   max_new_tokens=4, steps=1, max_tokens=128, engine=EngineConfig("odc"), device="cpu",
+                   output_dir=str(tmp_path / "out"))
+    return run_ranks(_rl_checked_worker, 2, cfg, timeout_s=120)
+
+
+def test_the_cuda_rl_checks_hold_on_the_cpu(tmp_path, tiny_model):
+    """The CUDA RL test's in-rank checks (rollout copy = engine state, export = engine state) on the
+    CPU, so that a check that could never pass is found here and not on the GPU machine."""
+    assert [checks for _, checks in _rl_checked_on_cpu(tmp_path, tiny_model)] == [(True, True)] * 2
 
 
 def test_rewards_that_raise_or_are_not_finite_are_named():

@@ -79,6 +79,13 @@ def test_odc_engines_on_cuda_follow_the_cpu_loss_curve(engine):
     want = run_training(replace(cfg, device="cpu"), world_size=world, quiet=True)
     got = run_training(replace(cfg, device="cuda"), world_size=world, quiet=True)
     assert [r["loss"] for r in got[0]["metrics"]] == pytest.approx([r["loss"] for r in want[0]["metrics"]], rel=1e-3)
+    for r in got:  # the split of a step is timed by events on the GPU: communication measured, inside the step
+        for row in r["metrics"]:
+            if row["microbatches"]:
+                assert 0 < row["comm_s"] and row["compute_s"] + row["comm_s"] <= row["step_time_s"], row
+    if engine.name == "odc":  # the side stream's gathers ahead ran (prefetch is on by default on a GPU), none wasted
+        stats = [r["engine_stats"] for r in got]
+        assert all(s["prefetch_unused"] == 0 for s in stats) and sum(s["prefetch_prefetched"] for s in stats) > 0, stats
 
 
 @pytest.mark.cuda

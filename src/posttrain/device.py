@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DEVICES", "add_into", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
-           "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "physical_id", "rank_device",
+           "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "on_stream", "physical_id", "rank_device",
            "rank_kind", "reset_peak_memory", "resolve", "shares_devices", "staged", "start_method", "synchronize", "use",
            "visible_index"]
 
@@ -168,10 +168,13 @@ def rank_device(kind: str, rank: int) -> torch.device:
 
 
 def use(device: torch.device) -> None:
-    """Make ``device`` this process's current one (before its process group starts: NCCL binds
-    to the current device). Nothing on the CPU."""
+    """Make ``device`` this process's current one, initialized (before its process group and any
+    device mesh start: NCCL binds to the current device). Nothing on the CPU."""
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
+        # and initialized: a DeviceMesh built on an uninitialized accelerator sets the device itself,
+        # from LOCAL_RANK where a launcher set it, which names no device where ranks share a GPU
+        torch.empty(0, device=device)
 
 
 def physical_id(device: torch.device) -> str:
@@ -214,11 +217,24 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, *, n
 
 def allow_tf32(device: torch.device, allowed: bool) -> None:
     """Let fp32 matrix products and cuDNN convolutions on ``device`` use TF32 (``allowed``), or
-    keep them in full fp32. Nothing on the CPU, where TF32 does not exist."""
+    keep them in full fp32 (``ieee``). Nothing on the CPU, where TF32 does not exist. Set through
+    ``fp32_precision`` (torch 2.11-2.15 all have it; the ``allow_tf32`` flags it replaces warn that
+    they will go)."""
     if device.type != "cuda":
         return
-    torch.backends.cuda.matmul.allow_tf32 = allowed
-    torch.backends.cudnn.allow_tf32 = allowed
+    precision = "tf32" if allowed else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.Stream):
+    """Make ``stream`` its device's current stream inside the block and the previous one current
+    again after it. A fresh ``torch.Stream`` object for the same stream is entered each time: in
+    torch 2.11 one object's context is not re-entrant (entered again before it exits, even through
+    other code, it raises "Stream's context should not be initialized")."""
+    with torch.Stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type):
+        yield
 
 
 def synchronize(device: torch.device) -> None:

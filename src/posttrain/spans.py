@@ -110,10 +110,15 @@ class Recorder:
         return event
 
     def resolve(self) -> None:
-        """Turn the device-timed spans into spans (host seconds from the anchor); call once the
-        device has run them (it waits for each event otherwise). Nothing on the CPU."""
+        """Turn the device-timed spans into spans (host seconds from the anchor). Waits for each
+        span's events first (an event not yet reached cannot be timed; spans may be on several
+        streams, e.g. a prefetch on the side stream); after the step's synchronization that costs
+        nothing. Nothing on the CPU."""
         if not self._pending:
             return
+        for _, first, last in self._pending:
+            first.synchronize()
+            last.synchronize()
         t0, anchor = self._anchor
         for name, first, last in self._pending:
             start = t0 + anchor.elapsed_time(first) / 1e3

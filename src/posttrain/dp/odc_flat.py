@@ -84,7 +84,8 @@ class FlatODCEngine(DataParallelEngine):
 
     @property
     def stats(self) -> dict[str, int]:
-        return dict(self.handle.stats)
+        """The handle's counters and its prefetch's (``prefetch_prefetched``, ``prefetch_unused``)."""
+        return {**self.handle.stats, **{f"prefetch_{k}": v for k, v in self.handle.prefetch_stats.items()}}
 
     # ------------------------------------------------------------ checkpoints
     def _units_by_shard(self) -> dict[int, odc.FlatUnit]:

@@ -160,16 +160,23 @@ def devices() -> dict[str, str]:
 
 def copy_bandwidths(mib: int, repeats: int, device: int = 0) -> dict[str, float]:
     """GB/s of a ``mib`` MiB copy device-to-device, host-to-device and device-to-host (pinned
-    host memory), each the median of ``repeats`` copies timed by device events."""
+    host memory), each the median of ``repeats`` copies timed by device events; the first copy of
+    each is checked to deliver the bytes it was given (else ``AssertionError``)."""
     n = mib * 2**20
     dev = torch.device("cuda", device)
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    a = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     out = {}
     for name, dst, src in (("device-to-device", b, a), ("host-to-device (pinned)", a, host),
                            ("device-to-host (pinned)", host, a)):
-        dst.copy_(src, non_blocking=True)  # warm-up
+        src_copy = src.clone()  # what the copies must deliver (a, b and host take turns)
+        dst.zero_()
+        torch.accelerator.synchronize(dev)
+        dst.copy_(src, non_blocking=True)  # warm-up, and the copy whose contents are checked
+        torch.accelerator.synchronize(dev)
+        if not torch.equal(dst.cpu(), src_copy.cpu()):
+            raise AssertionError(f"{name} copy of {mib} MiB delivered other bytes than it was given")
         times = []
         for _ in range(repeats):
             start, end = torch.Event(device=dev, enable_timing=True), torch.Event(device=dev, enable_timing=True)

@@ -48,6 +48,7 @@ class ModuleLayout:
     params_offset: int = 0  # bytes into the "params" region
     grads_offset: int = 0  # bytes into one accumulator of the "grads" region
     checked: bool = False  # first gather compared our exposure against FSDP2's own input
+    all_params_pushed: bool = True  # FSDP2 reduce-scatters unused parameters too (torch 2.13+)
 
     @staticmethod
     def build(name: str, module: FSDPModule, params: list[ShardedParamInfo]) -> ModuleLayout:

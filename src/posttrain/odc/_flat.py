@@ -54,7 +54,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from posttrain._compat import all_gather_single, tree_flatten, tree_map_only, tree_unflatten
+from posttrain._compat import all_gather_single, in_backward, tree_flatten, tree_map_only, tree_unflatten
+from posttrain.device import on_stream
 from posttrain.models.blocks import find_blocks
 from posttrain.spans import comm_span
 
@@ -531,6 +532,7 @@ class FlatODC:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._drain()
         self._gathered.clear()
         self._ready.clear()
         self._last_refill = self._prev_pre = None
@@ -618,6 +620,8 @@ class FlatODC:
     def release(self) -> None:
         self._gathered.clear()
         self.prefetch_stats["unused"] += len(self._ready)
+        if self._ready:
+            self._drain()  # (an unused prefetch may still be being written)
         self._ready.clear()
         self._last_refill = self._prev_pre = None
         for u in self.layouts:
@@ -719,11 +723,18 @@ class FlatODC:
             fill()
             return None
         self._side.wait_stream(torch.accelerator.current_stream(self.device))
-        with self._side:
+        with on_stream(self._side):
             fill()
             event = torch.Event(self.device)
             event.record(self._side)
         return event
+
+    def _drain(self) -> None:
+        """Wait until the side stream has written every buffer it was given (prefetched vectors,
+        refilled storages) before they are dropped: freed while it still writes them, their memory
+        could go to a new tensor on the compute stream and be overwritten. Nothing on the CPU."""
+        if self._side is not None:
+            self._side.synchronize()
 
     def _wait(self, event: object | None) -> None:
         if event is not None:
@@ -778,14 +789,17 @@ class FlatODC:
         cast_inputs = self.mp_policy.cast_forward_inputs and u.param_dtype != u.master_dtype
 
         def pre_forward(module, args, kwargs):
-            ready = self._ready.pop(id(u), None)
+            # an activation checkpoint's recomputation (a unit inside a checkpointed region): its
+            # gather is its own, and it teaches the prefetch nothing about the forward's order
+            recompute = in_backward()
+            ready = None if recompute else self._ready.pop(id(u), None)
             if ready is not None:  # gathered ahead (constant exposures: still this minibatch's)
                 full, frozen, event = ready
                 self._wait(event)
             else:
                 full, frozen = self._vectors(u)
                 self._fill(u, full, frozen)
-            if self._prefetch and self._protocol.in_minibatch:
+            if self._prefetch and self._protocol.in_minibatch and not recompute:
                 if u.module is self.model:  # a forward of the whole model begins: backward's chain too
                     self._last_refill = None
                     self._prev_pre = None
@@ -800,7 +814,8 @@ class FlatODC:
                 views += frozen.split([*u.sizes[u.num_trainable :], frozen.numel() - u.frozen_numel])[:-1]
             u.full, u.frozen_full = full, frozen
             views = [v.view(p.shape) for v, p in zip(views, u.params)]
-            if full is not None and full.requires_grad and self._protocol.in_minibatch:
+            if full is not None and full.requires_grad and self._protocol.in_minibatch and not recompute:
+                # (a recomputation's weights give the saved tensors; gradients go to the first forward's)
                 self._gathered[id(full)] = (u, full, views[: u.num_trainable])
             for m, attr, i in u.slots:
                 m.__dict__[attr] = views[i]
@@ -831,7 +846,9 @@ class FlatODC:
             if output_dtype is not None:
                 output = tree_map_only(torch.Tensor, lambda t: t.to(output_dtype) if t.is_floating_point() else t,
                                        output)
-            if not u.reshard:
+            if not u.reshard or in_backward():
+                # (a recomputation inside backward: its saved tensors read these weights right away;
+                # they go with the recomputed graph)
                 return output
             full, frozen = u.full, u.frozen_full
             refill = _Refill(self, u, full, frozen)

@@ -75,8 +75,9 @@ class ODC:
                 mod.set_custom_reduce_scatter(ODCReduceScatter(self, lay))
                 # ODC sums raw gradients and divides once at the sync.
                 mod.set_gradient_divide_factor(1.0)
-                # Every trainable parameter appears in every push, used or not: fixed layout.
-                mod.set_reduce_scatter_unused_params(True, recurse=False)
+                # Every trainable parameter appears in every push, used or not: fixed layout
+                # (torch 2.11-2.12 cannot: a push without a parameter is refused in scatter_accumulate).
+                lay.all_params_pushed = _compat.reduces_unused_params(mod)
                 if replicate_group is not None:
                     mod.set_requires_all_reduce(False, recurse=False)
         except BaseException:
@@ -288,6 +289,12 @@ class ODC:
         if not self._is_shard_group(group):
             raise AssertionError(f"ODC reduce of {lay.name} over an unexpected group {dist.get_process_group_ranks(group)}")
         rows = input.view(self.shard_size, -1)
+        if rows.shape[1] < lay.reduce_numel and not lay.all_params_pushed:
+            raise RuntimeError(
+                f"ODC on FSDP2: a trainable parameter of {lay.name} got no gradient in this backward, and FSDP2 in "
+                f"torch {torch.__version__} leaves it out of the reduce-scatter (2.13 and later reduce it as zero); "
+                "give every trainable parameter a gradient each backward, freeze it, upgrade torch, or use flat ODC"
+            )
         if rows.shape[1] != lay.reduce_numel or input.dtype != lay.reduce_dtype:
             raise AssertionError(
                 f"ODC reduce of {lay.name}: FSDP2 pushes {rows.shape[1]} x {input.dtype}, "

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain.device import on_stream
+
 __all__ = ["ActivationStore", "HostPool"]
 
 
@@ -312,7 +314,7 @@ class ActivationStore:
         host = {}
         if self._async:
             self._stream.wait_stream(torch.accelerator.current_stream(self.device))
-            with self._stream:
+            with on_stream(self._stream):
                 for k, flat in entry.storages.items():
                     host[k] = self.pool.take(flat.numel())
                     host[k].copy_(flat, non_blocking=True)
@@ -344,7 +346,7 @@ class ActivationStore:
             raise RuntimeError(f"stage {stage} microbatch {microbatch}: reload in state {entry.state}")
         dev = {}
         if self._async:
-            with self._stream:
+            with on_stream(self._stream):
                 for k, host in entry.storages.items():
                     dev[k] = torch.empty_like(host, device=self.device)
                     dev[k].copy_(host, non_blocking=True)

@@ -40,7 +40,9 @@ class Rollout:
         prompt_len: how many of them are the prompt.
         advantage: the sample's advantage.
         old_logprobs: log-probabilities of the response tokens under the policy that sampled them
-            (``len(input_ids) - prompt_len`` values).
+            (``len(input_ids) - prompt_len`` values); ``None`` when the update is on-policy (one
+            epoch, one minibatch: the weights that sampled are the ones updated), where the
+            update's own forward gives them, detached, and the ratio is exactly 1.
         ref_logprobs: the same under the frozen reference policy (``None`` without KL).
         reward: its reward (reported, not used by the loss).
     """
@@ -48,7 +50,7 @@ class Rollout:
     input_ids: torch.Tensor
     prompt_len: int
     advantage: float
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None = None
     reward: float = 0.0
 
@@ -113,13 +115,19 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, cl
         k = r.response_len
         weights.append(torch.full((k,), 1.0 / k if agg == "seq-mean-token-mean" else 1.0))
         adv.append(torch.full((k,), float(r.advantage)))
-        old.append(r.old_logprobs.float())
+        old.append(r.old_logprobs.float() if r.old_logprobs is not None else None)
         if kl_coef:
             ref.append(r.ref_logprobs.float())
         start += n
     idx = torch.cat(pieces).to(device, non_blocking=True)
     logp = logp_all[idx]
-    w, a, old_lp = (torch.cat(x).to(device, non_blocking=True) for x in (weights, adv, old))
+    w, a = (torch.cat(x).to(device, non_blocking=True) for x in (weights, adv))
+    if all(o is None for o in old):  # on-policy: this forward's own, detached (ratio 1, gradient d logp)
+        old_lp = logp.detach()
+    elif any(o is None for o in old):
+        raise ValueError("policy_loss: some rollouts have old_logprobs and others not; give all or none")
+    else:
+        old_lp = torch.cat(old).to(device, non_blocking=True)
     ratio = torch.exp(logp - old_lp)
     pg, clipped = clipped_surrogate(ratio, a, clip_eps, clip_eps if clip_eps_high is None else clip_eps_high)
     loss_tok = pg

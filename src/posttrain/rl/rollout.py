@@ -2,9 +2,9 @@
 implement instead.
 
 :class:`HFRollout` samples with ``transformers`` ``generate`` on an unsharded copy of the policy
-(the engine's full parameters, loaded into it before each rollout phase), and scores the
-responses' log-probabilities under that same copy (the rollout policy's log-probs the update's
-ratio is taken against).
+(the engine's full parameters, loaded into it before each rollout phase), every prompt of a step
+in one batched call; it can also score responses' log-probabilities under that copy
+(:meth:`HFRollout.logprobs`, batched).
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ class RolloutEngine(Protocol):
     1. :meth:`wake`: take back the memory given up by :meth:`sleep` (weights first).
     2. :meth:`load_weights`: the policy's full parameters in buckets (one dict per engine unit),
        so no process holds more than one bucket of them besides the engine's own copy.
-    3. :meth:`generate`, then :meth:`logprobs` of what was generated.
+    3. :meth:`generate`.
     4. :meth:`sleep`: give up its memory (weights, KV cache) while the policy trains.
+
+    The old log-probs of the update's ratio come from the policy's engine, not from the rollout
+    engine (whose numerics may differ, as a serving engine's do).
     """
 
     def wake(self) -> None:
@@ -41,10 +44,6 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int) -> list[list[int]]:
         """``n`` sampled responses per prompt (token ids, ending with end-of-sequence unless the
         length limit cut them), prompt after prompt."""
-
-    def logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-        """Per sequence, the log-probabilities of its response tokens under the loaded weights, at
-        the sampling temperature."""
 
     def sleep(self) -> None:
         """After the rollout phase: release memory until :meth:`wake`."""
@@ -59,16 +58,21 @@ class HFRollout:
             the CPU).
         eos_token_id, pad_token_id: the tokenizer's.
         temperature, top_p, max_new_tokens: sampling settings.
+        max_batch_tokens: the most padded tokens (prompt and response) one ``generate`` call or one
+            scoring forward holds; more rows go in further calls.
     """
 
     def __init__(self, model: nn.Module, *, eos_token_id: int, pad_token_id: int | None, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 64) -> None:
+                 top_p: float = 1.0, max_new_tokens: int = 64, max_batch_tokens: int = 1 << 16) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature} must be positive")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p={top_p} must be in (0, 1]")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least 1")
+        self.max_batch_tokens = max_batch_tokens
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.eos, self.pad = eos_token_id, pad_token_id if pad_token_id is not None else eos_token_id
@@ -82,34 +86,96 @@ class HFRollout:
         """Nothing (see :meth:`wake`)."""
 
     def load_weights(self, parts: Iterable[dict[str, torch.Tensor]]) -> None:
-        own = self.model.state_dict()
+        """Copy the policy's full parameters in (names as the engine gives them: the model's own,
+        or under an ``hf.`` wrapper). Every part is taken first (iterating them is a collective
+        over the engine's ranks), then a name the rollout model does not have, or a parameter of
+        it that no part gave, is refused in one line: a copy that silently kept stale weights
+        would sample from the wrong policy."""
+        state = self.model.state_dict()
+        loaded: set[int] = set()  # storages written (a tied weight is one storage under two names)
+        unknown: list[str] = []
         with torch.no_grad():
             for part in parts:
                 for name, value in part.items():
-                    name = name.removeprefix("hf.")
-                    if name in own:
-                        own[name].copy_(value)
+                    target = state.get(name.removeprefix("hf."))
+                    if target is None:
+                        unknown.append(name)
+                        continue
+                    if target.shape != value.shape:
+                        raise ValueError(f"rollout weights: {name} is {tuple(value.shape)} but the rollout model's "
+                                         f"is {tuple(target.shape)}; the rollout model is not the policy's architecture")
+                    target.copy_(value)
+                    loaded.add(target.untyped_storage().data_ptr())
+        missing = [n for n, p in self.model.named_parameters() if p.untyped_storage().data_ptr() not in loaded]
+        if unknown or missing:
+            what = []
+            if unknown:
+                what.append(f"{len(unknown)} name(s) the rollout model lacks ({', '.join(unknown[:3])})")
+            if missing:
+                what.append(f"{len(missing)} of its parameters not given ({', '.join(missing[:3])})")
+            raise ValueError(f"rollout weights do not match the rollout model: {'; '.join(what)}; "
+                             "the rollout model must be the policy's architecture")
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int) -> list[list[int]]:
-        out: list[list[int]] = []
+        """``n`` samples of every prompt, all of them in one ``generate`` call (or a few, each of at
+        most ``max_batch_tokens`` prompt and response tokens): the prompts left-padded to the
+        longest, with an attention mask, so every row's positions start at its first real token.
+        A response ends at the first end-of-sequence token (kept) or at ``max_new_tokens``."""
         torch.manual_seed(seed)
-        for prompt in prompts:  # one prompt at a time: no padding, the n samples batched
-            ids = torch.tensor([list(prompt)] * n, device=self.device)
-            gen = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+        rows = [list(p) for p in prompts for _ in range(n)]
+        out: list[list[int]] = []
+        for batch in self._batches(rows):
+            width = max(len(r) for r in batch)
+            ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):
+                ids[i, width - len(r):] = torch.tensor(r)
+                mask[i, width - len(r):] = 1
+            gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
                                       temperature=self.temperature, top_p=self.top_p, top_k=0,
-                                      max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                                      pad_token_id=self.pad)
-            for row in gen[:, ids.shape[1]:].tolist():
+                                      max_new_tokens=self.max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad)
+            for row in gen[:, width:].tolist():
                 cut = row.index(self.eos) + 1 if self.eos in row else len(row)
                 out.append(row[:cut])
         return out
 
+    def _batches(self, rows: list[list[int]]) -> list[list[list[int]]]:
+        """``rows`` in order, cut into batches whose padded prompt and response tokens stay within
+        ``max_batch_tokens`` (a batch holds at least one row)."""
+        batches: list[list[list[int]]] = []
+        current: list[list[int]] = []
+        width = 0
+        for r in rows:
+            w = max(width, len(r))
+            if current and (len(current) + 1) * (w + self.max_new_tokens) > self.max_batch_tokens:
+                batches.append(current)
+                current, w = [], len(r)
+            current.append(r)
+            width = w
+        if current:
+            batches.append(current)
+        return batches
+
     @torch.no_grad()
     def logprobs(self, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-        out = []
-        for seq, p in zip(sequences, prompt_lens):
-            seq = seq.to(self.device, non_blocking=True)
-            logits = self.model(input_ids=seq[:-1].unsqueeze(0), use_cache=False).logits[0]
-            out.append(token_logprobs(logits[p - 1:], seq[p:], self.temperature))  # what was sampled
+        """One forward per batch of sequences (right-padded, with an attention mask; batches of at
+        most ``max_batch_tokens`` padded tokens), not one per sequence."""
+        out: list[torch.Tensor] = []
+        order = list(range(len(sequences)))
+        rows = [sequences[i].tolist() for i in order]
+        start = 0
+        for batch in self._batches(rows):
+            width = max(len(r) for r in batch) - 1
+            ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):
+                ids[i, : len(r) - 1] = torch.tensor(r[:-1])
+                mask[i, : len(r) - 1] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).logits
+            for i, r in enumerate(batch):
+                p = prompt_lens[start + i]
+                target = torch.tensor(r[p:], device=self.device)
+                out.append(token_logprobs(logits[i, p - 1 : len(r) - 1], target, self.temperature))  # what was sampled
+            start += len(batch)
         return [lp.cpu() for lp in out]  # (queued first: one wait for the device)

@@ -68,8 +68,10 @@ def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) 
     m = results[0]["metrics"]
     k = max(1, len(m) // 4)  # a quarter of the run at each end (one step's mean reward is noisy)
     first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (m[:k], m[-k:]))
+    walls = sorted(r["wall_s"] for r in m)
     say(f"reward {first:.3f} -> {last:.3f} (mean of the first and last {count(k, 'step')}) in "
-        f"{time.perf_counter() - began:.0f} s; rollout "
+        f"{time.perf_counter() - began:.0f} s; a step {walls[len(walls) // 2]:.3f} s by stopwatch (median), "
+        f"{sum(r['tokens_per_s'] * r['wall_s'] for r in m) / sum(walls):.0f} tokens/s; rollout "
         f"{sum(r['rollout_tokens_per_s'] for r in m) / len(m):.0f} tokens/s, update "
         f"{sum(r['update_tokens_per_s'] for r in m) / len(m):.0f} tokens/s")
     if cfg.output_dir:

@@ -4,8 +4,8 @@ Each step:
 
 1. rollout: the engine's full parameters are loaded into this rank's unsharded rollout copy (a
    collective, a part at a time); the rank samples ``samples_per_prompt`` responses for its share
-   of the step's prompts (every ``world_size``-th), scores them with the reward function, and
-   computes the rollout policy's log-probs;
+   of the step's prompts (every ``world_size``-th, all in one batched ``generate``) and scores
+   them with the reward function;
 2. every rank receives every rank's samples (one all-gather of token ids and numbers), so all
    compute the same advantages and the same balancing plans (with ``kl_coef``, the frozen
    reference's log-probs are computed then, sharded like the policy: :mod:`.reference`); groups whose rewards are all equal
@@ -13,8 +13,12 @@ Each step:
 3. update: ``ppo_epochs`` passes, each over the samples split into ``minibatches``; every
    minibatch is balanced (``balance``) and run under the engine, its loss aggregated as
    ``loss_agg`` says over the whole minibatch whatever the placement (see :mod:`posttrain.rl.loss`).
+   The ratio's old log-probs: with one epoch and one minibatch (on-policy) the update's own forward,
+   detached (the ratio is 1); otherwise one packed forward per microbatch under the policy's engine
+   before the first update, balanced like the reference's.
 
-Rollout time and tokens/s are reported apart from the update's.
+Rollout time and tokens/s are reported apart from the update's, and the whole step by stopwatch
+(``wall_s``, ``tokens_per_s``).
 """
 
 from __future__ import annotations
@@ -49,13 +53,13 @@ from posttrain.train.core import Trainer
 from posttrain.train.core.recipe import optimizer_step
 
 from .config import RLConfig
-from .reference import ShardedReference
+from .reference import ShardedReference, engine_logprobs
 
 __all__ = ["RL_SCALARS", "Prompt", "RLTrainer", "load_prompts", "rl_worker", "update_minibatch"]
 
 #: The per-step figures written to TensorBoard.
 RL_SCALARS = ("reward_mean", "reward_std", "response_len_mean", "kl", "clip_fraction", "entropy",
-              "rollout_tokens_per_s", "update_tokens_per_s", "lr", "grad_norm")
+              "rollout_tokens_per_s", "update_tokens_per_s", "tokens_per_s", "wall_s", "lr", "grad_norm")
 
 @dataclass(frozen=True)
 class Prompt:
@@ -185,12 +189,25 @@ class RLTrainer(Trainer):
         except BaseException:
             self.close()
             raise
+        #: one epoch, one minibatch: the weights that sampled are the ones the update starts from, so the
+        #: update's own forward gives the old log-probs (detached) and no other forward is needed
+        self.on_policy = cfg.ppo_epochs == 1 and cfg.minibatches == 1
+        self._ended: float | None = None  # when the previous step ended (its wall time starts there)
         trainable = [p for p in self.engine.parameters() if p.requires_grad]
         super().__init__(cfg, rank, world_size, state=self.engine, optimizer=cfg.optim.build(trainable),
                          label=f"rl {cfg.engine.label}+{cfg.balance}")
 
+    def _stopwatch(self, began: float) -> float:
+        """What a stopwatch sees of this step: the time since the previous step ended (its metrics,
+        checkpoint and export included), or, in a run's first step, since this one began."""
+        ended = time.perf_counter()
+        wall = ended - (self._ended if self._ended is not None else began)
+        self._ended = ended
+        return wall
+
     def train_step(self, step: int) -> dict:
         cfg, rank, world_size, engine = self.cfg, self.rank, self.world_size, self.engine
+        began = time.perf_counter()
         n = cfg.samples_per_prompt
         rng = random.Random(cfg.seed * 1_000_003 + step)
         batch = [self.prompts[(step * cfg.prompts_per_step + k) % len(self.prompts)] for k in range(cfg.prompts_per_step)]
@@ -210,9 +227,6 @@ class RLTrainer(Trainer):
             parts = [call_reward(fn, p.raw, text, name=name, fields=p.fields, where=p.where) for name, fn in self.rewards]
             local.append({"prompt": mine[k // n], "sample": k % n, "ids": seq.tolist(), "prompt_len": len(p.ids),
                           "reward": sum(w * r for w, r in zip(self.weights, parts)), "parts": parts, "len": len(resp)})
-        seqs = [torch.tensor(s["ids"]) for s in local]
-        for s, lp in zip(local, self.rollout.logprobs(seqs, [s["prompt_len"] for s in local])):
-            s["old"] = lp.tolist()
         self.rollout.sleep()
         t_gen = time.perf_counter() - t0
         every: list = [None] * world_size
@@ -224,14 +238,25 @@ class RLTrainer(Trainer):
         skip = zero if cfg.skip_equal_reward_groups else set()
         t_ref = time.perf_counter()
         kept = [s for s in samples if s["prompt"] not in skip]
+        kept_ids = [torch.tensor(s["ids"]) for s in kept]
         if self.reference is not None and kept:  # (a skipped group is not trained: no reference needed)
-            lps = self.reference.logprobs([torch.tensor(s["ids"]) for s in kept], [s["prompt_len"] for s in kept],
-                                          rank=rank, world_size=world_size)
+            lps = self.reference.logprobs(kept_ids, [s["prompt_len"] for s in kept], rank=rank, world_size=world_size)
             for s, lp in zip(kept, lps):
                 s["ref"] = lp
         t_ref = time.perf_counter() - t_ref
-        rollouts = [Rollout(torch.tensor(s["ids"]), s["prompt_len"], a, torch.tensor(s["old"]), s.get("ref"), s["reward"])
-                    for s, a in zip(samples, adv.values) if s["prompt"] not in skip]
+        t_old = time.perf_counter()
+        if not self.on_policy and kept:
+            # the sampling weights' log-probs, before the first update changes them: packed, balanced,
+            # one forward per microbatch under the policy's engine (on-policy, the update's own forward
+            # gives them: Rollout.old_logprobs None)
+            lps, _ = engine_logprobs(engine, self.policy, kept_ids, [s["prompt_len"] for s in kept], cfg, self.cost,
+                                     rank=rank, world_size=world_size)
+            for s, lp in zip(kept, lps):
+                s["old"] = lp
+        t_old = time.perf_counter() - t_old
+        rollouts = [Rollout(ids, s["prompt_len"], a, s.get("old"), s.get("ref"), s["reward"])
+                    for ids, s, a in zip(kept_ids, kept, (a for s, a in zip(samples, adv.values)
+                                                          if s["prompt"] not in skip))]
         if cfg.record and rank == 0:
             with open(cfg.record, "a") as f:
                 f.write(json.dumps({"step": step, "samples": [
@@ -255,9 +280,10 @@ class RLTrainer(Trainer):
                     norms.append(st["grad_norm"])
                     updates += 1
                     skipped += int(st["skipped_update"])
-        t_upd = time.perf_counter() - t1
-        gen_max = torch.tensor([t_gen, t_upd, t_ref], dtype=torch.float64)
-        dist.all_reduce(gen_max, op=dist.ReduceOp.MAX)
+        t_upd = time.perf_counter() - t1 + t_old
+        wall = self._stopwatch(began)
+        gen_max = torch.tensor([t_gen, t_upd, t_ref, wall], dtype=torch.float64)
+        dist.all_reduce(gen_max, op=dist.ReduceOp.MAX)  # (the slowest rank's: every rank's row is the same)
         rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
         lens = torch.tensor([s["len"] for s in samples], dtype=torch.float64)
         tok_n = max(1.0, totals["tokens"])
@@ -270,7 +296,8 @@ class RLTrainer(Trainer):
             "lr": cfg.optim.lr_at(step, cfg.steps), "grad_norm": statistics.fmean(norms) if norms else None,
             "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
             "entropy": totals["entropy"] / tok_n,
-            "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]),
+            "rollout_s": float(gen_max[0]), "update_s": float(gen_max[1]), "wall_s": float(gen_max[3]),
+            "tokens_per_s": sum(len(r) for r in rollouts) * cfg.ppo_epochs / float(gen_max[3]),
             "reference_s": float(gen_max[2]) if self.reference is not None else None,
             "rollout_tokens_per_s": float(lens.sum()) / max(1e-9, float(gen_max[0])),
             "update_tokens_per_s": sum(len(r) - 1 for r in rollouts) * cfg.ppo_epochs / max(1e-9, float(gen_max[1])),
@@ -281,7 +308,7 @@ class RLTrainer(Trainer):
         if row.get("skipped_updates"):
             norm += f"  (not finite: {count(row['skipped_updates'], 'update')} skipped)"
         return (f"step {step:4d}  reward {row['reward_mean']:.3f}  len {row['response_len_mean']:.1f}  "
-                f"lr {row['lr']:.2e}{norm}  "
+                f"lr {row['lr']:.2e}{norm}  step {row['wall_s']:.2f}s  "
                 f"rollout {row['rollout_s']:.2f}s  update {row['update_s']:.2f}s "
                 f"({row['update_tokens_per_s']:.0f} tokens/s)  equal-reward groups {row['zero_advantage_groups']}"
                 + (" (skipped)" if self.cfg.skip_equal_reward_groups else " (trained)"))

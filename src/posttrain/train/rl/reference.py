@@ -23,7 +23,43 @@ from posttrain.rl import token_logprobs
 
 from .config import RLConfig
 
-__all__ = ["ShardedReference"]
+__all__ = ["ShardedReference", "engine_logprobs"]
+
+
+def engine_logprobs(engine, model, sequences: Sequence[torch.Tensor], prompt_lens: Sequence[int], cfg: RLConfig,
+                    cost: CostModel | None, *, rank: int, world_size: int) -> tuple[list[torch.Tensor], int]:
+    """Log-probs (at ``cfg.temperature``) of each sequence's response tokens under the model an
+    engine shards, without a gradient: the sequences packed into microbatches and balanced over
+    the ranks like an update minibatch, one forward per microbatch (under ODC the ranks may run
+    different counts; engines with a rendezvous per layer get matching dummy forwards), then
+    shared with every rank. A collective: every rank passes the same sequences and gets every
+    result. Returns them and this rank's microbatch count. The reference's log-probs, and the
+    policy's own where an update is not on-policy."""
+    plan = plan_minibatch([len(s) - 1 for s in sequences], world_size=world_size, max_tokens=cfg.max_tokens,
+                          method=cfg.balance, cost=cost)
+    mine = [m.sequence_ids for m in plan.microbatches_for(rank) if m.sequence_ids]
+    busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+    out: dict[int, list[float]] = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="no rank ran a backward")  # forward only, by design
+        with engine.minibatch(0):
+            for ids in engine.pad(mine, busiest):
+                if ids is None:
+                    engine.run_dummy(backward=False)
+                    continue
+                inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0).to(engine.device)
+                targets = torch.cat([sequences[i][1:] for i in ids]).to(engine.device)
+                lengths = [len(sequences[i]) - 1 for i in ids]
+                lp = token_logprobs(model(inputs, document_lengths=lengths)[0], targets, cfg.temperature).cpu()
+                start = 0
+                for i, n in zip(ids, lengths):
+                    out[i] = lp[start + prompt_lens[i] - 1:start + n].tolist()
+                    start += n
+    engine.after_forward_only()  # no backward comes for these forwards
+    every: list = [None] * world_size
+    dist.all_gather_object(every, out)
+    merged = {i: v for part in every for i, v in part.items()}
+    return [torch.tensor(merged[i]) for i in range(len(sequences))], len(mine)
 
 class ShardedReference:
     """The policy at ``model_path``, frozen and sharded by ``cfg.engine`` (a collective to build).
@@ -50,36 +86,9 @@ class ShardedReference:
                  world_size: int) -> list[torch.Tensor]:
         """The reference's log-probs of each sequence's response tokens (``sequences[i][prompt_lens[i]:]``).
         A collective: every rank passes the same sequences and gets every result."""
-        plan = plan_minibatch([len(s) - 1 for s in sequences], world_size=world_size, max_tokens=self.cfg.max_tokens,
-                              method=self.cfg.balance, cost=self.cost)
-        mine = [m.sequence_ids for m in plan.microbatches_for(rank) if m.sequence_ids]
-        busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
-        out: dict[int, list[float]] = {}
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="no rank ran a backward")  # forward only, by design
-            self._forward(sequences, prompt_lens, mine, busiest, out)
-        self.engine.after_forward_only()  # no backward comes for these forwards
-        self.microbatches = len(mine)
-        every: list = [None] * world_size
-        dist.all_gather_object(every, out)
-        merged = {i: v for part in every for i, v in part.items()}
-        return [torch.tensor(merged[i]) for i in range(len(sequences))]
-
-    def _forward(self, sequences, prompt_lens, mine, busiest, out) -> None:
-        with self.engine.minibatch(0):
-            for ids in self.engine.pad(mine, busiest):
-                if ids is None:
-                    self.engine.run_dummy(backward=False)
-                    continue
-                inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0).to(self.engine.device)
-                targets = torch.cat([sequences[i][1:] for i in ids]).to(self.engine.device)
-                lengths = [len(sequences[i]) - 1 for i in ids]
-                lp = token_logprobs(self.model(inputs, document_lengths=lengths)[0], targets,
-                                    self.cfg.temperature).cpu()
-                start = 0
-                for i, n in zip(ids, lengths):
-                    out[i] = lp[start + prompt_lens[i] - 1:start + n].tolist()
-                    start += n
+        out, self.microbatches = engine_logprobs(self.engine, self.model, sequences, prompt_lens, self.cfg, self.cost,
+                                                 rank=rank, world_size=world_size)
+        return out
 
     def close(self) -> None:
         self.engine.close()
