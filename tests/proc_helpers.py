@@ -19,3 +19,22 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def running_with(text: str) -> list[int]:
+    """The live processes whose command line contains ``text`` (whatever their parent: an orphan
+    reparented to init counts)."""
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and alive(int(entry)):
+            out.append(int(entry))
+    return out

@@ -77,6 +77,59 @@ def test_the_trainer_core_is_below_every_trainer_and_trainers_do_not_import_each
     assert not bad, f"{part} imports what builds on it or beside it: {bad}"
 
 
+def import_pairs(root: pathlib.Path) -> list[tuple[str, str]]:
+    """The pairs of modules under ``root`` (a package folder) that import each other, wherever the
+    import stands (a module's top or inside a function: a deferred import hides the same knot),
+    each import resolved to the module it names (``from pkg.mod import name`` -> ``pkg.mod``)."""
+    top = root.name
+
+    def name_of(p):
+        parts = p.relative_to(root.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name_of(p): p for p in root.rglob("*.py")}
+
+    def resolve(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join([*parts[: len(parts) - node.level + 1], *([node.module] if node.module else [])])
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            else:
+                continue
+            out |= {r for n in names if n.split(".")[0] == top and (r := resolve(n)) and r != mod}
+        graph[mod] = out
+    return sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in graph.get(b, ())})
+
+
+def test_no_two_modules_import_each_other():
+    """Within a package too: what two modules both need goes where both can import it."""
+    assert import_pairs(ROOT) == []
+
+
+def test_the_import_pair_check_finds_a_planted_pair(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .a import f\n")
+    (pkg / "sub" / "a.py").write_text("from .b import g\n\ndef f():\n    return g()\n")
+    (pkg / "sub" / "b.py").write_text("def g():\n    from pkg.sub.a import f  # deferred: still a pair\n    return f\n")
+    (pkg / "c.py").write_text("from pkg.sub import a\n")
+    assert import_pairs(pkg) == [("pkg.sub.a", "pkg.sub.b")]
+
+
 def test_no_trainer_tests_an_engine_name():
     """Trainers ask an engine for capabilities (posttrain.dp's interface), never which engine it is:
     no comparison of ``engine.name`` or ``cfg.engine.name`` against a string literal."""

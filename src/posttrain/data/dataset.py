@@ -91,6 +91,8 @@ def _die_with_parent() -> None:
     """In a process forked while this one tokenizes (a ``datasets`` worker): have the kernel kill
     it when its parent dies, even by SIGKILL (Linux), and end at once if that already happened.
     Runs right after the fork, before the worker waits for its first task."""
+    if _Forking.stopping:  # forked while the tokenizing process stops (its pool replacing the workers
+        os._exit(0)         # the interrupt killed): nothing for it to do, and nobody would end it
     if not _TOKENIZING or os.getppid() != _TOKENIZING:
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the command's handler: the pool's terminate() ends it
@@ -111,6 +113,41 @@ def _die_with_parent() -> None:
 
 
 os.register_at_fork(after_in_child=_die_with_parent)
+
+
+class _Forking:
+    """Whether this process is inside ``os.fork`` (between the first ``before`` and the last
+    ``after_in_parent`` callback; registered after logging's, so its span covers logging's lock
+    handling), and the interrupts held back meanwhile: one raised there is lost ("Exception ignored
+    in: _releaseLock") and can leave logging's lock held, so the tokenizing process's handler
+    holds it and has it sent again once the fork is done."""
+
+    active = False
+    held: list[int] = []  # noqa: RUF012 - one process's fork state, reset in every child
+    #: an interrupt stops this tokenizing process: a process forked from now on ends at once
+    stopping = False
+
+    @classmethod
+    def before(cls) -> None:
+        cls.active = True
+
+    @classmethod
+    def after_in_parent(cls) -> None:
+        cls.active = False
+        if cls.held:
+            signum = cls.held.pop()
+            cls.held.clear()
+            # (sent from a thread a moment later: sent from here, it would be handled here)
+            _daemon_timer(0.01, lambda: os.kill(os.getpid(), signum))
+
+    @classmethod
+    def after_in_child(cls) -> None:
+        cls.active = False
+        cls.held = []
+
+
+os.register_at_fork(before=_Forking.before, after_in_parent=_Forking.after_in_parent,
+                    after_in_child=_Forking.after_in_child)
 
 
 def _encode_row(record: Any, where: str, tokenizer, train_on_prompt: bool) -> dict:
@@ -393,6 +430,10 @@ def _stopped_at_once(work: Path) -> Iterator[None]:
             return
         old = olds.get(signum)
         if old == signal.SIG_IGN:
+            return
+        _Forking.stopping = True
+        if _Forking.active:  # inside os.fork's callbacks: an interrupt raised there is lost
+            _Forking.held.append(signum)
             return
         _kill_children()
         shutil.rmtree(work, ignore_errors=True)

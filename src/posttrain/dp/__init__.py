@@ -20,6 +20,7 @@ from .engine import (
     EngineConfig,
     MinibatchInfo,
     Shards,
+    build_engine,
     check_shard_hosts,
     decay_flags,
     ensure_optimizer_state,
@@ -27,7 +28,7 @@ from .engine import (
 )
 from .fsdp import FSDP2Engine, ODCOnFSDP2Engine  # registers fsdp and odc-fsdp2
 from .odc_flat import FlatODCEngine  # registers odc
-from .registry import build_engine, engine_class, engine_names, register_engine
+from .registry import engine_class, engine_names, register_engine
 
 __all__ = [
     "CommHook",

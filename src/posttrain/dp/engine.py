@@ -47,6 +47,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from posttrain.models import checkpoint_blocks, find_blocks
 
+from .registry import engine_class, engine_names
+
 __all__ = ["CommHook", "DataParallelEngine", "EngineConfig", "MinibatchInfo", "Shards", "check_shard_hosts", "data_parallel_mesh",
            "decay_flags", "mixed_precision", "resolve_replicas"]
 
@@ -96,8 +98,6 @@ class MinibatchInfo:
 
 
 def _engine_choices() -> tuple[str, ...]:
-    from .registry import engine_names
-
     return engine_names()
 
 
@@ -133,8 +133,6 @@ class EngineConfig:
     replicas: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        from .registry import engine_class
-
         cls = engine_class(self.name)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision={self.precision!r} is not one of fp32, bf16")
@@ -371,8 +369,6 @@ def check_shard_hosts(config: EngineConfig, world: int) -> None:
     Raises:
         ValueError: in one line, with the ``replicas`` that shards within each node.
     """
-    from .registry import engine_class
-
     if config.name == "odc-fsdp2":
         replicas = resolve_replicas(config.replicas, world)
         if replicas > 1 and world // replicas == 1:
@@ -430,3 +426,14 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 __all__.append("ensure_optimizer_state")
+
+
+def build_engine(model: nn.Module, config: EngineConfig | None = None, *, mesh: DeviceMesh | None = None,
+                 units: Sequence[nn.Module] | None = None) -> DataParallelEngine:
+    """Shard ``model`` with the engine ``config.name`` names (a collective over the mesh; see
+    :class:`DataParallelEngine` for ``mesh`` and ``units``)."""
+    config = config or EngineConfig()
+    return engine_class(config.name)(model, config, mesh=mesh, units=units)
+
+
+__all__.append("build_engine")

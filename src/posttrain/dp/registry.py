@@ -1,22 +1,24 @@
-"""Engines by name: a new engine is one module that registers its class."""
+"""Engines by name: a new engine is one module that registers its class.
+
+The registry knows names and classes only (``engine.py``'s configuration asks it which names
+exist and what each engine can do; :func:`posttrain.dp.build_engine` builds by name), so it
+imports none of the engines' modules.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
-import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+__all__ = ["engine_class", "engine_names", "register_engine"]
 
-from .engine import DataParallelEngine, EngineConfig
+_ENGINES: dict[str, type[Any]] = {}
 
-__all__ = ["build_engine", "engine_class", "engine_names", "register_engine"]
 
-_ENGINES: dict[str, type[DataParallelEngine]] = {}
+def register_engine(name: str) -> Callable[[type[Any]], type[Any]]:
+    """Class decorator: make an engine (a ``DataParallelEngine`` subclass) buildable by ``name``."""
 
-def register_engine(name: str) -> Callable[[type[DataParallelEngine]], type[DataParallelEngine]]:
-    """Class decorator: make an engine buildable by ``name``."""
-
-    def add(cls: type[DataParallelEngine]) -> type[DataParallelEngine]:
+    def add(cls: type[Any]) -> type[Any]:
         if name in _ENGINES and _ENGINES[name] is not cls:
             raise ValueError(f"a data-parallel engine named {name!r} is already registered")
         cls.name = name
@@ -31,16 +33,8 @@ def engine_names() -> tuple[str, ...]:
     return tuple(_ENGINES)
 
 
-def engine_class(name: str) -> type[DataParallelEngine]:
+def engine_class(name: str) -> type[Any]:
     """The class registered as ``name``."""
     if name not in _ENGINES:
         raise ValueError(f"name={name!r} is not one of {', '.join(_ENGINES)}")
     return _ENGINES[name]
-
-
-def build_engine(model: nn.Module, config: EngineConfig | None = None, *, mesh: DeviceMesh | None = None,
-                 units: Sequence[nn.Module] | None = None) -> DataParallelEngine:
-    """Shard ``model`` with the engine ``config.name`` names (a collective over the mesh; see
-    :class:`DataParallelEngine` for ``mesh`` and ``units``)."""
-    config = config or EngineConfig()
-    return engine_class(config.name)(model, config, mesh=mesh, units=units)

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 
+from posttrain.lab.commands import run_posttrain
+
 __all__ = ["KEEP", "readme_commands", "run_readme"]
 
 #: Per block, the lines of its commands' output that the README shows.
@@ -60,8 +62,6 @@ def readme_outputs(text: str) -> dict[str, str]:
 
 
 def _posttrain(argv: Sequence[str], cwd: str, log: Callable[[str], None]) -> list[str]:
-    from posttrain.lab.results import run_posttrain
-
     return run_posttrain(argv[1:], log, cwd=cwd)
 
 

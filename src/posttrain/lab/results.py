@@ -17,10 +17,11 @@ import datetime
 import os
 import re
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from posttrain.lab.commands import run_posttrain
+from posttrain.lab.readme import run_readme
 
 __all__ = ["SECTIONS", "Section", "run_results"]
 
@@ -130,21 +131,6 @@ def _commit() -> str:
     return head + (" with uncommitted changes" if dirty else "")
 
 
-def run_posttrain(argv: Sequence[str], log: Callable[[str], None], *, cwd: str | None = None,
-                  ok: tuple[int, ...] = (0,)) -> list[str]:
-    """``posttrain ARGV`` in a fresh process (in ``cwd``), said and timed in ``log``; its standard
-    output's lines. Raises ``RuntimeError`` (with the end of its standard error) on an exit
-    status not in ``ok``."""
-    log("$ posttrain " + " ".join(argv))
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "posttrain", *argv], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log(f"  ({time.monotonic() - start:.0f} s, exit {proc.returncode})")
-    if proc.returncode not in ok:
-        raise RuntimeError(f"posttrain {' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return proc.stdout.splitlines()
-
-
 def _run(argv: Sequence[str], log: Callable[[str], None]) -> str:
     lines = run_posttrain(argv, log, ok=(0, 1))  # 1: ran, and reports a target missed
     return "\n".join(line for line in lines if not _NOISE.match(line)).strip()
@@ -217,8 +203,6 @@ def run_results(path: str = "docs/results.md", *, only: Sequence[str] | None = N
         if unknown:
             raise ValueError(f"`only`: unknown section(s) {', '.join(unknown)}; choose from {', '.join(names)}")
     if not only or README in only:
-        from posttrain.lab.readme import run_readme
-
         log(f"the outputs {readme} shows, from its commands (about 3 min)")
         run_readme(readme, log=log)
         if only and set(only) == {README}:
