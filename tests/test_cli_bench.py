@@ -36,6 +36,9 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cl
             * tp["odc-collective+same_micro"] / tp["odc-fsdp2-collective+same_micro"]
             * tp["odc+diff_micro"] / tp["odc-collective+same_micro"])
     assert set(fac) >= {"total", "transport", "engine", "mechanism", "headroom", "partition_vs_even"}
+    # the variants' factors pooled over the rounds (as the demo's): they multiply to the total, each in its interval
+    assert fac["transport"][0] * fac["engine"][0] * fac["mechanism"][0] == pytest.approx(fac["total"][0])
+    assert all(fac[k][1] <= fac[k][0] <= fac[k][2] for k in ("total", "transport", "engine", "mechanism"))
     from posttrain.lab.bench.odc import factors, split_odc_vs_partition
 
     for r in got["rounds"]:  # odc/part splits into the balancer's plan, the engine's compute, the critical share

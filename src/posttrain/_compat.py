@@ -26,9 +26,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.distributed.pipelining.schedules import _Action as TorchAction
-from torch.distributed.pipelining.schedules import _ComputationType as TorchComputationType
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 #: The (major, minor) releases whose FSDP2 and pipelining internals this module reads (docs/torch.md).
@@ -67,16 +64,34 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+#: Pipelining's names, imported when first asked for (``torch.distributed.pipelining`` imports
+#: torch's compiler stack: about 0.7 s that every command not running a pipeline would pay).
+_PIPELINING = {"stage_backward_input": ("torch.distributed.pipelining._backward", "stage_backward_input"),
+               "stage_backward_weight": ("torch.distributed.pipelining._backward", "stage_backward_weight"),
+               "TorchAction": ("torch.distributed.pipelining.schedules", "_Action"),
+               "TorchComputationType": ("torch.distributed.pipelining.schedules", "_ComputationType")}
+
+
+def __getattr__(name: str):
+    if name in _PIPELINING:
+        import importlib
+
+        module, attr = _PIPELINING[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def profiler_enabled() -> bool:
     """Whether a torch profiler is recording (``torch.autograd._profiler_enabled``): ODC's labels
     of its gathers and pushes are entered only then, since each costs time even unrecorded."""
     return torch.autograd._profiler_enabled()
 
 
-__all__ = [
-    "AllGather", "ReduceScatter", "ShardedParamInfo", "TorchAction", "TorchComputationType", "check_torch_version",
-    "in_backward", "profiler_enabled", "reduces_unused_params", "sharded_params", "stage_backward_input", "stage_backward_weight",
-    "torch_version", "tree_flatten", "tree_map_only", "tree_unflatten",
+__all__ = [  # (and, imported when first asked for, the names of _PIPELINING)
+    "AllGather", "ReduceScatter", "ShardedParamInfo", "check_torch_version", "in_backward", "profiler_enabled",
+    "reduces_unused_params", "sharded_params", "torch_version", "tree_flatten", "tree_map_only", "tree_unflatten",
 ]
 
 

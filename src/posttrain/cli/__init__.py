@@ -54,7 +54,8 @@ COMMANDS = {"demo": "demo", "train": "train", "export": "export", "chat-task": "
 #: (their options come from the code they run: torch, transformers, seconds); a test holds these
 #: equal to the help each command's module gives.
 SUMMARIES = {
-    "demo": "FSDP2 and ODC on a tiny GPT, 2 CPU processes, over rounds: table, factors, predictions, timeline",
+    "demo": "FSDP2 and ODC on a tiny GPT, 2 CPU processes, step by step over rounds: table, factors, "
+            "predictions, timeline",
     "train": "data-parallel training with FSDP2 or ODC on CPU processes or GPUs (or under torchrun)",
     "export": "turn a training checkpoint into a transformers model directory",
     "chat-task": "write the embedded chat task: a small model directory and chat data",

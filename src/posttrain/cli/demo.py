@@ -19,8 +19,8 @@ class DemoCommand:
     Attributes:
         run: the run every variant trains (its engine and balancing method are the variants').
         world_size: CPU processes.
-        rounds: the four runs are repeated this many times, interleaved; figures are medians with
-            the lowest and highest round.
+        rounds: passes over the same minibatches, the four variants taking turns a step at a time;
+            figures are pooled over them, each ratio with a 90% interval.
         no_predict: skip the simulator's calibration and its predictions at 8-64 GPUs.
         plot: timeline PNG ('' for none).
     """
@@ -29,7 +29,7 @@ class DemoCommand:
                              metadata={"fields": ("profile", "steps", "sequences", "max_len", "max_tokens", "dim",
                                                   "num_layers", "optim.lr", "seed")})
     world_size: int = 2
-    rounds: int = 3
+    rounds: int = 5
     no_predict: bool = False
     plot: str = "out/demo_timeline.png"
 
@@ -51,5 +51,5 @@ def _run(c: DemoCommand) -> int:
 
 def add_parser(sub) -> None:
     add_command(sub, "demo", DemoCommand, _run,
-                help="FSDP2 and ODC on a tiny GPT, 2 CPU processes, over rounds: table, factors, predictions, "
-                     "timeline")
+                help="FSDP2 and ODC on a tiny GPT, 2 CPU processes, step by step over rounds: table, factors, "
+                     "predictions, timeline")

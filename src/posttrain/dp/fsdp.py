@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint.state_dict as dcp_sd
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -90,10 +89,14 @@ class FSDP2Engine(DataParallelEngine):
 
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         ensure_optimizer_state(optimizer)
+        import torch.distributed.checkpoint.state_dict as dcp_sd
+
         msd, osd = dcp_sd.get_state_dict(self.model, optimizer)
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed.checkpoint.state_dict as dcp_sd
+
         dcp_sd.set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def holds(self, tensor: torch.Tensor) -> bool:

@@ -12,15 +12,17 @@ Four runs, each computing the same gradients (their loss curves match):
 - ``flat ODC + diff_micro``: one synchronization per minibatch and minibatch-level balancing:
   the gain over the third is ODC's **mechanism**, the paper's idea.
 
-The four runs are repeated over ``rounds`` rounds, interleaved (each round in an order rotated
-by one), and every figure is the median of the rounds with the lowest and highest round beside
-it: one run each on 2 shared cores moves by 10-20%. The demo says when the figures mean little:
-other processes were using the CPUs when it started, or the rounds spread widely. The
-setting is the one where the benchmarks found the mechanism's headroom on 2 ranks largest
-(``long_tail`` sequences up to 4,096 tokens, 8 a rank: 1.11x, docs/results.md). Then the simulator,
-calibrated on this machine, predicts the mechanism for the same data at 8 to 64 GPUs (labelled a
-prediction: nothing there is measured). The timeline PNG shows one step of every run, a panel
-each: per rank, compute, communication and waiting.
+The variants take turns a step at a time in the same two processes, over ``rounds`` rounds of the
+same minibatches (:mod:`posttrain.lab.bench.stepwise` says why: this machine's speed swings by tens
+of percent from one second to the next, and measuring each variant as its own run put those swings
+between them, so that one round of 5 steps moved by up to 35%). Figures are pooled over the rounds,
+each ratio with its 5th-95th percentile over rounds drawn with replacement; the demo says when the
+figures mean little: other processes were using the CPUs when it started, or an interval is wide.
+The setting is the one where the benchmarks found the mechanism's headroom on 2 ranks largest
+(``long_tail`` sequences up to 4,096 tokens, 8 a rank). Then the simulator, calibrated on this
+machine, predicts the mechanism for the same data at 8 to 64 GPUs (labelled a prediction: nothing
+there is measured). The timeline PNG shows the last step of every variant, a panel each: per rank,
+compute, communication and waiting.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import statistics
 from dataclasses import replace
 
 from posttrain.dp import EngineConfig
+from posttrain.lab.bench.stepwise import pooled, pooled_ratio, stepwise_rounds
 from posttrain.lab.plots import plot_timelines
 from posttrain.train.core import OptimConfig
-from posttrain.train.sft import TrainConfig, run_training, summarize
+from posttrain.train.sft import TrainConfig
 
 __all__ = ["DEMO", "PREDICT_AT", "VARIANTS", "busy_before", "run_demo"]
 
@@ -55,8 +58,8 @@ FACTORS = {
 }
 #: GPU counts the calibrated simulator predicts the mechanism at.
 PREDICT_AT = (8, 16, 32, 64)
-#: A spread of rounds (highest over lowest) above this makes a factor's median a guess.
-NOISY = 1.15
+#: A factor's 90% interval (highest over lowest) wider than this makes it a guess (about 9% either side).
+NOISY = 1.18
 
 
 def _cpu_times() -> tuple[int, int] | None:
@@ -100,72 +103,62 @@ def _med(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 3, predict: bool = True,
+def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 5, predict: bool = True,
              timeline_path: str | None = "out/demo_timeline.png", log=print) -> dict:
-    """Train ``cfg`` with every variant over ``rounds`` interleaved rounds; print the table, the
-    factors (medians and ranges), a busy-machine warning where due, the calibrated simulator's
-    predictions at :data:`PREDICT_AT` GPUs (with ``predict``), and write the timeline.
+    """Train ``cfg`` with every variant, step by step in one job over ``rounds`` rounds of the
+    same ``cfg.steps - 1`` minibatches (:mod:`posttrain.lab.bench.stepwise`); print the table, the
+    factors (pooled over the rounds, with a 90% interval), a busy-machine warning where due, the
+    calibrated simulator's predictions at :data:`PREDICT_AT` GPUs (with ``predict``), and write the
+    timeline.
 
     Returns:
-        ``{"rounds": [{label: summarize(...)}] per round, "factors": {name: (median, low, high)},
-        "total": (median, low, high), "busy": str | None, "predicted": {gpus: {...}} or None}``.
+        ``{"rounds": [{label: round summary}] per round, "factors": {name: (pooled, low, high)},
+        "total": (pooled, low, high), "busy": str | None, "predicted": {gpus: {...}} or None}``.
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be at least 1")
+    if cfg.steps < 2:
+        raise ValueError(f"steps={cfg.steps} must be at least 2 (the first is a warm-up)")
     busy = busy_before()
     labels = [v[0] for v in VARIANTS]
-    per_round: list[dict[str, dict]] = []
-    last_results: dict[str, list] = {}
-    log(f"{len(VARIANTS)} runs x {rounds} rounds, {cfg.steps} steps each, on {world_size} CPU processes: "
-        f"{cfg.profile} lengths up to {cfg.max_len} tokens, {cfg.sequences} sequences a step", flush=True)
-    # A first run pays one-time costs (files and caches warming up) that would count against
-    # whichever variant came first: one short run, not counted.
-    run_training(replace(cfg, steps=2, progress=False, engine=EngineConfig(VARIANTS[0][1]), balance=VARIANTS[0][3]),
-                 world_size=world_size,
-                 quiet=True)
-    for k in range(rounds):
-        got = {}
-        order = list(VARIANTS[k % len(VARIANTS):] + VARIANTS[:k % len(VARIANTS)])
-        for label, dp, mode, balance in order:
-            run = replace(cfg, engine=EngineConfig(dp, mode=mode), balance=balance, progress=False)
-            results = run_training(run, world_size=world_size, quiet=True)
-            got[label] = summarize(results)
-            last_results[label] = results
-            log(f"  round {k + 1}/{rounds}  {label:24} {got[label]['tokens_per_s']:8.0f} tokens/s", flush=True)
-        per_round.append(got)
-    ratios = [{label: r[label]["tokens_per_s"] / r[labels[0]]["tokens_per_s"] for label in labels} for r in per_round]
-    log(f"\n{'':24} {'tokens/s':>9} {'utilization':>12} {'waiting':>8} {'final loss':>11} {'vs FSDP2':>9} {'(rounds)':>11}")
+    batches = cfg.steps - 1
+    log(f"{len(VARIANTS)} variants taking turns a step at a time in {world_size} processes: {rounds} rounds of the same "
+        f"{batches} minibatches after a warm-up step; {cfg.profile} lengths up to {cfg.max_len} tokens, {cfg.sequences} "
+        "sequences a step", flush=True)
+    cfgs = {label: replace(cfg, engine=EngineConfig(dp, mode=mode), balance=balance, progress=False)
+            for label, dp, mode, balance in VARIANTS}
+    per_round, raw = stepwise_rounds(cfgs, world_size=world_size, batches=batches, rounds=rounds,
+                                     progress=log is print)
+    tp = pooled(raw)
+    vs = {label: pooled_ratio(raw, label, labels[0]) for label in labels}
+    log(f"\n{'':24} {'tokens/s':>9} {'utilization':>12} {'waiting':>8} {'final loss':>11} {'vs FSDP2':>9} {'(90%)':>11}")
     for label in labels:
-        tp = statistics.median(r[label]["tokens_per_s"] for r in per_round)
         util = statistics.median(r[label]["utilization"] for r in per_round)
         wait = statistics.median(r[label]["wait_share"] for r in per_round)
-        vs = _med([x[label] for x in ratios])
-        log(f"{label:24} {tp:9.0f} {util:12.2f} {wait:8.2f} {per_round[-1][label]['final_loss']:11.3f} "
-            f"{vs[0]:8.2f}x {vs[1]:5.2f}-{vs[2]:<5.2f}")
-    log(f"(medians of {rounds} round{'s' if rounds > 1 else ''}, steps after the first; (rounds): lowest-highest "
-        "round; utilization: compute share of step time; waiting: communication and idle)")
-    tps = [[r[label]["tokens_per_s"] for label in labels] for r in per_round]
-    factors = {name: _med([tp[num] / tp[den] for tp in tps]) for name, (num, den, _) in FACTORS.items()}
-    total = _med([tp[3] / tp[0] for tp in tps])
+        log(f"{label:24} {tp[label]:9.0f} {util:12.2f} {wait:8.2f} {per_round[-1][label]['final_loss']:11.3f} "
+            f"{vs[label][0]:8.2f}x {vs[label][1]:5.2f}-{vs[label][2]:<5.2f}")
+    log(f"(tokens/s: every round's tokens over their time; (90%): the ratio's 5th-95th percentile over the {rounds} "
+        "rounds drawn with replacement; utilization: compute share of step time; waiting: communication and idle)")
+    factors = {name: pooled_ratio(raw, labels[num], labels[den]) for name, (num, den, _) in FACTORS.items()}
+    total = vs[labels[3]]
     log(f"\nwhere flat ODC + diff_micro's {total[0]:.2f}x ({total[1]:.2f}-{total[2]:.2f}) over FSDP2 comes from:")
     for name, (_, _, what) in FACTORS.items():
         med, lo, hi = factors[name]
         log(f"  {name:10} {med:5.2f}x ({lo:.2f}-{hi:.2f})  {what}")
     noisy = [name for name, (_, lo, hi) in factors.items() if hi / lo > NOISY]
     if busy or noisy:
-        why = "; ".join(filter(None, [busy, noisy and (f"the rounds of {', '.join(noisy)} spread by more than "
-                                                      f"{NOISY - 1:.0%}")]))
+        why = "; ".join(filter(None, [busy, noisy and (f"the 90% interval of {', '.join(noisy)} is wider than "
+                                                      f"{(NOISY - 1) / 2:.0%} either side")]))
         which = "these figures say" if busy else f"the {', '.join(noisy)} figure{'s' if len(noisy) > 1 else ''} says"
-        log(f"NOTE: {why}: {which} little; rerun on an idle machine (`posttrain bench odc` repeats more and bounds "
-            "them).")
+        log(f"NOTE: {why}: {which} little; rerun on an idle machine (or with more --rounds).")
     elif rounds == 1:
-        log("NOTE: one round: no spread to judge the figures by (--rounds 3 or more).")
+        log("NOTE: one round: no interval to judge the figures by (--rounds 3 or more).")
     predicted = _predict(cfg, world_size, log, measured=factors["mechanism"][0]) if predict else None
     if timeline_path:
-        runs = {label: [s for r in last_results[label] for s in r["spans"]] for label in labels}
         os.makedirs(os.path.dirname(timeline_path) or ".", exist_ok=True)
-        plot_timelines(runs, timeline_path, title=f"the last step of each run (round {rounds}): per rank, compute, "
-                       "communication and waiting", side_by_side=False)
+        plot_timelines({label: raw["spans"][label] for label in labels}, timeline_path,
+                       title="the last step of each variant: per rank, compute, communication and waiting",
+                       side_by_side=False)
         log(f"wrote {timeline_path}")
     return {"rounds": per_round, "factors": factors, "total": total, "busy": busy, "predicted": predicted}
 

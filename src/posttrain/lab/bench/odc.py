@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from posttrain.device import check_world
+from posttrain.lab.bench.stepwise import pooled_ratio, stepwise_rounds
 from posttrain.launch import run_ranks
 from posttrain.train.core import job_options
 from posttrain.train.sft import (
@@ -87,6 +88,9 @@ ODC_VARIANTS = (
 MECHANISM_VARIANTS = (("odc", "collective", "same_micro"), ("odc", "one-sided", "diff_micro"))
 _REF = "fsdp+same_micro"
 _COLL, _ODC = "odc-collective+same_micro", "odc+diff_micro"
+#: The factors of the variants alone, pooled over the rounds: name -> (numerator, denominator).
+_POOLED = {"total": (_ODC, _REF), "transport": ("odc-fsdp2-collective+same_micro", _REF),
+           "engine": (_COLL, "odc-fsdp2-collective+same_micro"), "mechanism": (_ODC, _COLL)}
 
 
 @dataclass(frozen=True)
@@ -299,7 +303,21 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     ODCBench(base, world_size, repeats, json="")  # checks them
     base = replace(base, progress=False, checkpoint_dir=None)
     TrainData(base, world_size)
-    rounds = [_round(base, world_size, ODC_VARIANTS, log, f"round {k + 1}/{repeats}  ", k) for k in range(repeats)]
+    if base.steps < 2:
+        raise ValueError(f"steps={base.steps} must be at least 2 (the first is a warm-up)")
+    # the variants take turns a step at a time in one job (posttrain.lab.bench.stepwise): rounds of
+    # data steps 1 .. steps-1, the ones the bounds time; then each round's bounds, in their own jobs
+    cfgs = {f"{cfg.engine.label}+{cfg.balance}": cfg
+            for cfg in (_variant_cfg(base, dp, mode, balance) for dp, mode, balance in ODC_VARIANTS)}
+    log(f"{len(cfgs)} variants taking turns a step at a time, {repeats} rounds of {base.steps - 1} steps:", flush=True)
+    variant_rounds, raw = stepwise_rounds(cfgs, world_size=world_size, batches=base.steps - 1, rounds=repeats,
+                                          progress=log is print)
+    rounds = []
+    for k, got in enumerate(variant_rounds):
+        for name, bound in measure_bounds(base, world_size).items():
+            got[name] = bound
+            log(f"  round {k + 1}/{repeats}  {name + ' bound':32} {bound['tokens_per_s']:9.0f} tokens/s", flush=True)
+        rounds.append(got)
     median, spread = {}, {}
     for name in rounds[0]:
         ratios = {
@@ -317,6 +335,9 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         spread[name] = {k: [min(v), max(v)] for k, v in ratios.items()}
     per_round = [factors(r) for r in rounds]
     fac = {k: list(_med(per_round, k)) for k in per_round[0]}
+    # the variants' own factors pooled over the rounds (a 90% interval), as the demo gives them
+    for k, (num, den) in _POOLED.items():
+        fac[k] = list(pooled_ratio(raw, num, den))
     source = base.data or f"profile {base.profile}"
     log(f"\nFSDP2 vs ODC, {world_size} ranks, {source}, {base.model} {base.num_layers}x{base.dim} {base.engine.precision}, "
         f"{base.sequences} sequences/step up to {base.max_len} tokens, max_tokens {base.max_tokens}, "
@@ -331,7 +352,8 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
             f"{lo:5.2f}-{hi:<5.2f} {m['vs_partition']:13.2f} {plo:5.2f}-{phi:<5.2f} {m['compute_vs_even']:13.2f}")
     log("(util: compute share of step time; compute/even: the same microbatches' compute time, communication "
         "excluded, over the even bound's; (rounds): lowest and highest ratio of a single round)")
-    log("\nwhere the gain comes from (median of per-round ratios, lowest-highest):")
+    log("\nwhere the gain comes from (total, transport, engine, mechanism: pooled over the rounds, with the 5th-95th "
+        "percentile over rounds drawn with replacement; the others: median of per-round ratios, lowest-highest):")
     text = {
         "total": "odc+diff_micro / fsdp+same_micro",
         "transport": "shm vs gloo: odc-fsdp2-collective+same_micro / fsdp+same_micro",

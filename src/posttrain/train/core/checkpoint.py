@@ -30,7 +30,6 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from posttrain.dp import engine_class
 from posttrain.errors import RunError, disk_full, no_space
@@ -130,6 +129,8 @@ def save_checkpoint(cfg: RunConfig, state, optimizer: torch.optim.Optimizer, ste
     path = os.path.join(root, name)
     failed = torch.zeros(1)
     try:
+        import torch.distributed.checkpoint as dcp  # (here: its import costs every command a fifth of a second)
+
         dcp.save(state.state_dict(optimizer), checkpoint_id=path)
         # this rank's files (DCP names them __RANK_N.distcp; rank 0 also writes .metadata)
         mine = {f: file_digest(os.path.join(path, f)) for f in sorted(os.listdir(path))
@@ -238,6 +239,8 @@ def resume(cfg: RunConfig, state, optimizer: torch.optim.Optimizer) -> int:
 
 def load(state: dict, path: str, **kwargs) -> None:
     """``dcp.load(state, checkpoint_id=path)``: a failure to read the checkpoint in one line."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         dcp.load(state, checkpoint_id=path, **kwargs)
     except (Exception, dcp.api.CheckpointException) as e:
