@@ -319,3 +319,88 @@ def test_large_cases_fall_back_to_the_heuristic_and_say_so():
     parts, exact = min_max_partition(weights, 4, max_items_exact=24)
     assert sorted(i for p in parts for i in p) == list(range(40))
     assert not exact or max(sum(weights[i] for i in p) for p in parts) <= sum(weights) / 4 * (1 + 1e-9)
+
+
+# -- context parallelism in the plan (posttrain.balance.context) --------------------------------
+
+from posttrain.balance import ExchangeCost, plan_context, shard_lengths, zigzag  # noqa: E402
+
+
+@pytest.mark.parametrize("n,k", [(8, 2), (12, 3), (4096, 4), (11, 3), (64, 8), (9, 2), (4099, 3), (1001, 8)])
+def test_zigzag_shards_cover_the_sequence_once_with_equal_causal_work(n, k):
+    """Shard i takes chunks i and 2k-1-i of 2k near-equal chunks: every token once, shards within a
+    token of each other, and the same causal attention work (exactly with n a multiple of 2k; else
+    within a chunk's rounding, which vanishes with length)."""
+    shards = zigzag(n, k)
+    tokens = sorted(t for (a0, a1), (b0, b1) in shards for t in (*range(a0, a1), *range(b0, b1)))
+    assert tokens == list(range(n))
+    sizes = shard_lengths(n, k)
+    assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+    work = [sum(t + 1 for t in (*range(a0, a1), *range(b0, b1))) for (a0, a1), (b0, b1) in shards]
+    if n % (2 * k) == 0:
+        assert len(set(work)) == 1
+    if n >= 64 * k:
+        assert max(work) / min(work) < 1 + 4.0 * k / n
+
+
+def _check(plan, lengths, max_tokens):
+    seen = {}
+    for r, mbs in enumerate(plan.ranks):
+        for mb in mbs:
+            assert mb.num_tokens <= max_tokens
+            for i in mb.sequence_ids:
+                assert i not in seen and i not in plan.split
+                seen[i] = r
+    for s, k in plan.split.items():
+        parts = [sh for shards in plan.shards for sh in shards if sh.sequence_id == s]
+        assert sorted(sh.index for sh in parts) == list(range(k)) and len({sh.group for sh in parts}) == 1
+        group = parts[0].group
+        assert len(set(group)) == k and all(sh in plan.shards[group[sh.index]] for sh in parts)
+        assert sum(sh.num_tokens for sh in parts) == lengths[s] and max(sh.num_tokens for sh in parts) <= max_tokens
+    assert set(seen) | set(plan.split) == set(range(len(lengths)))
+    for shards in plan.shards:  # one order on every rank: two groups never wait for each other
+        assert [sh.sequence_id for sh in shards] == sorted(sh.sequence_id for sh in shards)
+
+
+def test_splitting_the_longest_sequence_reaches_below_the_partition_bound():
+    """One sequence as costly as the rest together: whole sequences cannot balance 2 ranks; split
+    in two it brings the step to the even bound, and nothing is split where nothing gains."""
+    cost = QuadraticCost(scale=4096)
+    lengths = [4000, 300, 200, 500, 100, 250, 350, 150]
+    whole = plan_minibatch(lengths, world_size=2, max_tokens=4096, cost=cost)
+    split = plan_context(lengths, world_size=2, max_tokens=4096, cost=cost)
+    _check(split, lengths, 4096)
+    even = sum(cost(n) for n in lengths) / 2
+    assert split.split == {0: 2}
+    assert split.step_time() < 0.7 * max(whole.rank_costs) and split.step_time() <= even * 1.01
+    off = plan_context(lengths, world_size=2, max_tokens=4096, cost=cost, context_parallel="off")
+    assert off.split == {} and off.step_time() == pytest.approx(max(whole.rank_costs))
+    flat = [512] * 8  # equal lengths: whole sequences balance already
+    assert plan_context(flat, world_size=4, max_tokens=4096, cost=cost).split == {}
+
+
+def test_a_fixed_shard_count_the_exchange_and_sequences_longer_than_max_tokens():
+    cost = QuadraticCost(scale=4096)
+    lengths = [6000, 3000, 200, 300, 100, 400]
+    plan = plan_context(lengths, world_size=4, max_tokens=4096, cost=cost, context_parallel=2)
+    _check(plan, lengths, 4096)
+    assert set(plan.split.values()) == {2} and 0 in plan.split  # 6000 > max_tokens: split, into 2
+    costly = plan_context(lengths, world_size=4, max_tokens=4096, cost=cost, exchange=ExchangeCost(per_token=1.0))
+    assert set(costly.split) == {0}  # an exchange dearer than any gain: only what must be split
+    with pytest.raises(ValueError, match=r"max_tokens=4096 is smaller than sequence 0 \(6000 tokens\)"):
+        plan_context(lengths, world_size=4, max_tokens=4096, context_parallel="off")
+    with pytest.raises(ValueError, match="context_parallel=1"):
+        plan_context(lengths, world_size=4, max_tokens=4096, context_parallel=1)
+    with pytest.raises(ValueError, match="context_parallel=8 shards but only 4 ranks"):
+        plan_context(lengths, world_size=4, max_tokens=4096, context_parallel=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(16, 4096), min_size=1, max_size=24), world=st.integers(1, 8))
+def test_a_context_plan_places_every_token_once_and_never_predicts_worse_than_whole_sequences(lengths, world):
+    cost = QuadraticCost(scale=4096)
+    plan = plan_context(lengths, world_size=world, max_tokens=4096, cost=cost)
+    _check(plan, lengths, 4096)
+    whole = plan_context(lengths, world_size=world, max_tokens=4096, cost=cost, context_parallel="off")
+    assert plan.step_time() <= whole.step_time() * (1 + 1e-9)
+    assert plan.step_time() >= sum(cost(n) for n in lengths) / world * (1 - 1e-9)  # the even bound

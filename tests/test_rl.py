@@ -173,6 +173,8 @@ def test_batched_generation_samples_what_one_prompt_at_a_time_would(tiny_model):
     assert together == [r for rows in alone for r in rows]
     greedy.max_batch_tokens = 40  # a few calls of a few rows each
     assert greedy.generate(prompts, 2, seed=0) == together
+    greedy.per_prompt = True  # (--generate-batch prompt: one call per prompt, as before)
+    assert greedy.generate(prompts, 2, seed=0) == together
     eos = greedy.eos
     for r in together:
         assert (r[-1] == eos and eos not in r[:-1]) or (len(r) == 6 and eos not in r)

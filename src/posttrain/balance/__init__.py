@@ -5,9 +5,11 @@
     print(plan.summary())
     for mb in plan.microbatches_for(rank): ...
 
-See [Note: balancing methods] in ``plan.py``.
+See [Note: balancing methods] in ``plan.py``; sequences split across ranks (context parallelism,
+planning only so far): [Note: splitting a sequence] in ``context.py``.
 """
 
+from .context import ContextPlan, ExchangeCost, Shard, plan_context, shard_lengths, zigzag
 from .cost import (
                    CalibratedCost,
                    CostModel,
@@ -25,13 +27,16 @@ from .plan import METHODS, Microbatch, Plan, plan_minibatch
 __all__ = [
                    "METHODS",
                    "CalibratedCost",
+                   "ContextPlan",
                    "CostModel",
+                   "ExchangeCost",
                    "FlopsCost",
                    "Microbatch",
                    "ModelShape",
                    "PackedMicrobatch",
                    "Plan",
                    "QuadraticCost",
+                   "Shard",
                    "TokenCost",
                    "balanced_partition",
                    "fit_least_squares",
@@ -40,8 +45,11 @@ __all__ = [
                    "measure_step_times",
                    "pack_sequences",
                    "pack_share",
+                   "plan_context",
                    "plan_minibatch",
                    "refine",
                    "round_robin",
+                   "shard_lengths",
                    "spread",
+                   "zigzag",
 ]

@@ -16,6 +16,7 @@ __all__ = ["BENCHMARKS", "add_parser"]
 BENCHMARKS = {
     "odc": ("odc", "ODCBench", "FSDP2 vs ODC vs the bounds, side by side, and where the gain comes from"),
     "rl": ("rl", "RLBench", "the RL update on the same rollouts: ODC+diff_micro vs FSDP2 vs ODC collective"),
+    "rl-e2e": ("rl_e2e", "RLE2EBench", "whole GRPO steps by stopwatch: batched vs per-prompt sampling, engines, TRL"),
     "balance": ("balance", "BalanceBench", "plan time and imbalance of every balancing method, 2-1024 ranks"),
     "transport": ("transport", "TransportBench", "ODC's shared-memory gather and scatter-accumulate vs gloo, 2 ranks"),
     "overhead": ("overhead", "OverheadBench", "one microbatch under FSDP2 and flat ODC against the plain model"),

@@ -119,7 +119,8 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 5, p
         raise ValueError(f"rounds={rounds} must be at least 1")
     if cfg.steps < 2:
         raise ValueError(f"steps={cfg.steps} must be at least 2 (the first is a warm-up)")
-    busy = busy_before()
+    os.sync()  # files just written (a fresh install's) flushed now, not under the first rounds' timing
+    busy = busy_before()  # (stepwise_rounds syncs again before its job)
     labels = [v[0] for v in VARIANTS]
     batches = cfg.steps - 1
     log(f"{len(VARIANTS)} variants taking turns a step at a time in {world_size} processes: {rounds} rounds of the same "

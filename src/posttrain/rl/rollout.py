@@ -60,10 +60,12 @@ class HFRollout:
         temperature, top_p, max_new_tokens: sampling settings.
         max_batch_tokens: the most padded tokens (prompt and response) one ``generate`` call or one
             scoring forward holds; more rows go in further calls.
+        per_prompt: one ``generate`` call per prompt (its samples together, no padding) instead.
     """
 
     def __init__(self, model: nn.Module, *, eos_token_id: int, pad_token_id: int | None, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 64, max_batch_tokens: int = 1 << 16) -> None:
+                 top_p: float = 1.0, max_new_tokens: int = 64, max_batch_tokens: int = 1 << 16,
+                 per_prompt: bool = False) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature} must be positive")
         if not 0 < top_p <= 1:
@@ -73,6 +75,7 @@ class HFRollout:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least 1")
         self.max_batch_tokens = max_batch_tokens
+        self.per_prompt = per_prompt
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.eos, self.pad = eos_token_id, pad_token_id if pad_token_id is not None else eos_token_id
@@ -125,7 +128,8 @@ class HFRollout:
         torch.manual_seed(seed)
         rows = [list(p) for p in prompts for _ in range(n)]
         out: list[list[int]] = []
-        for batch in self._batches(rows):
+        batches = [rows[i:i + n] for i in range(0, len(rows), n)] if self.per_prompt else self._batches(rows)
+        for batch in batches:
             width = max(len(r) for r in batch)
             ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)

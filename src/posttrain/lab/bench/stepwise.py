@@ -8,7 +8,7 @@ same ``batches`` minibatches (data steps ``0 .. batches-1``) through every varia
 order rotated by one at every step, after one warm-up step of each (data step 0) that is not
 counted; round ``r`` runs data steps ``1 .. batches``. A slow second slows every variant alike.
 
-What this machine does to a measurement (``docs/results.md``, "How noisy"): a fixed matrix
+What this machine does to a measurement (``scripts/machine_noise.py``; docs/odc.md): a fixed matrix
 product's speed changes by 10-90% from one second to the next, with the changes lasting seconds,
 so one round of one variant still moves by 10% or more. The figures are therefore pooled: a
 variant's tokens/s is its tokens over its time summed over every round (:func:`pooled`), and a
@@ -22,6 +22,7 @@ shows the final loss of each).
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -108,6 +109,7 @@ def stepwise_rounds(cfgs: Mapping[str, TrainConfig], *, world_size: int, batches
     kind = first.device_kind
     cfgs = {name: replace(cfg, device=kind, progress=False, checkpoint_dir=None, steps=batches + 1)
             for name, cfg in cfgs.items()}
+    os.sync()  # files just written (a fresh install's, the data's) flushed now, not during the timed steps
     results = run_ranks(stepwise_worker, world_size, cfgs, batches, rounds, progress, timeout_s=7200,
                         **job_options(kind, world_size))
     raw = {**results[0], "spans": {name: [s for r in results for s in r["spans"][name]] for name in cfgs}}

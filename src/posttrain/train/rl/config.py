@@ -36,6 +36,10 @@ class RLConfig(LoraFields, RunConfig):
             modelled, as in TRL and verl).
         top_p: nucleus sampling threshold.
         max_new_tokens: longest response.
+        generate_batch: ``step``: all of a rank's prompts of a step in one ``generate`` call
+            (left-padded; more calls only beyond 65,536 padded tokens); ``prompt``: one call per
+            prompt (its samples together, no padding: what posttrain did before; ``posttrain bench
+            rl-e2e`` compares the two).
         advantage: ``grpo`` (group mean baseline) or ``rloo`` (leave-one-out baseline).
         scale_rewards: ``std``: GRPO divides by the group's standard deviation; ``none``: it does not.
         clip_eps: PPO ratio clipping, both sides (the shorthand for ``clip_eps_low`` and
@@ -71,6 +75,7 @@ class RLConfig(LoraFields, RunConfig):
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
+    generate_batch: Literal["step", "prompt"] = "step"
     advantage: Literal["grpo", "rloo"] = "grpo"
     scale_rewards: Literal["std", "none"] = "std"
     clip_eps: float = 0.2

@@ -184,7 +184,7 @@ class RLTrainer(Trainer):
         try:
             self.rollout = HFRollout(load_pretrained(cfg.model_path).hf.to(self.device), eos_token_id=self.tok.eos_token_id,
                                      pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
-                                     max_new_tokens=cfg.max_new_tokens)
+                                     max_new_tokens=cfg.max_new_tokens, per_prompt=cfg.generate_batch == "prompt")
             self.reference = ShardedReference(cfg.model_path, cfg, self.cost, self.device) if cfg.kl_coef else None
         except BaseException:
             self.close()

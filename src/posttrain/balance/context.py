@@ -1,0 +1,262 @@
+"""Context parallelism in the plan: the longest sequences split across ranks (planning only).
+
+[Note: splitting a sequence]
+ODC balances whole sequences, so its best step is the partition bound: one sequence longer than a
+rank's even share bounds the step however the rest is placed. A sequence of ``n`` tokens split
+into ``k`` *shards* on ``k`` ranks (its *group*) costs each of them about ``cost(n) / k`` plus the
+exchange of keys and values inside the group:
+
+- **causal balance** (:func:`zigzag`): the sequence is cut into ``2k`` chunks of near-equal size
+  and shard ``i`` takes chunks ``i`` and ``2k-1-i``, so every shard holds the same tokens and the
+  same causal attention work (the front chunks attend to few keys, the back ones to many);
+- **exchange** (:class:`ExchangeCost`): each shard's attention needs every earlier key and value
+  of the sequence, so the group all-gathers them in forward (each rank receives ``(k-1)/k`` of
+  them, every layer) and returns their gradients in backward (a reduce-scatter of the same size).
+  Its cost in the cost model's units is ``per_token * n * (k-1)/k``;
+- **alignment**: a group's shards must run at the same time on its ranks. An ODC minibatch starts
+  with every rank synchronized, so the plan puts every rank's shards first, in one order shared
+  by all ranks (by sequence id): two groups never wait for each other.
+
+:func:`plan_context` starts from the whole-sequence plan (``diff_micro``) and splits a sequence
+(the costliest first, into the ``k`` that helps most) only where that lowers the predicted step:
+the busiest rank's cost, shards included. ``context_parallel`` ``off`` never splits, ``auto``
+chooses ``k`` per sequence from 2 to the world size, an integer ``K`` splits into ``K`` shards
+only. A sequence longer than ``max_tokens`` must be split (into enough shards to fit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .cost import CostModel, ModelShape, TokenCost
+from .packing import pack_share
+from .partition import refined_starts
+from .plan import Microbatch
+
+__all__ = ["ContextPlan", "ExchangeCost", "Shard", "plan_context", "shard_lengths", "zigzag"]
+
+
+def zigzag(n: int, k: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The token ranges ``[start, end)`` of shard ``i``'s two chunks (``i`` and ``2k-1-i`` of ``2k``
+    near-equal chunks of a sequence of ``n`` tokens; the larger chunks first)."""
+    if k < 1 or n < 2 * k:
+        raise ValueError(f"a sequence of {n} tokens cannot be cut into 2 x {k} chunks")
+    base, extra = divmod(n, 2 * k)
+    bounds = [0]
+    for c in range(2 * k):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return [((bounds[i], bounds[i + 1]), (bounds[2 * k - 1 - i], bounds[2 * k - i])) for i in range(k)]
+
+
+def shard_lengths(n: int, k: int) -> list[int]:
+    """Tokens of each of the ``k`` shards of a sequence of ``n`` tokens (:func:`zigzag`)."""
+    return [(a1 - a0) + (b1 - b0) for (a0, a1), (b0, b1) in zigzag(n, k)]
+
+
+@dataclass(frozen=True)
+class ExchangeCost:
+    """What moving a split sequence's keys and values costs, in the cost model's units per token
+    of the sequence (scaled by ``(k-1)/k``, the share each rank receives).
+
+    Attributes:
+        per_token: cost units per token of the sequence exchanged (forward all-gather and backward
+            reduce-scatter together).
+    """
+
+    per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.per_token < 0:
+            raise ValueError(f"ExchangeCost.per_token={self.per_token} must be >= 0")
+
+    @classmethod
+    def for_shape(cls, shape: ModelShape, *, flops_per_byte: float, dtype_bytes: int = 2) -> ExchangeCost:
+        """For a FLOPs cost model (:class:`~posttrain.balance.FlopsCost`): the bytes of keys and
+        values of one token over every layer, twice (forward and backward), at ``flops_per_byte``
+        (the device's compute rate over its exchange bandwidth: about 1,000 on a GPU over NVLink)."""
+        kv = 2 * shape.num_layers * shape.kv_heads * shape.head_dim * dtype_bytes
+        return cls(per_token=2.0 * kv * flops_per_byte)
+
+    def __call__(self, n: int, k: int) -> float:
+        return self.per_token * n * (k - 1) / k if k > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of a split sequence.
+
+    Attributes:
+        sequence_id: the sequence.
+        index: which shard (``0 .. num_shards-1``; its tokens: :func:`zigzag`).
+        num_shards: how many the sequence was split into.
+        group: the ranks holding its shards, in shard order.
+        num_tokens: this shard's tokens.
+        cost: this shard's predicted cost (its share of the sequence and of the exchange).
+    """
+
+    sequence_id: int
+    index: int
+    num_shards: int
+    group: tuple[int, ...]
+    num_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """A minibatch plan with split sequences: per rank, its shards (run first, in the shared order)
+    and its microbatches of whole sequences. See [Note: splitting a sequence].
+
+    Attributes:
+        world_size: ranks.
+        max_tokens: the microbatch token budget (every shard holds at most this many tokens).
+        shards: ``shards[r]``: rank ``r``'s shards, in the order every rank runs its groups.
+        ranks: ``ranks[r]``: rank ``r``'s microbatches of whole sequences, after its shards.
+        split: sequence id -> its number of shards.
+        lengths: tokens per sequence.
+    """
+
+    world_size: int
+    max_tokens: int
+    shards: tuple[tuple[Shard, ...], ...]
+    ranks: tuple[tuple[Microbatch, ...], ...]
+    split: dict[int, int] = field(default_factory=dict)
+    lengths: tuple[int, ...] = ()
+
+    @property
+    def rank_costs(self) -> list[float]:
+        return [sum(s.cost for s in sh) + sum(m.cost for m in mbs) for sh, mbs in zip(self.shards, self.ranks)]
+
+    def step_time(self) -> float:
+        """The busiest rank's predicted cost (ODC: ranks meet once per minibatch)."""
+        return max(self.rank_costs)
+
+    def summary(self) -> str:
+        lines = [f"context plan: {len(self.lengths)} sequences, {self.world_size} ranks, split "
+                 + (", ".join(f"{s} into {k}" for s, k in sorted(self.split.items())) or "none")
+                 + f"; step time {self.step_time():.4g}"]
+        for r in range(self.world_size):
+            lines.append(f"  rank {r}: shards {[(s.sequence_id, s.index) for s in self.shards[r]]}, "
+                         f"{len(self.ranks[r])} microbatches, cost {self.rank_costs[r]:.4g}")
+        return "\n".join(lines)
+
+
+def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int], world_size: int,
+            cost: CostModel, exchange: ExchangeCost) -> tuple[list[list[int]], dict[int, tuple[int, ...]], list[float]]:
+    """Two placements, the lighter busiest rank wins: (1) the whole sequences partitioned over the
+    ranks as ``diff_micro`` does, then each split sequence's shards (costliest first) on the least
+    loaded ranks; (2) the shards first, then the whole sequences costliest first onto the least
+    loaded rank. Returns the whole sequences per rank, each split sequence's group, the loads."""
+    whole = [i for i in range(len(lengths)) if i not in split]
+    shard_cost = {s: cost(lengths[s]) / k + exchange(lengths[s], k) for s, k in split.items()}
+    order = sorted(split, key=lambda s: (-shard_cost[s], s))
+
+    def place_shards(loads: list[float]) -> dict[int, tuple[int, ...]]:
+        groups = {}
+        for s in order:
+            group = tuple(sorted(sorted(range(world_size), key=lambda r: (loads[r], r))[:split[s]]))
+            groups[s] = group
+            for r in group:
+                loads[r] += shard_cost[s]
+        return groups
+
+    weights = [costs[i] for i in whole]
+    starts = refined_starts(weights, world_size) if whole else [[[] for _ in range(world_size)]]
+    local = min(starts, key=lambda p: max(sum(weights[j] for j in q) for q in p))
+    parts1 = [[whole[j] for j in p] for p in local]
+    loads1 = [sum(costs[i] for i in p) for p in parts1]
+    groups1 = place_shards(loads1)
+
+    loads2 = [0.0] * world_size
+    groups2 = place_shards(loads2)
+    parts2: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(whole, key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (loads2[r], r))
+        parts2[r].append(i)
+        loads2[r] += costs[i]
+    if max(loads2) < max(loads1):
+        return parts2, groups2, loads2
+    return parts1, groups1, loads1
+
+
+def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, cost: CostModel | None = None,
+                 exchange: ExchangeCost | None = None, context_parallel: str | int = "auto") -> ContextPlan:
+    """Plan one minibatch with sequences split across ranks where that lowers the predicted step.
+    See [Note: splitting a sequence].
+
+    Args:
+        lengths: tokens per sequence (sequence ids are positions).
+        world_size: data-parallel ranks.
+        max_tokens: most tokens in one microbatch or shard.
+        cost: cost model ``length -> float`` (default: tokens).
+        exchange: what moving a split sequence's keys and values costs (default: nothing).
+        context_parallel: ``off``, ``auto`` (2 to ``world_size`` shards per sequence, chosen
+            where it gains) or an integer ``K`` (``K`` shards).
+
+    Raises:
+        ValueError: a bad ``context_parallel``, or a sequence longer than ``max_tokens`` that no
+            allowed split fits.
+    """
+    if world_size < 1 or max_tokens < 1:
+        raise ValueError(f"world_size={world_size} and max_tokens={max_tokens} must be at least 1")
+    if context_parallel not in ("off", "auto") and not (isinstance(context_parallel, int) and context_parallel >= 2):
+        raise ValueError(f"context_parallel={context_parallel!r}: use off, auto or a shard count of 2 or more")
+    if isinstance(context_parallel, int) and context_parallel > world_size:
+        raise ValueError(f"context_parallel={context_parallel} shards but only {world_size} ranks")
+    cost = cost or TokenCost()
+    exchange = exchange or ExchangeCost()
+    lengths = tuple(int(n) for n in lengths)
+    costs = [float(cost(n)) for n in lengths]
+    ks = ([] if context_parallel == "off" else
+          list(range(2, world_size + 1)) if context_parallel == "auto" else [int(context_parallel)])
+
+    def fits(n: int, k: int) -> bool:
+        return n >= 2 * k and max(shard_lengths(n, k)) <= max_tokens
+
+    split: dict[int, int] = {}
+    for i, n in enumerate(lengths):  # too long for a microbatch: split it (the fewest shards that fit)
+        if n > max_tokens:
+            k = next((k for k in ks if fits(n, k)), None)
+            if k is None:
+                raise ValueError(f"max_tokens={max_tokens} is smaller than sequence {i} ({n} tokens) and "
+                                 f"context_parallel={context_parallel} allows no split into shards that fit; raise "
+                                 "`max_tokens`, allow more shards, or drop that sequence")
+            split[i] = k
+
+    def evaluate(trial: dict[int, int]):
+        parts, groups, loads = _assign(lengths, costs, trial, world_size, cost, exchange)
+        return max(loads), parts, groups
+
+    best_step, parts, groups = evaluate(split)
+    # the costliest sequences first; a sequence cheaper than a rank's even share cannot bound the step
+    even = sum(costs) / world_size
+    candidates = [i for i in sorted(range(len(lengths)), key=lambda i: -costs[i])
+                  if i not in split and costs[i] > even / 2][: 2 * world_size]
+    improved = True
+    while improved and ks:
+        improved = False
+        trial_best = None
+        for i in candidates:
+            if i in split:
+                continue
+            for k in ks:
+                if not fits(lengths[i], k):
+                    continue
+                got = evaluate({**split, i: k})
+                if got[0] < best_step * (1 - 1e-9) and (trial_best is None or got[0] < trial_best[0][0]):
+                    trial_best = (got, i, k)
+        if trial_best is not None:
+            (best_step, parts, groups), i, k = trial_best
+            split[i] = k
+            improved = True
+    shards: list[list[Shard]] = [[] for _ in range(world_size)]
+    for s in sorted(split):  # one order for every rank: groups never wait for each other
+        k = split[s]
+        per = cost(lengths[s]) / k + exchange(lengths[s], k)
+        for idx, (r, n_tok) in enumerate(zip(groups[s], shard_lengths(lengths[s], k))):
+            shards[r].append(Shard(s, idx, k, groups[s], n_tok, per))
+    ranks = tuple(tuple(Microbatch(tuple(mb), sum(lengths[i] for i in mb), sum(costs[i] for i in mb))
+                        for mb in pack_share(lengths, p, max_tokens)) for p in parts)
+    return ContextPlan(world_size=world_size, max_tokens=max_tokens, shards=tuple(tuple(s) for s in shards),
+                       ranks=ranks, split=dict(split), lengths=lengths)
