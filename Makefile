@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/lock.txt
-BENCHES := odc rl transport overhead balance pipeline pipeline-dp lora
+BENCHES := odc rl rl-e2e transport overhead balance pipeline pipeline-dp lora
 
 .PHONY: setup test test-fast test-full test-torch-compat lint demo results gpu-check clean $(addprefix bench-,$(BENCHES))
 

@@ -304,3 +304,27 @@ def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):
     assert "LoRA rank 2 on q_proj,k_proj,v_proj,o_proj vs full fine-tuning" in printed
     rc, _, err = cli("bench", "lora", "--steps", "1")
     assert rc == 2 and "--steps=1 must be at least 2" in err
+
+
+def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
+    """Whole GRPO steps by stopwatch with the phases beside them, for batched and per-prompt
+    sampling and two engines, and TRL's GRPOTrainer on the same model, prompts and reward; every
+    step rate set against posttrain's batched flat-ODC run."""
+    out = tmp_path / "e2e.json"
+    proc = run_cli("bench", "rl-e2e", "--settings", "readme", "--sft-steps", "5", "--steps", "3", "--warmup", "1",
+                   "--rounds", "1", "--trl-threads", "2", "--work-dir", str(tmp_path / "w"), "--json", str(out),
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())["settings"]["readme"]
+    names = set(got["step_s"])
+    assert names == {"odc+diff_micro (batched)", "odc+diff_micro (per prompt)", "fsdp+same_micro (batched)",
+                     "trl (1 process)"}
+    assert got["rate_over"]["odc+diff_micro (batched)"][0] == 1.0
+    assert all(v > 0 for v in got["step_s"].values())
+    for name, ph in got["phases"].items():  # posttrain's phases fit inside its step
+        assert ph["rollout_s"] > 0 and ph["update_s"] > 0
+        assert ph["rollout_s"] + ph["update_s"] + ph["reference_s"] <= got["step_s"][name] * 1.05, (name, ph)
+    lines = proc.stdout.splitlines()
+    assert any(ln.strip().startswith("trl (1 process)") for ln in lines)
+    rc = run_cli("bench", "rl-e2e", "--settings", "huge")
+    assert rc.returncode == 2 and "settings=huge: choose from readme, long" in rc.stderr

@@ -334,3 +334,33 @@ def test_a_pipeline_grid_under_torchrun_with_ranks_sharing_a_gpu_keeps_each_rank
     count = torch.accelerator.device_count()
     out = run_ranks(_grid_under_torchrun_sharing, count + 1, backend="gloo", start="spawn", timeout_s=120)
     assert [d for d, _ in out] == [r % count for r in range(count + 1)]
+
+
+@pytest.mark.full
+def test_the_gpu_run_is_planned_here(tmp_path):
+    """scripts/gpu_plan.py (gpu-verify.sh --dry-run): the tests, their recorded seconds or a stated
+    guess, the expected time on the workers and the bound at every test's timeout; a plan over the
+    part's limit says so and exits 1. scripts/gpu_wheels.py --dry-run: what the GPU image lacks of
+    posttrain's needs (taken from the lock's pins), nothing it has (torch, transformers)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    collected = tmp_path / "tests.txt"
+    collected.write_text("tests/a.py::t1\ntests/a.py::t2\ntests/b.py::t3\n")
+    durations = tmp_path / "d.txt"
+    durations.write_text("# seconds\n100.0 tests/a.py::t1\n50.0 tests/a.py::t2\n")
+    plan = [sys.executable, str(root / "scripts" / "gpu_plan.py"), str(collected), str(durations)]
+    ok = subprocess.run([*plan, "2", "120", "460"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "3 tests; 2 with a recorded duration, 1 without (planned at 30 s each, a guess)" in ok.stdout
+    assert "expected 100 s on 2 worker(s), at most 240 s" in ok.stdout  # 100 | 50+30
+    over = subprocess.run([*plan, "1", "120", "60"], capture_output=True, text=True)
+    assert over.returncode == 1 and "exceed the part's 60 s" in over.stderr
+    wheels = subprocess.run([sys.executable, str(root / "scripts" / "gpu_wheels.py"), "--dry-run", "--with",
+                             "trl==1.16.0"], capture_output=True, text=True)
+    assert wheels.returncode == 0, wheels.stderr
+    want = {line.split()[-1] for line in wheels.stdout.splitlines() if line.startswith("would download")}
+    assert {"datasets==5.2.0", "math-verify==0.9.0", "trl==1.16.0"} <= want
+    assert not any(w.split("==")[0] in ("torch", "transformers", "numpy", "peft") for w in want), want

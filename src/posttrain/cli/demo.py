@@ -23,6 +23,7 @@ class DemoCommand:
             figures are pooled over them, each ratio with a 90% interval.
         no_predict: skip the simulator's calibration and its predictions at 8-64 GPUs.
         plot: timeline PNG ('' for none).
+        json: the result and every timed step as JSON ('' for none).
     """
 
     run: TrainConfig = field(default_factory=lambda: DEMO,
@@ -32,6 +33,7 @@ class DemoCommand:
     rounds: int = 5
     no_predict: bool = False
     plot: str = "out/demo_timeline.png"
+    json: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -45,7 +47,10 @@ def _run(c: DemoCommand) -> int:
     from posttrain.train.core import check_output_path
 
     check_output_path("`plot`", c.plot, directory=False)
-    run_demo(c.run, world_size=c.world_size, rounds=c.rounds, predict=not c.no_predict, timeline_path=c.plot or None)
+    if c.json:
+        check_output_path("`json`", c.json, directory=False)
+    run_demo(c.run, world_size=c.world_size, rounds=c.rounds, predict=not c.no_predict, timeline_path=c.plot or None,
+             json_path=c.json or None)
     return 0
 
 

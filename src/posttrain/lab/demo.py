@@ -32,6 +32,7 @@ import statistics
 from dataclasses import replace
 
 from posttrain.dp import EngineConfig
+from posttrain.lab.bench.split import write_result
 from posttrain.lab.bench.stepwise import pooled, pooled_ratio, stepwise_rounds
 from posttrain.lab.plots import plot_timelines
 from posttrain.train.core import OptimConfig
@@ -104,12 +105,12 @@ def _med(values: list[float]) -> tuple[float, float, float]:
 
 
 def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 5, predict: bool = True,
-             timeline_path: str | None = "out/demo_timeline.png", log=print) -> dict:
+             timeline_path: str | None = "out/demo_timeline.png", json_path: str | None = None, log=print) -> dict:
     """Train ``cfg`` with every variant, step by step in one job over ``rounds`` rounds of the
     same ``cfg.steps - 1`` minibatches (:mod:`posttrain.lab.bench.stepwise`); print the table, the
     factors (pooled over the rounds, with a 90% interval), a busy-machine warning where due, the
     calibrated simulator's predictions at :data:`PREDICT_AT` GPUs (with ``predict``), and write the
-    timeline.
+    timeline; with ``json_path``, the result and every timed step there.
 
     Returns:
         ``{"rounds": [{label: round summary}] per round, "factors": {name: (pooled, low, high)},
@@ -161,7 +162,11 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 5, p
                        title="the last step of each variant: per rank, compute, communication and waiting",
                        side_by_side=False)
         log(f"wrote {timeline_path}")
-    return {"rounds": per_round, "factors": factors, "total": total, "busy": busy, "predicted": predicted}
+    result = {"rounds": per_round, "factors": factors, "total": total, "busy": busy, "predicted": predicted}
+    if json_path:
+        steps = {name: [{k: v for k, v in s.items() if k != "ranks"} for s in rows] for name, rows in raw["steps"].items()}
+        write_result({**result, "steps": steps}, json_path, log)
+    return result
 
 
 def _predict(cfg: TrainConfig, world_size: int, log, *, measured: float) -> dict:

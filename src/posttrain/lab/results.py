@@ -50,17 +50,19 @@ _LA = ("--profile", "longalign", "--max-len", "4096", "--steps", "6")
 
 SECTIONS: tuple[Section, ...] = (
     Section("demo", "The demo", ("demo",),
-            "Four runs of the same tiny GPT on the same long-tail data (up to 4,096 tokens), 2 CPU processes, "
-            "over 3 interleaved rounds: the speedup over FSDP2 and its three factors (transport, engine, "
-            "mechanism; see docs/odc.md), medians with the lowest and highest round, then the simulator "
-            "calibrated on this machine predicting the mechanism at 8-64 GPUs (a prediction, not a measurement). "
-            "`bench odc` below repeats more and bounds the factors.",
+            "Four variants training the same tiny GPT on the same long-tail data (up to 4,096 tokens) in 2 CPU "
+            "processes, taking turns a step at a time over 5 rounds of the same minibatches (docs/odc.md, "
+            "'Measuring on 2 shared cores'): the speedup over FSDP2 and its three factors (transport, engine, "
+            "mechanism), pooled over the rounds with a 90% interval, then the simulator calibrated on this "
+            "machine predicting the mechanism at 8-64 GPUs (a prediction, not a measurement).",
             5),
     Section("bench-odc-long-tail", "FSDP2 vs ODC, short sequences (long_tail, up to 1,024 tokens)",
             ("bench", "odc"),
-            "Seven variants and two bounds, interleaved over 5 rounds: medians of per-round ratios with the "
-            "lowest and highest round. `compute/even` is the same microbatches' compute time (communication "
-            "excluded) over the even bound's. The factors below the table multiply to the total.", 5),
+            "Seven variants taking turns a step at a time over 5 rounds of the same minibatches, and two bounds "
+            "run beside each round: the table's ratios are medians of per-round ratios with the lowest and "
+            "highest round; total, transport, engine and mechanism are pooled over the rounds with a 90% "
+            "interval (they multiply to the total). `compute/even` is the same microbatches' compute time "
+            "(communication excluded) over the even bound's.", 5),
     Section("bench-odc-longalign", "FSDP2 vs ODC, LongAlign-shaped sequences (1/16 scale, up to 4,096 tokens)",
             ("bench", "odc", *_LA, "--max-tokens", "4096"),
             "The same comparison on the `longalign` profile scaled to 4,096 tokens (16 sequences a step, 2 ranks).",
@@ -81,6 +83,11 @@ SECTIONS: tuple[Section, ...] = (
             "replayed through the update under FSDP2+same_micro, collective flat ODC+same_micro and "
             "ODC+diff_micro, 5 interleaved rounds; last line: the simulator, calibrated in the same run, "
             "for the same update plans; see docs/rl.md.", 5),
+    Section("rl-e2e", "Whole GRPO steps against TRL", ("bench", "rl-e2e"),
+            "Whole GRPO steps by stopwatch (`wall_s`), with the phases of posttrain's own rows, at the README's "
+            "setting and at 256-token responses: batched and per-prompt sampling under flat ODC+diff_micro, "
+            "FSDP2+same_micro batched, and TRL's GRPOTrainer matched to the run (one process; the faster of 2 "
+            "and 1 threads); medians of 5 interleaved rounds; see docs/rl.md.", 15),
     Section("transport", "The shared-memory transport against gloo", ("bench", "transport"),
             "Bandwidth of ODC's one-sided gather and scatter-accumulate against gloo's all-gather and "
             "reduce-scatter on the same 2 processes; ratios are gloo time over shared-memory time.", 1),

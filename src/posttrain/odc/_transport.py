@@ -302,10 +302,7 @@ class ShmTransport:
             spins += 1
             if spins < 200:
                 continue
-            # then give the core away (a yield) for a while, then sleep in steps of at most 0.1 ms:
-            # under collective mode a barrier stands at every layer, and steps of up to 1 ms (as
-            # before) added their waking latency to each and made its timings swing between runs
-            time.sleep(0 if spins < 2000 else min(1e-4, 1e-6 * (spins - 2000) + 1e-5))
+            time.sleep(0 if spins < 400 else min(1e-3, 1e-5 * (spins - 400) + 1e-5))
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.2

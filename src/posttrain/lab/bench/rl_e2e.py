@@ -17,10 +17,11 @@ with the phases beside it, for
 
 Settings: ``readme`` (the README's: the chat task's model post-trained as the README's SFT command
 does, 8 prompts x 8 samples, 8 new tokens, temperature 1.5) and ``long`` (the chat task's untrained
-model, which rarely ends a response early: 256 new tokens, where the update and the balance weigh
-more). Variants run as their own runs, interleaved over ``rounds`` with the order rotated; a run's
-figure is its median step after ``warmup`` steps; ratios are medians of per-round ratios with their
-range.
+model, which often runs to the limit: up to 256 new tokens, where the update and the balance weigh
+more; it earns no reward, so posttrain trains the equal-reward groups there, as TRL always does,
+instead of skipping them and updating nothing). Variants run as their own runs, interleaved over
+``rounds`` with the order rotated; a run's figure is its median step after ``warmup`` steps; ratios
+are medians of per-round ratios with their range.
 
 What differs between the two per step, besides speed: posttrain leaves groups whose rewards are
 all equal out of the update (``skip_equal_reward_groups``, on by default); TRL trains them with zero
@@ -48,8 +49,10 @@ from .split import write_result
 
 __all__ = ["SETTINGS", "VARIANTS", "RLE2EBench", "trl_worker"]
 
-#: name -> (model: "sft" or "random", prompts a step, samples a prompt, new tokens, temperature)
-SETTINGS = {"readme": ("sft", 8, 8, 8, 1.5), "long": ("random", 8, 8, 256, 1.5)}
+#: name -> (model: "sft" or "random", prompts a step, samples a prompt, new tokens, temperature, skip equal-reward
+#: groups). The untrained model earns no reward at all: posttrain would skip every group and update nothing,
+#: so the long setting trains them, as TRL does, to time the same work.
+SETTINGS = {"readme": ("sft", 8, 8, 8, 1.5, True), "long": ("random", 8, 8, 256, 1.5, False)}
 #: (engine, balancing method, generate_batch)
 VARIANTS = (("odc", "diff_micro", "step"), ("odc", "diff_micro", "prompt"), ("fsdp", "same_micro", "step"))
 #: The README's RL recipe.
@@ -69,7 +72,7 @@ def _median_step(rows: list[dict], warmup: int) -> dict[str, float]:
 
 
 def trl_worker(rank: int, world_size: int, model: str, prompts: str, setting: tuple, steps: int, threads: int,
-               out_dir: str) -> list[float]:
+               out_dir: str, warmup_steps: int = OPTIM.warmup_steps) -> list[float]:
     """TRL's GRPO on the run's model, prompts and reward (one process): each step's wall time (from
     one step's end to the next's, the first step's from the training's start)."""
     import torch
@@ -86,7 +89,7 @@ def trl_worker(rank: int, world_size: int, model: str, prompts: str, setting: tu
 
     from posttrain.rl import load_reward
 
-    _, prompts_per_step, samples, new_tokens, temperature = setting
+    _, prompts_per_step, samples, new_tokens, temperature, _ = setting
     reward = load_reward("reverse_digits")
     records = []
     with open(prompts) as f:
@@ -111,9 +114,9 @@ def trl_worker(rank: int, world_size: int, model: str, prompts: str, setting: tu
     cfg = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=prompts_per_step * samples, num_generations=samples,
         gradient_accumulation_steps=1, max_completion_length=new_tokens, temperature=temperature, top_p=1.0, top_k=0,
-        learning_rate=OPTIM.lr, lr_scheduler_type="cosine", warmup_steps=OPTIM.warmup_steps,
+        learning_rate=OPTIM.lr, lr_scheduler_type="cosine", warmup_steps=warmup_steps,
         max_grad_norm=OPTIM.max_grad_norm, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",
-        scale_rewards="group", max_steps=steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        scale_rewards="group", max_steps=steps, logging_strategy="no", save_strategy="no", report_to="none", use_cpu=True,
         bf16=False, seed=0, disable_tqdm=True, log_completions=False, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reverse_digits, args=cfg, train_dataset=Dataset.from_list(records),
                           callbacks=[Stopwatch()])
@@ -130,7 +133,9 @@ class RLE2EBench:
         steps: GRPO steps a run.
         warmup: the first steps of a run not counted (the figure: the median of the rest).
         rounds: interleaved rounds.
+        sft_steps: steps of the README's SFT run that makes the ``readme`` setting's model.
         no_trl: leave TRL out.
+        trl_threads: the thread counts TRL's one process is timed with (the faster counts).
         work_dir: where the chat task's model and prompts are made ('' : a temporary folder).
         json: results file ('' for none).
     """
@@ -139,7 +144,9 @@ class RLE2EBench:
     steps: int = 12
     warmup: int = 2
     rounds: int = 5
+    sft_steps: int = 400
     no_trl: bool = False
+    trl_threads: tuple[int, ...] = (2, 1)
     work_dir: str = ""
     json: str = "out/bench_rl_e2e.json"
 
@@ -147,8 +154,10 @@ class RLE2EBench:
         bad = [s for s in self.settings if s not in SETTINGS]
         if bad or not self.settings:
             raise ValueError(f"settings={','.join(self.settings)}: choose from {', '.join(SETTINGS)}")
-        if self.rounds < 1:
-            raise ValueError(f"rounds={self.rounds} must be at least 1")
+        if self.rounds < 1 or self.sft_steps < 1:
+            raise ValueError(f"rounds={self.rounds} and sft_steps={self.sft_steps} must be at least 1")
+        if not self.trl_threads or min(self.trl_threads) < 1:
+            raise ValueError(f"trl_threads={self.trl_threads}: one or more thread counts of at least 1")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup={self.warmup} must be at least 0 and below steps={self.steps}")
         if not self.no_trl:
@@ -172,9 +181,10 @@ class RLE2EBench:
                   "eval": os.path.join(root, "chat", "eval.jsonl")}
         sft = os.path.join(root, "chat", "trained")
         if "readme" in self.settings and not os.path.exists(os.path.join(sft, "config.json")):
-            log("post-training the chat task's model as the README does (400 steps) ...", flush=True)
+            log(f"post-training the chat task's model as the README does ({self.sft_steps} steps) ...", flush=True)
             run_training(TrainConfig(model_path=paths["model"], data=paths["train"], sequences=32, max_tokens=256,
-                                     steps=400, optim=replace(OPTIM, lr=3e-3, warmup_steps=40),
+                                     steps=self.sft_steps,
+                                     optim=replace(OPTIM, lr=3e-3, warmup_steps=min(40, self.sft_steps // 10)),
                                      engine=EngineConfig(deterministic=True), output_dir=sft), world_size=2, quiet=True)
         return {"random": paths["model"], "sft": sft, "prompts": paths["train"]}
 
@@ -183,7 +193,7 @@ class RLE2EBench:
         result: dict = {"settings": {}}
         for setting in self.settings:
             spec = SETTINGS[setting]
-            kind, prompts_per_step, samples, new_tokens, temperature = spec
+            kind, prompts_per_step, samples, new_tokens, temperature, skip = spec
             model = models[kind]
             log(f"\n{setting}: {prompts_per_step} prompts x {samples} samples a step, up to {new_tokens} new tokens, "
                 f"temperature {temperature}, the chat task's {'post-trained' if kind == 'sft' else 'untrained'} model; "
@@ -197,9 +207,10 @@ class RLE2EBench:
                 for job in jobs[k % len(jobs):] + jobs[:k % len(jobs)]:
                     if job is None:
                         best = None
-                        for threads in (2, 1):
+                        for threads in self.trl_threads:
                             times = run_ranks(trl_worker, 1, model, models["prompts"], spec, self.steps, threads,
-                                              os.path.join(root, "trl"), timeout_s=3600)[0]
+                                              os.path.join(root, "trl"), min(OPTIM.warmup_steps, self.steps // 2),
+                                              timeout_s=3600)[0]
                             wall = statistics.median(times[self.warmup:])
                             if best is None or wall < best["wall_s"]:
                                 best = {"wall_s": wall, "threads": threads}
@@ -210,8 +221,9 @@ class RLE2EBench:
                     dp, balance, batch = job
                     cfg = RLConfig(model_path=model, prompts=models["prompts"], samples_per_prompt=samples,
                                    prompts_per_step=prompts_per_step, max_new_tokens=new_tokens, steps=self.steps,
-                                   temperature=temperature, optim=OPTIM, engine=EngineConfig(dp), balance=balance,
-                                   generate_batch=batch, max_tokens=max(256, new_tokens + 64), progress=False)
+                                   temperature=temperature, engine=EngineConfig(dp), balance=balance,
+                                   optim=replace(OPTIM, warmup_steps=min(OPTIM.warmup_steps, self.steps // 2)),
+                                   generate_batch=batch, skip_equal_reward_groups=skip, progress=False)
                     rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
                     got[_name(job)] = _median_step(rows, self.warmup)
                     log(f"  round {k + 1}/{self.rounds}  {_name(job):32} {got[_name(job)]['wall_s']:.3f} s a step",
