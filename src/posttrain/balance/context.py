@@ -30,28 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .cost import CostModel, ModelShape, TokenCost
-from .packing import pack_share
+from .packing import pack_share, shard_lengths, zigzag
 from .partition import refined_starts
 from .plan import Microbatch
 
 __all__ = ["ContextPlan", "ExchangeCost", "Shard", "plan_context", "shard_lengths", "zigzag"]
-
-
-def zigzag(n: int, k: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """The token ranges ``[start, end)`` of shard ``i``'s two chunks (``i`` and ``2k-1-i`` of ``2k``
-    near-equal chunks of a sequence of ``n`` tokens; the larger chunks first)."""
-    if k < 1 or n < 2 * k:
-        raise ValueError(f"a sequence of {n} tokens cannot be cut into 2 x {k} chunks")
-    base, extra = divmod(n, 2 * k)
-    bounds = [0]
-    for c in range(2 * k):
-        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
-    return [((bounds[i], bounds[i + 1]), (bounds[2 * k - 1 - i], bounds[2 * k - i])) for i in range(k)]
-
-
-def shard_lengths(n: int, k: int) -> list[int]:
-    """Tokens of each of the ``k`` shards of a sequence of ``n`` tokens (:func:`zigzag`)."""
-    return [(a1 - a0) + (b1 - b0) for (a0, a1), (b0, b1) in zigzag(n, k)]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedMicrobatch", "pack_sequences", "pack_share"]
+__all__ = ["PackedMicrobatch", "pack_sequences", "pack_share", "shard_lengths", "zigzag"]
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,15 @@ class PackedMicrobatch:
         a token is not trained. The last token of a sequence is never an input, so no target
         is predicted across a sequence boundary.
     document_lengths: tokens of each packed sequence, in order.
+    shard_positions: where the first sequence is one shard of a sequence split across ranks
+        (context parallelism): the positions in the whole sequence of its input tokens, which
+        are those positions' inputs and targets of the whole sequence; else ``None``.
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     document_lengths: list[int]
+    shard_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -43,13 +47,16 @@ class PackedMicrobatch:
 
 
 def pack_sequences(sequences: Sequence[torch.Tensor],
-                   labels: Sequence[torch.Tensor | None] | None = None) -> PackedMicrobatch:
+                   labels: Sequence[torch.Tensor | None] | None = None, *,
+                   shard: tuple[int, int] | None = None) -> PackedMicrobatch:
     """Pack 1-D (or ``(1, n)``) token sequences of at least 2 tokens each.
 
     Args:
         sequences: token ids.
         labels: per sequence, the labels of its tokens (``-100``: not trained; ``None``: every
             token trained), as ``transformers`` takes them: the targets are ``labels[1:]``.
+        shard: ``(index, k)``: the first sequence enters as its shard ``index`` of ``k``
+            (:func:`~posttrain.balance.zigzag` of its input tokens), with ``shard_positions``.
     """
     if not sequences:
         raise ValueError("nothing to pack: the microbatch has no sequences")
@@ -66,10 +73,20 @@ def pack_sequences(sequences: Sequence[torch.Tensor],
         if lab is not None and lab.numel() != s.numel():
             raise ValueError(f"sequence {i} has {s.numel()} tokens but {lab.numel()} labels")
         targets.append((s if lab is None else lab.reshape(-1))[1:])
+    inputs = [s[:-1] for s in flat]
+    positions = None
+    if shard is not None:
+        index, k = shard
+        if not 0 <= index < k:
+            raise ValueError(f"shard {index} of {k} does not exist")
+        (a0, a1), (b0, b1) = zigzag(inputs[0].numel(), k)[index]
+        positions = torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
+        inputs[0], targets[0] = inputs[0][positions], targets[0][positions]
     return PackedMicrobatch(
-        inputs=torch.cat([s[:-1] for s in flat]).unsqueeze(0),
+        inputs=torch.cat(inputs).unsqueeze(0),
         targets=torch.cat(targets).unsqueeze(0),
-        document_lengths=[s.numel() - 1 for s in flat],
+        document_lengths=[s.numel() for s in inputs],
+        shard_positions=positions,
     )
 
 
@@ -90,3 +107,20 @@ def pack_share(lengths: Sequence[int], ids: Sequence[int], max_tokens: int, *, s
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return bins
+
+
+def zigzag(n: int, k: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The token ranges ``[start, end)`` of shard ``i``'s two chunks (``i`` and ``2k-1-i`` of ``2k``
+    near-equal chunks of a sequence of ``n`` tokens; the larger chunks first)."""
+    if k < 1 or n < 2 * k:
+        raise ValueError(f"a sequence of {n} tokens cannot be cut into 2 x {k} chunks")
+    base, extra = divmod(n, 2 * k)
+    bounds = [0]
+    for c in range(2 * k):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return [((bounds[i], bounds[i + 1]), (bounds[2 * k - 1 - i], bounds[2 * k - i])) for i in range(k)]
+
+
+def shard_lengths(n: int, k: int) -> list[int]:
+    """Tokens of each of the ``k`` shards of a sequence of ``n`` tokens (:func:`zigzag`)."""
+    return [(a1 - a0) + (b1 - b0) for (a0, a1), (b0, b1) in zigzag(n, k)]

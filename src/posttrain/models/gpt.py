@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .split_attention import SplitShard, check_split, packed_attention
+
 __all__ = ["GPT", "GPTConfig", "token_loss_sum"]
 
 
@@ -52,7 +54,8 @@ class Block(nn.Module):
         self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)
         self.out = nn.Linear(4 * cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor, document_lengths: list[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_lengths: list[int] | None = None,
+                split: SplitShard | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.num_heads, -1).transpose(1, 2) for z in (q, k, v))
@@ -60,16 +63,8 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             # Per-sequence causal attention: exact, and sum(n_i^2) work instead of the (sum n_i)^2
-            # a block-diagonal mask would cost.
-            y = torch.cat(
-                [
-                    F.scaled_dot_product_attention(qi, ki, vi, is_causal=True)
-                    for qi, ki, vi in zip(
-                        q.split(document_lengths, dim=2), k.split(document_lengths, dim=2), v.split(document_lengths, dim=2)
-                    )
-                ],
-                dim=2,
-            )
+            # a block-diagonal mask would cost; a split first sequence over its whole sequence.
+            y = packed_attention(q, k, v, document_lengths, split)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
 
@@ -86,7 +81,8 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None,
+                split: SplitShard | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` for token ids ``(batch, seq)``.
 
         Args:
@@ -94,29 +90,41 @@ class GPT(nn.Module):
             document_lengths: for packed input (batch 1), the lengths of the sequences laid end
                 to end; positions restart at each and attention runs per sequence (causal
                 within it, never across). See :func:`posttrain.balance.pack_sequences`.
+            split: the first packed sequence is this rank's shard of a sequence split across
+                ranks (context parallelism): its positions are the shard's, and its attention
+                a collective over the shard's group.
         """
         t = tokens.shape[1]
         if document_lengths is None:
+            check_split(document_lengths, split)
             if t > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
             pos = torch.arange(t, device=tokens.device)
         else:
             if tokens.shape[0] != 1:
                 raise ValueError(f"packed input must have batch size 1, got {tokens.shape[0]}")
-            pos = packed_positions(document_lengths, t, self.cfg.max_seq_len, tokens.device)
+            pos = packed_positions(document_lengths, t, self.cfg.max_seq_len, tokens.device, split)
         x = self.tok_emb(tokens) + self.pos_emb(pos)
         for layer in self.layers:
-            x = layer(x, document_lengths)
+            x = layer(x, document_lengths) if split is None else layer(x, document_lengths, split)
         return self.head(self.norm(x))
 
 
-def packed_positions(document_lengths: list[int], total: int, max_seq_len: int, device: torch.device) -> torch.Tensor:
-    """Position ids that restart at every packed document."""
+def packed_positions(document_lengths: list[int], total: int, max_seq_len: int, device: torch.device,
+                     split: SplitShard | None = None) -> torch.Tensor:
+    """Position ids that restart at every packed document (the first: ``split``'s positions where given)."""
     if sum(document_lengths) != total or any(n < 1 for n in document_lengths):
         raise ValueError(f"document_lengths {document_lengths} do not tile {total} tokens")
+    check_split(document_lengths, split)
     if max(document_lengths) > max_seq_len:
         raise ValueError(f"a packed sequence of {max(document_lengths)} tokens exceeds max_seq_len={max_seq_len}")
-    return torch.cat([torch.arange(n, device=device) for n in document_lengths])
+    if split is not None and int(split.positions.max()) >= max_seq_len:
+        raise ValueError(f"a split sequence reaches position {int(split.positions.max())}, beyond "
+                         f"max_seq_len={max_seq_len}")
+    parts = [torch.arange(n, device=device) for n in document_lengths]
+    if split is not None:
+        parts[0] = split.positions.to(device)
+    return torch.cat(parts)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch.nn as nn
 from posttrain._files import replace_dir, work_dir
 
 from .gpt import packed_positions
+from .split_attention import HF_ATTENTION, SplitShard, hf_packing, use_split_attention
 
 __all__ = ["HFCausalLM", "check_model_dir", "load_pretrained", "save_pretrained", "tied_names"]
 
@@ -59,17 +60,29 @@ class HFCausalLM(nn.Module):
 
         return find_blocks(self.hf)
 
-    def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None,
+                split: SplitShard | None = None) -> torch.Tensor:
+        """Logits for ``tokens``; ``document_lengths`` and ``split`` as :meth:`posttrain.models.GPT.forward`
+        takes them. A ``split`` first switches the model to posttrain's registered attention
+        (:func:`~posttrain.models.split_attention.use_split_attention`); from then on every packed
+        call attends per sequence through it."""
         t = tokens.shape[1]
         limit = self.max_positions or t
         if document_lengths is None:
+            if split is not None:
+                raise ValueError("a split shard needs document_lengths (packed input)")
             if t > limit:
                 raise ValueError(f"sequence length {t} exceeds the model's max_position_embeddings={limit}")
             pos = torch.arange(t, device=tokens.device)
         else:
             if tokens.shape[0] != 1:
                 raise ValueError(f"packed input must have batch size 1, got {tokens.shape[0]}")
-            pos = packed_positions(document_lengths, t, limit, tokens.device)
+            pos = packed_positions(document_lengths, t, limit, tokens.device, split)
+            if split is not None:
+                use_split_attention(self.hf)
+            if getattr(self.hf.config, "_attn_implementation", None) == HF_ATTENTION:
+                return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False,
+                               posttrain_packing=hf_packing(document_lengths, split)).logits
         return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False).logits
 
 

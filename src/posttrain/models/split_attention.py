@@ -1,6 +1,8 @@
 """Causal attention over a sequence split across ranks: the execution primitive of context
-parallelism (the plan: :mod:`posttrain.balance.context`; not yet wired into the models or the
-engines).
+parallelism (the plan: :mod:`posttrain.balance.context`), and the models' per-sequence attention
+of a packed microbatch whose first sequence is such a shard (:class:`SplitShard`): posttrain's GPT
+calls :func:`packed_attention` itself; a ``transformers`` model reaches it through the attention
+function registered under ``"posttrain"`` (:func:`use_split_attention`), no model code patched.
 
 [Note: attention over a split sequence]
 A sequence split into ``k`` shards (:func:`posttrain.balance.zigzag`) lives on the ``k`` ranks of
@@ -19,13 +21,16 @@ values per layer at a time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain._compat import all_gather_single, reduce_scatter_single
 
-__all__ = ["split_causal_attention"]
+__all__ = ["HF_ATTENTION", "SplitShard", "packed_attention", "split_causal_attention", "use_split_attention"]
 
 #: The position of padding rows: no query attends to it (no query's position is this large).
 _PAD = torch.iinfo(torch.int64).max
@@ -96,3 +101,101 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
     mask = positions.to(q.device)[:, None] >= key_pos[None, :]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+@dataclass(frozen=True, eq=False)
+class SplitShard:
+    """The first sequence of a packed microbatch is this rank's shard of a sequence split across
+    ``group`` (see [Note: attention over a split sequence]).
+
+    Attributes:
+        positions: ``(t,)`` int64, the positions in the whole sequence of the shard's tokens (its
+            length is the first of the microbatch's ``document_lengths``).
+        group: the process group of the ranks holding the sequence's shards, in shard order
+            (``None``: the world).
+    """
+
+    positions: torch.Tensor
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.positions.dim() != 1 or self.positions.dtype != torch.int64 or self.positions.numel() < 1:
+            raise ValueError(f"SplitShard.positions must be a non-empty 1-D int64 tensor, got "
+                             f"{self.positions.dtype} of shape {tuple(self.positions.shape)}")
+
+
+def check_split(document_lengths: list[int] | None, split: SplitShard | None) -> None:
+    """Refuse a split shard that is not the first sequence of a packed microbatch."""
+    if split is None:
+        return
+    if not document_lengths or document_lengths[0] != split.positions.numel():
+        raise ValueError(f"a split shard of {split.positions.numel()} tokens must be the first packed sequence "
+                         f"(document_lengths {document_lengths})")
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_lengths: list[int],
+                     split: SplitShard | None = None, *, scale: float | None = None) -> torch.Tensor:
+    """Causal attention per packed sequence (never across), ``(1, heads, t, d)`` queries against
+    ``(1, kv_heads, t, d)`` keys and values; the first sequence over its whole split sequence
+    where ``split`` is given (a collective over ``split.group``). Costs ``sum(n_i^2)``, not the
+    ``(sum n_i)^2`` of a block-diagonal mask."""
+    check_split(document_lengths, split)
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    for i, (qi, ki, vi) in enumerate(zip(q.split(document_lengths, dim=2), k.split(document_lengths, dim=2),
+                                         v.split(document_lengths, dim=2))):
+        if i == 0 and split is not None:
+            outs.append(split_causal_attention(qi, ki, vi, split.positions, group=split.group, scale=scale))
+            continue
+        if rep > 1:
+            ki, vi = ki.repeat_interleave(rep, dim=1), vi.repeat_interleave(rep, dim=1)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale))
+    return torch.cat(outs, dim=2)
+
+
+#: The name under which :func:`use_split_attention` registers posttrain's attention with ``transformers``.
+HF_ATTENTION = "posttrain"
+
+
+@dataclass(frozen=True, eq=False)
+class _Packing:
+    document_lengths: list[int]
+    split: SplitShard | None
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  posttrain_packing: _Packing | None = None, **kwargs):
+    """``transformers``' attention function signature: packed input through :func:`packed_attention`,
+    anything else (generation, padding masks) through ``transformers``' own SDPA function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if posttrain_packing is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1 or dropout:
+        raise ValueError("posttrain's packed attention takes one packed row (batch 1) and no attention dropout")
+    out = packed_attention(query, key, value, posttrain_packing.document_lengths, posttrain_packing.split,
+                           scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_split_attention(hf_model) -> None:
+    """Point a ``transformers`` model's attention at :func:`packed_attention` (registered as
+    ``"posttrain"``, with ``transformers``' SDPA mask for unpacked calls). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    if getattr(hf_model.config, "_attn_implementation", None) == HF_ATTENTION:
+        return
+    if hasattr(hf_model, "set_attn_implementation"):
+        hf_model.set_attn_implementation(HF_ATTENTION)
+    else:
+        hf_model.config._attn_implementation = HF_ATTENTION
+
+
+def hf_packing(document_lengths: list[int], split: SplitShard | None) -> _Packing:
+    """The keyword ``transformers`` hands through to :func:`_hf_attention`."""
+    check_split(document_lengths, split)
+    return _Packing(list(document_lengths), split)

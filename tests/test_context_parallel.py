@@ -1,0 +1,169 @@
+"""Context parallelism in the models and the ODC engines: a sequence split into zigzag shards over a
+group of ranks, packed beside whole sequences, gives the single-process loss and gradients.
+
+A failure pinpoints the shard's positions (the loss differs at once), the key/value exchange or its
+gradient's return (gradients differ), grouped-query heads (Llama only), the recomputation of a
+checkpointed block (checkpointing only), or an engine's handling of a microbatch whose attention is
+a collective (engine tests only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from posttrain.balance import pack_sequences
+from posttrain.launch import run_ranks
+from posttrain.models import GPT, GPTConfig, LlamaLM, checkpoint_blocks, token_loss_sum
+from posttrain.models.split_attention import SplitShard
+
+CFG = GPTConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, max_seq_len=128)
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _model(kind: str, checkpointing: bool):
+    torch.manual_seed(0)
+    model = GPT(CFG) if kind == "gpt" else LlamaLM(CFG)  # Llama: 4 query heads over 2 key/value heads
+    if checkpointing:
+        checkpoint_blocks(model.layers)
+    return model
+
+
+def _data(groups: list[tuple[int, ...]], world: int):
+    """One long sequence per group (split over it) and one whole sequence per rank."""
+    g = torch.Generator().manual_seed(1)
+    long = [torch.randint(0, CFG.vocab_size, (29 + 8 * i,), generator=g) for i in range(len(groups))]
+    whole = [torch.randint(0, CFG.vocab_size, (7 + 3 * r,), generator=g) for r in range(world)]
+    labels = [s.clone() for s in long]
+    labels[0][:5] = -100  # a prompt: untrained targets inside the split sequence
+    return long, labels, whole
+
+
+def _reference(kind: str, groups, world):
+    model = _model(kind, False)
+    long, labels, whole = _data(groups, world)
+    packed = pack_sequences([*long, *whole], [*labels, *([None] * len(whole))])
+    total = packed.num_trained
+    loss = token_loss_sum(model(packed.inputs, document_lengths=packed.document_lengths), packed.targets) / total
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, \
+        {n: (p - 0.5 * p.grad).detach() for n, p in model.named_parameters()}
+
+
+def _mine(rank, groups, world, long, labels, whole, pgs):
+    gi = next(i for i, grp in enumerate(groups) if rank in grp)
+    index, k = groups[gi].index(rank), len(groups[gi])
+    packed = pack_sequences([long[gi], whole[rank]], [labels[gi], None], shard=(index, k))
+    return packed, SplitShard(packed.shard_positions, group=pgs[gi])
+
+
+def _groups(groups):
+    return [dist.new_group(list(grp)) for grp in groups]  # (every rank creates every group, in one order)
+
+
+def _model_worker(rank, world, groups, variants):
+    """The plain model on every rank (no engine): its own gradients summed over the ranks."""
+    pgs = _groups(groups)
+    out = {}
+    for kind, checkpointing in variants:
+        model = _model(kind, checkpointing)
+        long, labels, whole = _data(groups, world)
+        packed, split = _mine(rank, groups, world, long, labels, whole, pgs)
+        total = torch.tensor(float(packed.num_trained))
+        dist.all_reduce(total)
+        logits = model(packed.inputs, document_lengths=packed.document_lengths, split=split)
+        loss = token_loss_sum(logits, packed.targets) / total
+        loss.backward()
+        summed = loss.detach().clone()
+        dist.all_reduce(summed)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[(kind, checkpointing)] = (float(summed), grads, packed.shard_positions)
+    return out
+
+
+@pytest.mark.parametrize("world,groups", [(2, [(0, 1)]), (4, [(0, 1), (2, 3)]), (4, [(0, 1, 2, 3)])],
+                         ids=["2ranks-k2", "4ranks-k2-two-groups", "4ranks-k4"])
+def test_a_split_sequence_gives_the_single_process_loss_and_gradients(world, groups):
+    variants = [("gpt", False), ("llama", False), ("gpt", True), ("llama", True)] if world == 2 else \
+        [("gpt", False), ("llama", True)]
+    got = run_ranks(_model_worker, world, groups, variants, timeout_s=240)
+    for kind, checkpointing in variants:
+        want_loss, want_grads, _ = _reference(kind, groups, world)
+        for r, res in enumerate(got):
+            loss, grads, positions = res[(kind, checkpointing)]
+            assert positions is not None and len(positions) < 29  # a shard, not the whole sequence
+            assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (kind, checkpointing, r, loss, want_loss)
+            for n, g in want_grads.items():
+                torch.testing.assert_close(grads[n], g, **FP32, msg=f"{kind} ckpt={checkpointing} rank {r} {n}")
+
+
+def _engine_worker(rank, world, groups, variants):
+    """The ODC engines: a minibatch of one packed microbatch per rank (the shard first), an SGD
+    step, the full parameters after it."""
+    from posttrain.dp import EngineConfig, build_engine
+
+    pgs = _groups(groups)
+    out = {}
+    for kind, engine_name, checkpointing in variants:
+        model = _model(kind, False)
+        engine = build_engine(model, EngineConfig(engine_name, activation_checkpointing=checkpointing))
+        long, labels, whole = _data(groups, world)
+        packed, split = _mine(rank, groups, world, long, labels, whole, pgs)
+        opt = torch.optim.SGD(engine.parameters(), lr=0.5)
+        with engine.minibatch(packed.num_trained) as mb:
+            logits = model(packed.inputs, document_lengths=packed.document_lengths, split=split)
+            (token_loss_sum(logits, packed.targets) / mb.loss_divisor).backward()
+        opt.step()
+        out[(kind, engine_name, checkpointing)] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
+def test_the_odc_engines_train_a_split_sequence_like_one_process():
+    variants = [("gpt", "odc", False), ("llama", "odc", True), ("llama", "odc-fsdp2", False),
+                ("gpt", "odc-fsdp2", True)]
+    got = run_ranks(_engine_worker, 2, [(0, 1)], variants, timeout_s=240)
+    for kind, engine_name, checkpointing in variants:
+        _, _, want = _reference(kind, [(0, 1)], 2)
+        for r, res in enumerate(got):
+            state = res[(kind, engine_name, checkpointing)]
+            for n, p in want.items():
+                torch.testing.assert_close(state[n], p, **FP32, msg=f"{kind} {engine_name} ckpt={checkpointing} rank {r} {n}")
+
+
+def test_a_llama_switched_to_split_attention_still_attends_like_transformers_unpacked():
+    """After a split forward the model keeps posttrain's attention: an unpacked call with a padding
+    mask (generation's) still goes through transformers' own SDPA, and a packed one attends per
+    sequence as transformers' block-diagonal mask did."""
+    model = _model("llama", False).eval()
+    tokens = torch.randint(0, CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(tokens)
+    mask[0, :4] = 0  # left padding
+    packed = pack_sequences([tokens[0], tokens[1, :7]])
+    with torch.no_grad():
+        before = model.hf(input_ids=tokens, attention_mask=mask).logits
+        before_packed = model(packed.inputs, document_lengths=packed.document_lengths)
+        from posttrain.models.split_attention import HF_ATTENTION, use_split_attention
+
+        use_split_attention(model.hf)
+        assert model.hf.config._attn_implementation == HF_ATTENTION
+        after = model.hf(input_ids=tokens, attention_mask=mask).logits
+        after_packed = model(packed.inputs, document_lengths=packed.document_lengths)
+    torch.testing.assert_close(after[0, 4:], before[0, 4:], **FP32)
+    torch.testing.assert_close(after[1], before[1], **FP32)
+    torch.testing.assert_close(after_packed, before_packed, **FP32)
+
+
+def test_a_split_shard_must_lead_a_packed_microbatch():
+    model = GPT(CFG)
+    split = SplitShard(torch.arange(4))
+    with pytest.raises(ValueError, match="must be the first packed sequence"):
+        model(torch.zeros(1, 9, dtype=torch.long), document_lengths=[5, 4], split=split)
+    with pytest.raises(ValueError, match="must be the first packed sequence"):
+        model(torch.zeros(1, 4, dtype=torch.long), split=split)
+    with pytest.raises(ValueError, match="non-empty 1-D int64"):
+        SplitShard(torch.arange(4.0))
+    with pytest.raises(ValueError, match="shard 2 of 2 does not exist"):
+        pack_sequences([torch.arange(10)], shard=(2, 2))
