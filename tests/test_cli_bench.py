@@ -328,3 +328,28 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     assert any(ln.strip().startswith("trl (1 process)") for ln in lines)
     rc = run_cli("bench", "rl-e2e", "--settings", "huge")
     assert rc.returncode == 2 and "settings=huge: choose from readme, long" in rc.stderr
+
+
+def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(run_cli, tmp_path):
+    out = tmp_path / "b.json"
+    proc = run_cli("bench", "odc", "--steps", "2", "--sequences", "2", "--max-len", "64", "--dim", "32",
+                   "--layers", "1", "--repeats", "1", "--context-parallel", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert "odc+cp" in got["median"] and got["median"]["odc+cp"]["tokens_per_s"] > 0
+    m, lo, hi = got["factors"]["cp"]
+    assert lo <= m <= hi
+    r = got["rounds"][0]
+    assert m == pytest.approx(r["odc+cp"]["tokens_per_s"] / r["odc+diff_micro"]["tokens_per_s"])
+    assert "split sequences: odc+cp / odc+diff_micro" in proc.stdout
+    bad = run_cli("bench", "odc", "--context-parallel", "2", "--sweep")
+    assert bad.returncode != 0 and "not part of the sweep yet" in bad.stderr
+
+
+def test_results_calls_a_commit_dirty_only_for_changes_it_did_not_write():
+    from posttrain.lab.results import _dirty
+
+    assert not _dirty([" M README.md", " M docs/results.md", " M docs/rl_reward.png"])
+    assert _dirty([" M README.md", " M src/posttrain/train/sft/loop.py"])
+    assert _dirty(["R  docs/a.md -> src/b.py"])
+    assert not _dirty([])

@@ -167,3 +167,94 @@ def test_a_split_shard_must_lead_a_packed_microbatch():
         SplitShard(torch.arange(4.0))
     with pytest.raises(ValueError, match="shard 2 of 2 does not exist"):
         pack_sequences([torch.arange(10)], shard=(2, 2))
+
+
+def _train(cfg, world=2):
+    from posttrain.train.sft import train_worker
+
+    results = run_ranks(train_worker, world, cfg, timeout_s=300)
+    rows = results[0]["metrics"]
+    return [r["loss"] for r in rows], [r["split_sequences"] for r in rows]
+
+
+def test_training_with_split_sequences_follows_the_unsplit_loss_curve():
+    """The trainer's path: the plan splits the costliest sequences (context_parallel 2 and auto),
+    every rank runs its shards first with its group, and the optimizer takes the same steps as
+    without splitting, on both ODC engines, GPT and Llama, under either loss aggregation."""
+    from dataclasses import replace
+
+    from posttrain.dp import EngineConfig
+    from posttrain.train.core import OptimConfig
+    from posttrain.train.sft import TrainConfig
+
+    # few sequences a step with a long tail: a whole-sequence plan leaves one rank far busier
+    base = TrainConfig(steps=3, sequences=3, max_len=96, max_tokens=96, dim=32, num_layers=2, seed=3,
+                       optim=OptimConfig("sgd", lr=0.5))
+    for extra, engines in [({}, [EngineConfig("odc", context_parallel=2), EngineConfig("odc-fsdp2", context_parallel="auto")]),
+                           ({"model": "llama", "loss_agg": "seq-mean-token-mean"},
+                            [EngineConfig("odc", context_parallel="auto", activation_checkpointing=True)])]:
+        cfg = replace(base, **extra)
+        want, none = _train(replace(cfg, engine=EngineConfig("odc")))
+        assert none == [0] * len(want)
+        for engine in engines:
+            got, split = _train(replace(cfg, engine=engine))
+            assert sum(split) > 0, (extra, engine)  # it did split
+            assert got == pytest.approx(want, rel=1e-4), (extra, engine, got, want)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"engine": {"name": "fsdp", "context_parallel": 2}}, "for the ODC engines in one-sided mode"),
+    ({"engine": {"name": "odc", "mode": "collective", "context_parallel": "auto"}}, "for the ODC engines in one-sided mode"),
+    ({"engine": {"name": "odc", "context_parallel": 1}}, "use off, auto or a shard count of 2 or more"),
+    ({"engine": {"name": "odc", "context_parallel": "auto"}, "balance": "same_micro"}, "use `balance` diff_micro"),
+])
+def test_context_parallel_refuses_what_it_cannot_run_in_one_line(kwargs, message):
+    from posttrain.dp import EngineConfig
+    from posttrain.train.sft import TrainConfig
+
+    with pytest.raises(ValueError, match=message):
+        engine = EngineConfig(**kwargs.pop("engine"))
+        TrainConfig(engine=engine, **kwargs)
+
+
+def test_rl_refuses_context_parallel_until_it_reaches_the_update():
+    from posttrain.dp import EngineConfig
+    from posttrain.train.rl import RLConfig
+
+    with pytest.raises(ValueError, match="does not reach the RL update yet"):
+        RLConfig(engine=EngineConfig("odc", context_parallel="auto"))
+
+
+def _failing_member(rank, world, cfg):
+    import posttrain.train.sft.loop as loop
+    from posttrain.train.sft import train_worker
+
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise ValueError("bad shard on rank 1")
+
+        loop.shard_loss = broken
+    return train_worker(rank, world, cfg)
+
+
+def test_a_failing_group_member_ends_the_step_on_every_rank_naming_the_peer():
+    """Rank 1 fails before its shard's exchange while rank 0 waits in it: rank 0 ends in seconds
+    with ODC's PeerFailedError carrying rank 1's message and naming the split sequence, not a
+    broken connection or a hang."""
+    import time
+    from dataclasses import replace
+
+    from posttrain.dp import EngineConfig
+    from posttrain.launch import RanksFailedError
+    from posttrain.train.sft import TrainConfig
+
+    cfg = TrainConfig(steps=2, sequences=3, max_len=96, max_tokens=96, dim=32, num_layers=2, seed=3)
+    cfg = replace(cfg, engine=EngineConfig("odc", context_parallel=2))
+    start = time.monotonic()
+    with pytest.raises(RanksFailedError) as info:
+        run_ranks(_failing_member, 2, cfg, timeout_s=120)
+    assert time.monotonic() - start < 60
+    errors = info.value.errors
+    assert "bad shard on rank 1" in errors[1]
+    assert "PeerFailedError" in errors[0] and "bad shard on rank 1" in errors[0], errors[0]
+    assert "split sequence" in errors[0] and "with ranks [0, 1]" in errors[0], errors[0]

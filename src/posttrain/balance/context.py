@@ -111,6 +111,24 @@ class ContextPlan:
     def rank_costs(self) -> list[float]:
         return [sum(s.cost for s in sh) + sum(m.cost for m in mbs) for sh, mbs in zip(self.shards, self.ranks)]
 
+    @property
+    def rank_tokens(self) -> list[int]:
+        """Tokens each rank runs, its shards' included (together every sequence's tokens once)."""
+        return [sum(s.num_tokens for s in sh) + sum(m.num_tokens for m in mbs) for sh, mbs in zip(self.shards, self.ranks)]
+
+    def microbatches_for(self, rank: int) -> tuple[Microbatch, ...]:
+        """Rank ``rank``'s microbatches of whole sequences (after its shards)."""
+        return self.ranks[rank]
+
+    def shards_for(self, rank: int) -> tuple[Shard, ...]:
+        """Rank ``rank``'s shards, in the order every rank runs its groups."""
+        return self.shards[rank]
+
+    @property
+    def groups(self) -> list[tuple[int, ...]]:
+        """The distinct groups of ranks holding a split sequence, sorted (every rank computes the same list)."""
+        return sorted({s.group for sh in self.shards for s in sh})
+
     def step_time(self) -> float:
         """The busiest rank's predicted cost (ODC: ranks meet once per minibatch)."""
         return max(self.rank_costs)

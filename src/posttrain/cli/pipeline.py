@@ -25,7 +25,8 @@ class PipelineCommand:
     run: PipelineConfig = field(
         default_factory=lambda: PipelineConfig(num_microbatches=8, dim=128, num_layers=8, seq_len=256, steps=5),
         # the engine options the pipeline refuses so far
-        metadata={"exclude": ("engine.precision", "engine.activation_checkpointing", "engine.replicas")})
+        metadata={"exclude": ("engine.precision", "engine.activation_checkpointing", "engine.replicas",
+                                   "engine.context_parallel")})
     plot: str = "out/pipeline_chart.png"
     calibration_out: str | None = None
 

@@ -123,6 +123,10 @@ class EngineConfig:
             with one gradient all-reduce across replicas per minibatch under ODC. ``auto``: one row
             per node of a ``torchrun`` job over several nodes (shard within each node, replicate
             across them), else 1.
+        context_parallel: ODC engines in one-sided mode: split the costliest sequences of a
+            minibatch into zigzag shards over groups of ranks, each group running its shards first
+            (see docs/odc.md, "Context parallelism"). ``off``; ``auto``: 2 to the world size of
+            shards per sequence, only where the plan predicts a faster step; ``K``: ``K`` shards.
     """
 
     name: str = field(default="odc", metadata={"choices": _engine_choices})
@@ -131,6 +135,7 @@ class EngineConfig:
     deterministic: bool = False
     activation_checkpointing: bool = False
     replicas: int | Literal["auto"] = "auto"
+    context_parallel: int | Literal["off", "auto"] = "off"
 
     def __post_init__(self) -> None:
         cls = engine_class(self.name)
@@ -145,6 +150,12 @@ class EngineConfig:
                              "always synchronizes per layer")
         if not cls.one_sided and self.deterministic:
             raise ValueError("`deterministic` is for the ODC engines (`name` odc or odc-fsdp2)")
+        cp = self.context_parallel
+        if cp not in ("off", "auto") and not (isinstance(cp, int) and not isinstance(cp, bool) and cp >= 2):
+            raise ValueError(f"context_parallel={cp!r}: use off, auto or a shard count of 2 or more")
+        if cp != "off" and (not cls.one_sided or self.mode != "one-sided"):
+            raise ValueError(f"`context_parallel` is for the ODC engines in one-sided mode (`name` odc or odc-fsdp2, "
+                             f"`mode` one-sided), not {self.label}")
 
     @property
     def label(self) -> str:
@@ -323,6 +334,12 @@ class DataParallelEngine(ABC):
                               names: dict[int, str]) -> None:
         """Restore a :meth:`whole_state_dict` (as filled in place by ``dcp.load``)."""
         raise NotImplementedError(f"the {self.name} engine does not load whole-parameter checkpoints yet")
+
+    def peer_failure(self) -> str | None:
+        """Where a peer of this rank's shard group failed (its own message), if the engine can tell
+        (ODC's transports can): a trainer whose collective outside the engine broke (a split
+        sequence's exchange) reports the peer's failure instead of the broken connection."""
+        return None
 
     def after_forward_only(self) -> None:  # noqa: B027 - optional
         """After forwards that no backward follows (a reference model's log-probs): free what the

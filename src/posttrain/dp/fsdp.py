@@ -152,6 +152,9 @@ class ODCOnFSDP2Engine(FSDP2Engine):
         with self.handle.minibatch(num_tokens=num_tokens) as mb:
             yield MinibatchInfo(mb.global_tokens, float(mb.global_tokens))
 
+    def peer_failure(self) -> str | None:
+        return self.handle.failed_peer()
+
     def set_comm_hook(self, hook: CommHook | None) -> None:
         self.handle.on_comm = hook
 

@@ -79,6 +79,9 @@ class FlatODCEngine(DataParallelEngine):
         with self.handle.minibatch(num_tokens=num_tokens) as mb:
             yield MinibatchInfo(mb.global_tokens, float(mb.global_tokens))
 
+    def peer_failure(self) -> str | None:
+        return self.handle.failed_peer()
+
     def set_comm_hook(self, hook: CommHook | None) -> None:
         self.handle.on_comm = hook
 

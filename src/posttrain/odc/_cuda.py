@@ -257,6 +257,9 @@ class DeviceTransport:
     def abort(self, message: str) -> None:
         self._control.abort(message)
 
+    def failed_peer(self) -> str | None:
+        return self._control.failed_peer()
+
     def close(self) -> None:
         """Drop the peers' views, then this rank's allocation, and close the control plane.
         Idempotent."""

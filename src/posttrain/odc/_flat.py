@@ -510,6 +510,10 @@ class FlatODC:
             dst[: local.numel()].copy_(local.reshape(-1))
             dst[local.numel() :].zero_()
 
+    def failed_peer(self) -> str | None:
+        """What a peer of this rank that failed says, else ``None`` (for waits outside ODC's own)."""
+        return None if self._protocol is None else self._protocol.failed_peer()
+
     def close(self, *, restore: bool = True) -> None:
         """Put the full parameters back on the model (``restore``: a collective over the shard
         group, so every rank must call it; skipped after a failure) and free the shared buffers

@@ -118,6 +118,10 @@ class ODC:
         with self._protocol.minibatch(num_tokens=num_tokens) as mb:
             yield mb
 
+    def failed_peer(self) -> str | None:
+        """What a peer of this rank that failed says, else ``None`` (for waits outside ODC's own)."""
+        return None if self._protocol is None else self._protocol.failed_peer()
+
     def close(self) -> None:
         """Free the shared buffers and remove ODC's hooks. Idempotent; the model must not be
         trained through this handle afterwards."""

@@ -184,6 +184,10 @@ class MinibatchProtocol:
         """Why this handle is unusable, or ``None``."""
         return self._broken
 
+    def failed_peer(self) -> str | None:
+        """What a peer that failed says (see :meth:`ShmTransport.failed_peer`), else ``None``."""
+        return None if self._closed else self.transport.failed_peer()
+
     def check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("this ODC handle is closed")

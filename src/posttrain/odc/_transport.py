@@ -329,6 +329,21 @@ class ShmTransport:
         me[_MSG_LEN] = len(data)
         me[_ABORT] = 1
 
+    def failed_peer(self) -> str | None:
+        """What the first peer that aborted or died says (as :class:`PeerFailedError` would), else
+        ``None``; for a rank whose wait outside this transport (another process group's collective)
+        broke: it tells a peer's failure from its own."""
+        if self._closed:
+            return None
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            if self._headers[r][_ABORT]:
+                return self._abort_message(r)
+            if not _pid_alive(self._pids[r]):
+                return f"rank {self.global_ranks[r]} (pid {self._pids[r]}) exited"
+        return None
+
     def _abort_message(self, r: int) -> str:
         n = int(self._headers[r][_MSG_LEN])
         msg = bytes(self._segments[r][_MSG_OFFSET : _MSG_OFFSET + n].numpy()).decode(errors="replace")

@@ -56,6 +56,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
 
 from posttrain.device import check_world
 from posttrain.lab.bench.stepwise import pooled_ratio, stepwise_rounds
@@ -110,6 +111,9 @@ class ODCBench:
         sequences_per_rank: sweep points.
         sweep_max_tokens: sweep points, each at least ``max_len`` (default: ``max_tokens``).
         no_predict: sweep without the simulator's predictions.
+        context_parallel: also run ``odc+cp``: flat ODC whose plan splits the costliest sequences
+            across ranks (``auto`` or a shard count; see docs/odc.md, "Context parallelism"), set
+            against ``odc+diff_micro`` and the bounds (``off``: not run).
         json: results file ('' for none; default out/bench_odc.json, with ``sweep``
             out/bench_odc_sweep.json).
     """
@@ -124,9 +128,14 @@ class ODCBench:
     sequences_per_rank: tuple[int, ...] = (2, 4, 8, 16)
     sweep_max_tokens: tuple[int, ...] | None = None
     no_predict: bool = False
+    context_parallel: int | Literal["off", "auto"] = "off"
     json: str | None = None
 
     def __post_init__(self) -> None:
+        if self.context_parallel != "off":
+            if self.sweep:
+                raise ValueError("`context_parallel` is not part of the sweep yet; leave it off with `sweep`")
+            _cp_cfg(self.train, self.context_parallel)  # (refuses a bad value in one line)
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be at least 1")
         if self.repeats < 1:
@@ -152,7 +161,7 @@ class ODCBench:
                              max_tokens=self.sweep_max_tokens or (self.train.max_tokens,), world_size=self.world_size,
                              repeats=self.repeats, predict=not self.no_predict, json_path=json_path or None, log=log)
         return bench_odc(self.train, world_size=self.world_size, repeats=self.repeats, json_path=json_path or None,
-                         log=log)
+                         context_parallel=self.context_parallel, log=log)
 
 
 def _on_ranks(worker: Callable, world_size: int, cfg: TrainConfig, *args) -> list:
@@ -205,6 +214,16 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
 
 def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainConfig:
     return replace(base, engine=replace(base.engine, name=dp, mode=mode), balance=balance)
+
+
+#: The variant with split sequences, beside ``odc+diff_micro``.
+_CP = "odc+cp"
+
+
+def _cp_cfg(base: TrainConfig, context_parallel: int | str) -> TrainConfig:
+    """``odc+cp``: flat ODC, one-sided, diff_micro's plan with the costliest sequences split."""
+    return replace(base, engine=replace(base.engine, name="odc", mode="one-sided", context_parallel=context_parallel),
+                   balance="diff_micro")
 
 
 def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: str, k: int = 0) -> dict[str, dict]:
@@ -290,9 +309,10 @@ def _write(path: str | None, out: dict, log: Callable) -> None:
 
 
 def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_path: str | None = None,
-              log=print) -> dict:
+              context_parallel: int | str = "off", log=print) -> dict:
     """Run every variant and both bounds ``repeats`` times, interleaved; print and return ratios
-    and the factors of [Note: where ODC's gain comes from].
+    and the factors of [Note: where ODC's gain comes from]. ``context_parallel`` (not ``off``):
+    ``odc+cp`` too, and its gain over ``odc+diff_micro`` among the factors (``cp``).
 
     Returns:
         ``{"config", "world_size", "repeats", "rounds": [{variant: summary}], "median": {variant:
@@ -309,6 +329,8 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     # data steps 1 .. steps-1, the ones the bounds time; then each round's bounds, in their own jobs
     cfgs = {f"{cfg.engine.label}+{cfg.balance}": cfg
             for cfg in (_variant_cfg(base, dp, mode, balance) for dp, mode, balance in ODC_VARIANTS)}
+    if context_parallel != "off":
+        cfgs[_CP] = _cp_cfg(base, context_parallel)
     log(f"{len(cfgs)} variants taking turns a step at a time, {repeats} rounds of {base.steps - 1} steps:", flush=True)
     variant_rounds, raw = stepwise_rounds(cfgs, world_size=world_size, batches=base.steps - 1, rounds=repeats,
                                           progress=log is print)
@@ -338,6 +360,8 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     # the variants' own factors pooled over the rounds (a 90% interval), as the demo gives them
     for k, (num, den) in _POOLED.items():
         fac[k] = list(pooled_ratio(raw, num, den))
+    if _CP in cfgs:
+        fac["cp"] = list(pooled_ratio(raw, _CP, _ODC))
     source = base.data or f"profile {base.profile}"
     log(f"\nFSDP2 vs ODC, {world_size} ranks, {source}, {base.model} {base.num_layers}x{base.dim} {base.engine.precision}, "
         f"{base.sequences} sequences/step up to {base.max_len} tokens, max_tokens {base.max_tokens}, "
@@ -367,6 +391,8 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         "reachable_headroom": "headroom x odc+diff_micro / its plan on the plain model (what this engine can win)",
         "partition_vs_even": "partition bound / even bound (whole sequences do not divide evenly)",
     }
+    if "cp" in fac:
+        text["cp"] = f"split sequences: odc+cp / odc+diff_micro (context_parallel {context_parallel})"
     for k, desc in text.items():
         m, lo, hi = fac[k]
         log(f"  {k:18} {m:6.2f}x  ({lo:.2f}-{hi:.2f})  {desc}")

@@ -120,6 +120,9 @@ def trl_worker(rank: int, world_size: int, model: str, prompts: str, setting: tu
         bf16=False, seed=0, disable_tqdm=True, log_completions=False, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reverse_digits, args=cfg, train_dataset=Dataset.from_list(records),
                           callbacks=[Stopwatch()])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # (its end-of-training dict of metrics; the table is ours)
     trainer.train()
     return times
 

@@ -94,6 +94,9 @@ class TrainConfig(LoraFields, RunConfig):
         for name, choices in (("balance", METHODS), ("profile", PROFILES), ("model", MODELS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.engine.context_parallel != "off" and self.balance != "diff_micro":
+            raise ValueError(f"`context_parallel` splits sequences within diff_micro's plan; balance={self.balance!r} "
+                             "does not take it (use `balance` diff_micro)")
         if not self.epochs >= 0:
             raise ValueError(f"epochs={self.epochs} must be positive (0: run `steps` steps)")
         if self.epochs and self.data is None:

@@ -29,11 +29,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from posttrain.balance import FlopsCost, Plan, pack_sequences, pack_share, plan_minibatch
+from posttrain.balance import (
+    ContextPlan,
+    ExchangeCost,
+    FlopsCost,
+    Plan,
+    Shard,
+    pack_sequences,
+    pack_share,
+    plan_context,
+    plan_minibatch,
+)
 from posttrain.device import allow_tf32, rank_device, rank_kind, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
 from posttrain.models.lora import add_lora, check_model_targets, write_model
+from posttrain.models.split_attention import SplitShard
 from posttrain.spans import COMM_KINDS, Recorder
 from posttrain.train.core import Trainer
 from posttrain.train.core.recipe import optimizer_step
@@ -42,8 +53,28 @@ from .config import TrainConfig
 from .metrics import gather_step_stats
 from .minibatches import Sample, TrainData, load_tokenizer
 
-__all__ = ["SFTTrainer", "Training", "build_training", "evaluate", "export_model", "loss_units", "microbatch_loss",
-           "plan_step", "step_cost", "train_worker"]
+__all__ = [
+    "SFTTrainer",
+    "Training",
+    "build_training",
+    "evaluate",
+    "exchange_cost",
+    "export_model",
+    "group_failure",
+    "loss_units",
+    "microbatch_loss",
+    "plan_context_step",
+    "plan_step",
+    "shard_loss",
+    "shard_units",
+    "step_cost",
+    "train_worker",
+]
+
+#: FLOPs a rank computes in the time it moves one byte of a split sequence's keys and values, by
+#: device kind: estimates (a CPU core's ~80 GFLOP/s over gloo's ~1.2 GiB/s; a GPU's ~1 PFLOP/s bf16
+#: over NVLink's ~1 TB/s), not yet calibrated by measurement.
+FLOPS_PER_EXCHANGED_BYTE = {"cpu": 64.0, "cuda": 1000.0}
 
 
 @dataclass
@@ -95,6 +126,21 @@ def plan_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], world_siz
                           method=method or cfg.balance, cost=cost)
 
 
+def exchange_cost(cfg: TrainConfig, cost: FlopsCost) -> ExchangeCost:
+    """What moving a split sequence's keys and values costs in ``cost``'s units (FLOPs) on the
+    run's device (:data:`FLOPS_PER_EXCHANGED_BYTE`) at its precision."""
+    rate = FLOPS_PER_EXCHANGED_BYTE.get(cfg.device_kind, FLOPS_PER_EXCHANGED_BYTE["cuda"])
+    return ExchangeCost.for_shape(cost.shape, flops_per_byte=rate, dtype_bytes=2 if cfg.engine.precision == "bf16" else 4)
+
+
+def plan_context_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], world_size: int,
+                      cost: FlopsCost) -> ContextPlan:
+    """The plan of one minibatch with the costliest sequences split across ranks where that gains
+    (``cfg.engine.context_parallel``; :func:`posttrain.balance.plan_context`)."""
+    return plan_context([len(s) - 1 for s in seqs], world_size=world_size, max_tokens=cfg.max_tokens, cost=cost,
+                        exchange=exchange_cost(cfg, cost), context_parallel=cfg.engine.context_parallel)
+
+
 def _sample(s: Sample | torch.Tensor) -> Sample:
     return s if isinstance(s, Sample) else Sample(s.reshape(-1))
 
@@ -124,6 +170,48 @@ def microbatch_loss(model: nn.Module, seqs: Sequence[Sample | torch.Tensor], ids
         weights = None if weights is None else weights.to(device, non_blocking=True)
     logits = model(inputs, document_lengths=packed.document_lengths)
     return token_loss_sum(logits, targets, weights) * scale
+
+
+def shard_units(sample: Sample | torch.Tensor, shard: Shard, loss_agg: str = "token-mean") -> int:
+    """What a shard adds to its rank's loss units: its trained targets (``token-mean``), or, on the
+    first shard of a sequence with a trained token, the sequence (``seq-mean-token-mean``)."""
+    s = _sample(sample)
+    if loss_agg == "seq-mean-token-mean":
+        return int(shard.index == 0 and s.trained > 0)
+    packed = pack_sequences([s.input_ids], [s.labels], shard=(shard.index, shard.num_shards))
+    return packed.num_trained
+
+
+def shard_loss(model: nn.Module, sample: Sample | torch.Tensor, shard: Shard, group, loss_agg: str = "token-mean",
+               device: torch.device | None = None) -> torch.Tensor:
+    """This rank's shard of a split sequence as a microbatch (a collective over ``group``, the
+    shard's ranks): its summed loss, weighted as :func:`microbatch_loss` weighs a whole sequence."""
+    s = _sample(sample)
+    packed = pack_sequences([s.input_ids], [s.labels], shard=(shard.index, shard.num_shards))
+    inputs, targets, positions = packed.inputs, packed.targets, packed.shard_positions
+    weights = None
+    if loss_agg == "seq-mean-token-mean":
+        weights = torch.full(targets.shape, 1.0 / max(1, s.trained))
+    if device is not None and device.type != "cpu":
+        inputs, targets, positions = (t.to(device, non_blocking=True) for t in (inputs, targets, positions))
+        weights = None if weights is None else weights.to(device, non_blocking=True)
+    logits = model(inputs, document_lengths=packed.document_lengths, split=SplitShard(positions, group))
+    return token_loss_sum(logits, targets, weights)
+
+
+def group_failure(engine: DataParallelEngine, shard: Shard, exc: RuntimeError, wait_s: float = 2.0) -> RuntimeError:
+    """What a broken exchange of a split sequence means: where a peer failed (the engine can tell
+    within ``wait_s``: its message, as ODC's own waits report it), a :class:`~posttrain.odc.PeerFailedError`
+    naming the sequence and its group; else ``exc`` itself."""
+    from posttrain.odc import PeerFailedError
+
+    deadline = time.monotonic() + wait_s
+    while (msg := engine.peer_failure()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if msg is None:
+        return exc
+    return PeerFailedError(f"{msg} (while rank {dist.get_rank()} exchanged split sequence {shard.sequence_id} "
+                           f"with ranks {list(shard.group)})")
 
 
 def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module, rank: int,
@@ -204,6 +292,7 @@ class SFTTrainer(Trainer):
         self.peak_tflops = cfg.peak_tflops or _measured_peak(self.device, cfg.engine.precision)
         self._stats: dict[str, torch.Tensor] = {}
         self._ended: float | None = None  # when the previous step ended (its wall time starts there)
+        self._groups: dict[tuple[int, ...], object] = {}  # the ranks of a split sequence -> their process group
         super().__init__(cfg, rank, world_size, state=self.engine, optimizer=self.training.optimizer,
                          label=f"{cfg.engine.label}+{cfg.balance}")
 
@@ -211,7 +300,12 @@ class SFTTrainer(Trainer):
         cfg, rank, world_size, engine, rec = self.cfg, self.rank, self.world_size, self.engine, self.rec
         began = time.perf_counter()
         seqs = self.data.minibatch(step)
-        plan = plan_step(cfg, seqs, world_size, self.cost)
+        if cfg.engine.context_parallel == "off":
+            plan, shards = plan_step(cfg, seqs, world_size, self.cost), ()
+        else:
+            plan = plan_context_step(cfg, seqs, world_size, self.cost)
+            shards = plan.shards_for(rank)
+            self._make_groups(plan.groups)
         mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
         busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
         total = sum(plan.rank_tokens)
@@ -220,11 +314,21 @@ class SFTTrainer(Trainer):
         t0 = time.perf_counter()
         rec.clear()  # keep one step's spans: the timeline shows the last step
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        own_units = sum(loss_units(seqs, m.sequence_ids, cfg.loss_agg) for m in mine)
+        own_units = (sum(loss_units(seqs, m.sequence_ids, cfg.loss_agg) for m in mine)
+                     + sum(shard_units(seqs[sh.sequence_id], sh, cfg.loss_agg) for sh in shards))
         with engine.minibatch(own_units) as mb:
             if mb.global_tokens != units:
                 raise AssertionError(f"the engine counts {mb.global_tokens} loss units in step {step}, the data {units}")
             divisor = mb.loss_divisor if units else 1.0  # nothing trained: a zero gradient
+            for sh in shards:  # first, in the order every rank runs them: a group's shards run together
+                with rec.span("microbatch"):
+                    try:
+                        token_loss = shard_loss(engine.model, seqs[sh.sequence_id], sh, self._groups[sh.group],
+                                                cfg.loss_agg, self.device)
+                        loss_sum += token_loss.detach()
+                        (token_loss / divisor).backward()
+                    except RuntimeError as exc:
+                        raise group_failure(engine, sh, exc) from exc
             for micro in engine.pad(mine, busiest):
                 with rec.span("microbatch"):
                     if micro is None:
@@ -245,7 +349,8 @@ class SFTTrainer(Trainer):
         comm = sum(rec.total(k) for k in COMM_KINDS)
         own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
                "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
-               "microbatches": len(mine), "rank_tokens": sum(m.num_tokens for m in mine)}
+               "microbatches": len(mine) + len(shards),
+               "rank_tokens": sum(m.num_tokens for m in mine) + sum(sh.num_tokens for sh in shards)}
         col = self._stats = gather_step_stats(own, world_size)
         step_time = float(col["busy_s"].max())
         # What a stopwatch sees: the time since the previous step ended (its metrics, checkpoint
@@ -259,7 +364,8 @@ class SFTTrainer(Trainer):
             "compute_s": own["compute_s"], "comm_s": own["comm_s"], "sync_s": own["sync_s"],
             "optimizer_s": own["optimizer_s"], "wait_s": step_time - own["compute_s"] - own["optimizer_s"],
             "utilization": own["compute_s"] / step_time,
-            "microbatches": len(mine), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
+            "microbatches": len(mine) + len(shards), "rank_tokens": int(own["rank_tokens"]), "eval_loss": None,
+            "split_sequences": len(plan.split) if isinstance(plan, ContextPlan) else 0,
             "lr": recipe["lr"], "grad_norm": recipe["grad_norm"], "skipped_update": recipe["skipped_update"],
             "epoch": (step + 1) * cfg.sequences / self.data.num_sequences if self.data.num_sequences else None,
             "mfu": sum(self.cost(len(s) - 1) for s in seqs) / wall / (self.peak_tflops * 1e12 * world_size),
@@ -267,6 +373,13 @@ class SFTTrainer(Trainer):
         if self.eval_samples and cfg.due(step, cfg.eval_every):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
         return row
+
+    def _make_groups(self, groups: list[tuple[int, ...]]) -> None:
+        """The process groups of the plan's split sequences not made yet (a collective: every
+        rank computes the same plan, so every rank makes the same new groups in the same order)."""
+        for g in groups:
+            if g not in self._groups:
+                self._groups[g] = dist.new_group(list(g))
 
     #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
     OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens")
