@@ -38,3 +38,12 @@ def running_with(text: str) -> list[int]:
         if text in cmd and alive(int(entry)):
             out.append(int(entry))
     return out
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for a command a test interrupts: SIGINT at its default, as on a terminal. A
+    process started in the background by a non-interactive shell (``cmd &`` in a script, nohup)
+    inherits SIGINT ignored, and a command rightly leaves an ignored SIGINT ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

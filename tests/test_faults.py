@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from posttrain.data.tasks import chat_task_records
-from proc_helpers import alive, children, running_with
+from proc_helpers import alive, children, interruptible, running_with
 
 _ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -44,7 +44,8 @@ def _train_args(model, data, *extra):
 def _popen(args, tmp):
     env = {**_ENV, "TMPDIR": str(tmp)}
     return subprocess.Popen([sys.executable, "-m", "posttrain", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=interruptible)
 
 
 def _started(proc, count: int, within: float = 120.0) -> None:

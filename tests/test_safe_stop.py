@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from proc_helpers import alive, children
+from proc_helpers import alive, children, interruptible
 
 
 def _cmdline(pid: int) -> str:
@@ -32,7 +32,8 @@ def _start(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "posttrain", "train", "--steps", "100000", "--dim", "32", "--layers",
                              "1", "--sequences", "4", "--max-len", "64", "--metrics", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=interruptible)
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # a step done: both ranks train
         assert proc.poll() is None, proc.communicate()
