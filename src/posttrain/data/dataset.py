@@ -116,23 +116,44 @@ os.register_at_fork(after_in_child=_die_with_parent)
 
 
 class _Forking:
-    """Whether this process is inside ``os.fork`` (between the first ``before`` and the last
-    ``after_in_parent`` callback; registered after logging's, so its span covers logging's lock
-    handling), and the interrupts held back meanwhile: one raised there is lost ("Exception ignored
-    in: _releaseLock") and can leave logging's lock held, so the tokenizing process's handler
-    holds it and has it sent again once the fork is done."""
+    """Interrupts around ``os.fork`` in the tokenizing process. An interrupt raised inside a fork
+    callback is lost ("Exception ignored in: ...", logging's and filelock's callbacks were both
+    seen) and can leave logging's lock held; and a worker forked while the pool stops (its
+    replacements) can take the pool's SIGTERM inside its own callbacks, under a handler it
+    inherited. So while this process tokenizes or stops, SIGINT and SIGTERM are blocked from the
+    first ``before`` callback to the last ``after_*`` one (:meth:`install` registers these after
+    every library's own, so they run outermost): the parent handles a pending one as the mask
+    comes back (the stop handler holds it and has it sent again once the fork is done); the child
+    gets it only after ``_die_with_parent`` set its own dispositions (or ended it)."""
 
     active = False
     held: list[int] = []  # noqa: RUF012 - one process's fork state, reset in every child
     #: an interrupt stops this tokenizing process: a process forked from now on ends at once
     stopping = False
+    _mask: set | None = None
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        """Register the callbacks now, after the libraries imported so far (``datasets``,
+        ``filelock``, ``multiprocess``): ``before`` callbacks run newest first, ``after_*`` ones
+        oldest first, so these enclose theirs. Once per process."""
+        if cls._installed:
+            return
+        cls._installed = True
+        os.register_at_fork(before=cls.before, after_in_parent=cls.after_in_parent, after_in_child=cls.after_in_child)
 
     @classmethod
     def before(cls) -> None:
         cls.active = True
+        if _TOKENIZING == os.getpid() or cls.stopping:
+            cls._mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
     @classmethod
     def after_in_parent(cls) -> None:
+        if cls._mask is not None:
+            mask, cls._mask = cls._mask, None
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (a pending interrupt is handled here: held)
         cls.active = False
         if cls.held:
             signum = cls.held.pop()
@@ -144,10 +165,9 @@ class _Forking:
     def after_in_child(cls) -> None:
         cls.active = False
         cls.held = []
-
-
-os.register_at_fork(before=_Forking.before, after_in_parent=_Forking.after_in_parent,
-                    after_in_child=_Forking.after_in_child)
+        if cls._mask is not None:
+            mask, cls._mask = cls._mask, None
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _encode_row(record: Any, where: str, tokenizer, train_on_prompt: bool) -> dict:
@@ -359,6 +379,7 @@ def _build_cache(path: Path, is_folder: bool, cache: Path, tokenizer, tokenizer_
                                              "train_on_prompt": train_on_prompt}
         nproc = min(num_proc, len(kwargs["shards"])) if num_proc > 1 else None
         global _TOKENIZING
+        _Forking.install()  # (datasets and its libraries are imported by now: see _Forking)
         _TOKENIZING = os.getpid()  # the workers forked now die with this process
         try:
             with _stopped_at_once(work):
