@@ -51,5 +51,7 @@ def test_split_attention_refuses_what_is_not_one_shard():
     q = torch.zeros(1, 3, 4, 8)
     with pytest.raises(ValueError, match="3 query heads are not a multiple of 2"):
         split_causal_attention(q, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.arange(4))
+    with pytest.raises(ValueError, match="give both lengths and key_positions"):
+        split_causal_attention(q, torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8), torch.arange(4), lengths=[4])
     with pytest.raises(ValueError, match="one sequence's shard"):
         split_causal_attention(q, torch.zeros(1, 3, 5, 8), torch.zeros(1, 3, 5, 8), torch.arange(4))

@@ -61,7 +61,8 @@ class _GatherRows(torch.autograd.Function):
 
 
 def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
-                           group=None, scale: float | None = None) -> torch.Tensor:
+                           group=None, scale: float | None = None, lengths: list[int] | None = None,
+                           key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's queries attending, causally, to the keys and values of the whole split sequence.
     See [Note: attention over a split sequence]. A collective over ``group``: every rank of it
     calls this at the same point with its own shard.
@@ -73,6 +74,9 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         positions: ``(t,)`` int64, the positions in the sequence of this rank's tokens.
         group: the ranks holding the sequence's shards (default: the world), in shard order.
         scale: the softmax scale (default ``head_dim ** -0.5``).
+        lengths, key_positions: every shard's token count and the positions of all of them in
+            shard order, where the caller knows them (the plan gives them to every rank); else
+            exchanged here, two more collectives a call.
 
     Returns:
         ``(1, heads, t, head_dim)``.
@@ -82,18 +86,11 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
                          f"positions {tuple(positions.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    world = dist.get_world_size(group)
-    # the shape and position exchange goes on q's device: NCCL takes device tensors only
-    count = torch.tensor([q.shape[2]], dtype=torch.int64, device=q.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)  # (shards may differ by a token)
-    lengths = [int(c) for c in counts]
-    longest = max(lengths)
-    pos = torch.full((longest,), _PAD, dtype=torch.int64, device=q.device)
-    pos[: q.shape[2]] = positions.to(q.device, torch.int64)
-    every = [torch.empty_like(pos) for _ in range(world)]
-    dist.all_gather(every, pos, group=group)
-    key_pos = torch.cat([p[:n] for p, n in zip(every, lengths)])
+    if (lengths is None) != (key_positions is None):
+        raise ValueError("give both lengths and key_positions, or neither")
+    if lengths is None:
+        lengths, key_positions = _exchange_positions(positions.to(q.device, torch.int64), group)
+    key_pos = key_positions.to(q.device)
     keys = _GatherRows.apply(k, lengths, group)
     values = _GatherRows.apply(v, lengths, group)
     if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a block of query heads
@@ -101,6 +98,21 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
     mask = positions.to(q.device)[:, None] >= key_pos[None, :]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+def _exchange_positions(positions: torch.Tensor, group) -> tuple[list[int], torch.Tensor]:
+    """Every shard's token count and every shard's positions in shard order (two all-gathers, on
+    the positions' device: NCCL takes device tensors only)."""
+    world = dist.get_world_size(group)
+    count = torch.tensor([positions.numel()], dtype=torch.int64, device=positions.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)  # (shards may differ by a token)
+    lengths = [int(c) for c in counts]
+    pos = torch.full((max(lengths),), _PAD, dtype=torch.int64, device=positions.device)
+    pos[: positions.numel()] = positions
+    every = [torch.empty_like(pos) for _ in range(world)]
+    dist.all_gather(every, pos, group=group)
+    return lengths, torch.cat([p[:n] for p, n in zip(every, lengths)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,10 +125,14 @@ class SplitShard:
             length is the first of the microbatch's ``document_lengths``).
         group: the process group of the ranks holding the sequence's shards, in shard order
             (``None``: the world).
+        lengths, key_positions: every shard's token count and all shards' positions in shard
+            order, where the caller knows them (a plan does): saves their exchange at every layer.
     """
 
     positions: torch.Tensor
     group: Any = None
+    lengths: list[int] | None = None
+    key_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 1 or self.positions.dtype != torch.int64 or self.positions.numel() < 1:
@@ -145,7 +161,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     for i, (qi, ki, vi) in enumerate(zip(q.split(document_lengths, dim=2), k.split(document_lengths, dim=2),
                                          v.split(document_lengths, dim=2))):
         if i == 0 and split is not None:
-            outs.append(split_causal_attention(qi, ki, vi, split.positions, group=split.group, scale=scale))
+            outs.append(split_causal_attention(qi, ki, vi, split.positions, group=split.group, scale=scale,
+                                               lengths=split.lengths, key_positions=split.key_positions))
             continue
         if rep > 1:
             ki, vi = ki.repeat_interleave(rep, dim=1), vi.repeat_interleave(rep, dim=1)

@@ -39,6 +39,8 @@ from posttrain.balance import (
     pack_share,
     plan_context,
     plan_minibatch,
+    shard_lengths,
+    zigzag,
 )
 from posttrain.device import allow_tf32, rank_device, rank_kind, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
@@ -195,7 +197,10 @@ def shard_loss(model: nn.Module, sample: Sample | torch.Tensor, shard: Shard, gr
     if device is not None and device.type != "cpu":
         inputs, targets, positions = (t.to(device, non_blocking=True) for t in (inputs, targets, positions))
         weights = None if weights is None else weights.to(device, non_blocking=True)
-    logits = model(inputs, document_lengths=packed.document_lengths, split=SplitShard(positions, group))
+    n, k = len(s) - 1, shard.num_shards  # (every rank knows the whole split: nothing to exchange per layer)
+    key_positions = torch.cat([torch.arange(a, b) for pair in zigzag(n, k) for a, b in pair]).to(positions.device)
+    logits = model(inputs, document_lengths=packed.document_lengths,
+                   split=SplitShard(positions, group, shard_lengths(n, k), key_positions))
     return token_loss_sum(logits, targets, weights)
 
 
