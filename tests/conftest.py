@@ -58,8 +58,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] not in FAST_MODULES:
             item.add_marker(pytest.mark.full)
-        if item.get_closest_marker("cuda") and not torch.cuda.device_count():  # (NVML: keeps pytest fork-safe)
-            item.add_marker(no_cuda)
+        if item.get_closest_marker("cuda"):  # the full tier (a GPU test may start ranks wherever it lives)
+            item.add_marker(pytest.mark.full)
+            if not torch.cuda.device_count():  # (NVML: keeps pytest fork-safe)
+                item.add_marker(no_cuda)
 
 
 @pytest.fixture(autouse=True)

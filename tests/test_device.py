@@ -106,6 +106,26 @@ def test_accelerator_ranks_are_spawned_and_get_the_launchers_device(monkeypatch)
     assert device.start_method("gloo") == "spawn"
     monkeypatch.undo()
     assert device.rank_kind("cuda") == "cuda" and device.rank_kind("cpu") == "cpu"
+
+
+def test_cpu_ranks_are_spawned_where_a_forked_child_could_not_run_autograd(monkeypatch):
+    """On a machine with a GPU, a process that ran a backward has autograd's device threads, and a
+    child forked after that cannot run autograd (seen on the GPU machine): the launcher asks a
+    forked child to run a backward and spawns where it cannot, and remembers that."""
+    monkeypatch.setattr(device, "_AUTOGRAD_FORK_BROKEN", False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # as if a GPU were there
+    assert device.start_method("gloo") == "fork"  # a child's backward runs here
+    real = torch.Tensor.backward
+
+    def refused(self, *args, **kwargs):
+        raise RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing")
+
+    monkeypatch.setattr(torch.Tensor, "backward", refused)  # what the child sees where torch refuses
+    assert device.start_method("gloo") == "spawn"
+    monkeypatch.setattr(torch.Tensor, "backward", real)
+    assert device.start_method("gloo") == "spawn"  # remembered: the threads never stop
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert device.start_method("gloo") == "spawn"
     assert device.rank_kind("auto") == "cpu"  # no process group here, or a gloo one: the CPU
 
 

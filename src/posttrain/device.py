@@ -138,10 +138,42 @@ def start_method(backend_name: str) -> str:
     """How the launcher starts ranks for ``backend_name``: ``fork`` on the CPU (no child
     re-imports torch), ``spawn`` where ranks use an accelerator (a forked child cannot use CUDA
     once its parent has touched it, which a launcher cannot rule out), and ``spawn`` for CPU ranks
-    too once this process has initialized CUDA (its autograd then runs device threads, and torch
-    refuses autograd in a child forked after that: seen on a GPU machine, a CPU run launched
-    after a CUDA one in the same process)."""
-    return "fork" if backend_name == "gloo" and not torch.cuda.is_initialized() else "spawn"
+    too where a forked child could not run autograd (:func:`autograd_survives_fork`)."""
+    if backend_name != "gloo" or torch.cuda.is_initialized():
+        return "spawn"
+    return "fork" if autograd_survives_fork() else "spawn"
+
+
+_AUTOGRAD_FORK_BROKEN = False
+
+
+def autograd_survives_fork() -> bool:
+    """Whether a child forked from this process now can run a backward. On a machine with a GPU,
+    autograd starts a thread per device at this process's first backward (a CPU one too), and torch
+    then refuses autograd in any child forked later ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing": seen on the GPU machine, a CPU run launched after
+    a test had run a backward in the same process). Torch does not say whether those threads have
+    started, so where a GPU is present this forks a child that runs a one-element backward and
+    exits, and asks its exit status (once broken, it stays broken: remembered). Without a GPU
+    there are no device threads: no child."""
+    global _AUTOGRAD_FORK_BROKEN
+    if _AUTOGRAD_FORK_BROKEN:
+        return False
+    if not torch.cuda.device_count():  # (NVML where it can: does not initialize CUDA)
+        return True
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 if a backward runs
+        code = 1
+        try:
+            x = torch.ones(1, requires_grad=True)
+            (x * 2).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        _AUTOGRAD_FORK_BROKEN = True
+    return not _AUTOGRAD_FORK_BROKEN
 
 
 def rank_kind(device: str) -> str:

@@ -42,7 +42,8 @@ from posttrain.balance import (
     shard_lengths,
     zigzag,
 )
-from posttrain.device import allow_tf32, rank_device, rank_kind, synchronize, use
+from posttrain.device import (allow_tf32, max_memory_allocated, rank_device, rank_kind, reset_peak_memory,
+                              synchronize, use)
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
 from posttrain.models.lora import add_lora, check_model_targets, write_model
@@ -316,6 +317,7 @@ class SFTTrainer(Trainer):
         total = sum(plan.rank_tokens)
         units = loss_units(seqs, range(len(seqs)), cfg.loss_agg)
         dist.barrier()  # step start, outside any minibatch
+        reset_peak_memory(self.device)
         t0 = time.perf_counter()
         rec.clear()  # keep one step's spans: the timeline shows the last step
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -351,11 +353,13 @@ class SFTTrainer(Trainer):
             synchronize(self.device)  # once a step: the step's time includes its queued kernels
         rec.resolve()  # (device-timed spans: their kernels have run)
         busy = time.perf_counter() - t0
+        peak = max_memory_allocated(self.device)  # this rank's, over the step (None on the CPU)
         comm = sum(rec.total(k) for k in COMM_KINDS)
         own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
                "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
                "microbatches": len(mine) + len(shards),
-               "rank_tokens": sum(m.num_tokens for m in mine) + sum(sh.num_tokens for sh in shards)}
+               "rank_tokens": sum(m.num_tokens for m in mine) + sum(sh.num_tokens for sh in shards),
+               "peak_memory_gib": float("nan") if peak is None else peak / 2**30}
         col = self._stats = gather_step_stats(own, world_size)
         step_time = float(col["busy_s"].max())
         # What a stopwatch sees: the time since the previous step ended (its metrics, checkpoint
@@ -374,6 +378,7 @@ class SFTTrainer(Trainer):
             "lr": recipe["lr"], "grad_norm": recipe["grad_norm"], "skipped_update": recipe["skipped_update"],
             "epoch": (step + 1) * cfg.sequences / self.data.num_sequences if self.data.num_sequences else None,
             "mfu": sum(self.cost(len(s) - 1) for s in seqs) / wall / (self.peak_tflops * 1e12 * world_size),
+            "peak_memory_gib": None if peak is None else peak / 2**30,  # this rank's, over the step
         }
         if self.eval_samples and cfg.due(step, cfg.eval_every):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
@@ -387,7 +392,7 @@ class SFTTrainer(Trainer):
                 self._groups[g] = dist.new_group(list(g))
 
     #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
-    OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens")
+    OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens", "peak_memory_gib")
 
     def every_rank_rows(self, row: dict) -> list[dict]:
         """Every rank's row from the step's gathered stats (what each rank measured), without a
@@ -396,6 +401,8 @@ class SFTTrainer(Trainer):
         for r in range(self.world_size):
             own = {k: (int(col[k][r]) if k in ("microbatches", "rank_tokens") else float(col[k][r]))
                    for k in self.OWN_FIELDS}
+            if own["peak_memory_gib"] != own["peak_memory_gib"]:  # NaN: the CPU keeps no peak
+                own["peak_memory_gib"] = None
             out.append({**row, "rank": r, **own, "wait_s": row["step_time_s"] - own["compute_s"] - own["optimizer_s"],
                         "utilization": own["compute_s"] / row["step_time_s"]})
         return out

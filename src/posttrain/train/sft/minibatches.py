@@ -144,11 +144,17 @@ class TrainData:
             lengths = profile_lengths(cfg.profile, cfg.sequences, max_len=cfg.max_len, seed=seed)
             return [Sample(s) for s in synthetic_sequences([n + 1 for n in lengths], vocab_size=SYNTHETIC_VOCAB,
                                                            seed=seed)]
-        n, records = len(self._index), []
-        for pos in range(step * cfg.sequences, (step + 1) * cfg.sequences):
-            epoch, i = divmod(pos, n)
-            records.append(int(self._index[int(self._permutation(epoch)[i])]))
-        return [Sample(ids, labels) for ids, labels in self.dataset.examples(records, max_len=cfg.max_tokens + 1)]
+        return [Sample(ids, labels) for ids, labels in self.dataset.examples(self.record_ids(step),
+                                                                             max_len=cfg.max_tokens + 1)]
+
+    def record_ids(self, step: int) -> list[int]:
+        """The data file's records (0-based, in the file's order) that step ``step`` trains on, in
+        its order (for a comparison that must feed another trainer the same sequences)."""
+        if self.dataset is None:
+            raise ValueError("synthetic data has no records")
+        n, cfg = len(self._index), self.cfg
+        return [int(self._index[int(self._permutation(epoch)[i])])
+                for epoch, i in (divmod(pos, n) for pos in range(step * cfg.sequences, (step + 1) * cfg.sequences))]
 
 
 def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model_vocab: int | None, log,
