@@ -10,6 +10,14 @@
 #                                                          two CPU benchmarks beside it on cores 4-15 and
 #                                                          the doctor on 0-3; with none (the default) the
 #                                                          doctor on every core
+#   bash scripts/gpu-verify.sh trl                     (c) posttrain against TRL's SFTTrainer on the GPU
+#                                                          (lab/bench/trl_sft.py: a 1.1B Llama, the same
+#                                                          records, order and update; TRL one record a
+#                                                          forward and 4 padded, posttrain flat ODC and
+#                                                          FSDP2; 2 rounds of 8 steps; a profile of one
+#                                                          TRL step). About 7 minutes on an H100 with
+#                                                          checkpointing off; TRL_CHECKPOINTING=on for the
+#                                                          second half (slower: TRL took 7 s a step)
 #   bash scripts/gpu-verify.sh --dry-run [tests|measure]   here, on the CPU: the plan, the tests (a) would
 #                                                          run and the time expected from the last recorded
 #                                                          durations (scripts/gpu-durations.txt)
@@ -20,6 +28,8 @@
 #   tests.txt      (a) pytest's log with --durations; durations.txt the per-test seconds, to commit as
 #                  scripts/gpu-durations.txt so that the next run is planned from them
 #   doctor.txt     (b) the doctor's log; gpu-report.md its report; bench_*.txt the CPU benchmarks
+#   trl_sft.txt    (c) the comparison's table and losses; trl_sft.json its figures; trl_profile.txt
+#                  the profile of TRL's last step
 # Environment: OUT, PART_TIMEOUT (seconds for the part, default 460), TEST_TIMEOUT (per test, default
 #   120), WORKERS (pytest-xdist workers for (a), default 3; 0: one process), PROFILE (odc benchmarks'
 #   length profile, default long_tail), DOCTOR_ARGS, PY.
@@ -28,8 +38,8 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 PART=${1:-}
 case $PART in
-  tests|measure) ;;
-  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]" >&2; exit 2 ;;
+  tests|measure|trl) ;;
+  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]|trl" >&2; exit 2 ;;
 esac
 BENCHES=${2:-none}
 case $BENCHES in
@@ -44,8 +54,13 @@ WORKERS=${WORKERS:-3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 
+TRL_ARGS="--dir ${TRL_DIR:-/tmp/trl_sft} --variants trl,trl:4,odc,fsdp --rounds 2 --steps 8 --warmup 2 --timeout 150 --checkpointing ${TRL_CHECKPOINTING:-off}"
 if [ "$DRY" = 1 ]; then
   echo "gpu-verify (dry run) of part '$PART' on this machine; on the GPU machine it would:"
+  if [ "$PART" = trl ]; then
+    echo "  - run python -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile \$OUT/trl_profile.txt, cut at $PART_TIMEOUT s"
+    exit 0
+  fi
   echo "  - install .whl/*.whl into /tmp/site ($(ls .whl/*.whl 2>/dev/null | wc -l) wheels here; make them with scripts/gpu_wheels.py)"
   if [ "$PART" = tests ]; then
     echo "  - run pytest -m cuda with $WORKERS workers, $TEST_TIMEOUT s a test, the part cut at $PART_TIMEOUT s:"
@@ -87,6 +102,9 @@ for line in open(sys.argv[1]):
 for test, s in sorted(total.items()):
     print(f"{s:.1f} {test}")
 EOF
+elif [ "$PART" = trl ]; then
+  timeout "$PART_TIMEOUT" $PY -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile "$OUT/trl_profile.txt" \
+    --out "$OUT/trl_sft.json" 2>&1 | tee "$OUT/trl_sft.txt" || rc=$?
 else
   if [ "$cores" -ge 16 ] && [ "$BENCHES" != none ]; then
     GPU_CORES=0-3

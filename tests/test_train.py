@@ -92,32 +92,6 @@ def test_odc_engines_on_cuda_follow_the_cpu_loss_curve(engine):
 
 
 @pytest.mark.cuda
-def test_odc_on_fsdp2_with_two_ranks_sharing_a_gpu_over_gloo(monkeypatch, tmp_path):
-    """ODC on FSDP2's one-sided path on a one-GPU machine: two ranks share the GPU over gloo (its
-    gathers and adds go through the device transport, FSDP2's own collectives are replaced), with
-    an evaluation (FSDP2's own gathers) and an export, against the CPU run. The launcher refuses
-    this today (one rank per GPU for FSDP2 engines); the test lifts that refusal to find out
-    whether the engine may share a GPU as flat ODC does."""
-    from posttrain.dp.fsdp import ODCOnFSDP2Engine
-
-    monkeypatch.setattr(ODCOnFSDP2Engine, "device_sharing", True)
-    gen = torch.Generator().manual_seed(0)
-    for name, n in (("train.jsonl", 12), ("eval.jsonl", 4)):
-        with open(tmp_path / name, "w") as f:
-            for i in range(n):
-                length = int(torch.randint(8, 48, (1,), generator=gen))
-                f.write(json.dumps({"input_ids": torch.randint(0, 64, (length,), generator=gen).tolist()}) + "\n")
-    cfg = replace(BASE, engine=E("odc-fsdp2"), balance="diff_micro", model="llama", vocab_size=64,
-                  data=str(tmp_path / "train.jsonl"), eval_data=str(tmp_path / "eval.jsonl"), eval_every=3)
-    want = run_training(replace(cfg, device="cpu"), world_size=2, quiet=True)
-    got = run_training(replace(cfg, device="cuda", output_dir=str(tmp_path / "out")), world_size=2, quiet=True)
-    assert [r["loss"] for r in got[0]["metrics"]] == pytest.approx([r["loss"] for r in want[0]["metrics"]], rel=1e-3)
-    assert got[0]["metrics"][-1]["eval_loss"] == pytest.approx(want[0]["metrics"][-1]["eval_loss"], rel=1e-3)
-    assert all(row["comm_s"] > 0 for r in got for row in r["metrics"] if row["microbatches"])
-    assert (tmp_path / "out" / "config.json").exists()
-
-
-@pytest.mark.cuda
 def test_flat_odc_on_cuda_checkpoints_and_resumes(tmp_path):
     """Flat ODC's sharded checkpoint from GPU memory (2 ranks, sharing a GPU where there is one)
     resumes to the uninterrupted curve."""

@@ -18,13 +18,20 @@ Each variant runs as its own process for ``--steps`` optimizer steps of ``--sequ
 
 - ``trl``: ``SFTTrainer`` on the pre-tokenized records (``skip_prepare_dataset``), bf16 autocast
   over fp32 weights, AdamW (transformers' default, fused), a constant learning rate, the loss over
-  the step's trained tokens (transformers' ``num_items_in_batch``). Without flash attention (the
+  the step's trained tokens (transformers' ``num_items_in_batch``), and what TRL adds by itself:
+  its log-probabilities through a chunked LM head that also yields the entropy and token accuracy
+  it logs each step. Without flash attention (the
   GPU image has none) TRL cannot run padding-free or packed (both need varlen attention kernels);
   what its docs leave is a padded batch, so it runs ``--trl-batch`` records a forward (1: no
-  padding; more: padded to the batch's longest) and accumulates ``sequences / trl-batch`` of them.
+  padding; more: padded to the batch's longest) and accumulates ``sequences / trl-batch`` of them;
+  a variant ``trl:N`` runs N records a forward beside it.
 - ``odc`` / ``fsdp``: ``posttrain train`` at world size 1, bf16 (fp32 master weights and
   gradients), the records packed into microbatches of at most ``--max-tokens`` tokens (4096) with
   varlen attention between packed sequences (no padding).
+
+``--checkpointing on|off`` (default off) sets activation checkpointing in both: TRL's ``SFTConfig``
+turns it on unless told otherwise, posttrain leaves it off unless asked. ``--profile FILE`` writes
+torch's profile of TRL's last step (operators by self time), to find where its step goes.
 
 Times are by stopwatch: a step lasts from the end of the one before (data, logging, everything) to
 its own end after a device synchronization; tokens/s count the records' tokens (no padding) over
@@ -116,8 +123,11 @@ def _records(directory: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def run_trl(directory: str, order: list[list[int]], out: str, *, lr: float, batch: int, device: str) -> None:
-    """One TRL run (in its own process): per-step stopwatch times, losses, peak memory."""
+def run_trl(directory: str, order: list[list[int]], out: str, *, lr: float, batch: int, device: str,
+            checkpointing: bool, profile: str | None = None) -> None:
+    """One TRL run (in its own process): per-step stopwatch times, losses, peak memory; with
+    ``profile``, torch's profiler over the last step, its operators by self device time (CPU time
+    without a GPU) written there."""
     import torch
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
@@ -144,8 +154,19 @@ def run_trl(directory: str, order: list[list[int]], out: str, *, lr: float, batc
             reset_peak_memory(dev)
             self.last = time.perf_counter()
 
+        def on_step_begin(self, args, state, control, **kw):
+            if profile and state.global_step == len(order) - 1:
+                self.prof = torch.profiler.profile(record_shapes=False)
+                self.prof.__enter__()
+
         def on_step_end(self, args, state, control, **kw):
             synchronize(dev)
+            if getattr(self, "prof", None) is not None:
+                self.prof.__exit__(None, None, None)
+                key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+                with open(profile, "w") as f:
+                    f.write(self.prof.key_averages().table(sort_by=key, row_limit=40))
+                self.prof = None
             peak = max_memory_allocated(dev)
             peaks.append(None if peak is None else peak / 2**30)
             reset_peak_memory(dev)
@@ -167,7 +188,7 @@ def run_trl(directory: str, order: list[list[int]], out: str, *, lr: float, batc
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no", report_to="none", seed=0,
         max_length=None, packing=False, padding_free=False, dataset_kwargs={"skip_prepare_dataset": True},
-        disable_tqdm=True, dataloader_drop_last=False,
+        disable_tqdm=True, dataloader_drop_last=False, gradient_checkpointing=checkpointing,
     )
     trainer = InOrder(model=model, args=args, train_dataset=dataset,
                       processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()])
@@ -185,9 +206,12 @@ def _run(cmd: list[str], timeout: float) -> None:
 
 def _variant(name: str, a, order_file: str, out: str) -> dict:
     d = a.dir
-    if name == "trl":
+    if name == "trl" or name.startswith("trl:"):  # trl:N: N records a forward, padded to the longest
+        batch = int(name.split(":")[1]) if ":" in name else a.trl_batch
         _run([sys.executable, "-m", "posttrain.lab.bench.trl_sft", "trl", "--dir", d, "--order", order_file,
-              "--out", out, "--lr", str(a.lr), "--trl-batch", str(a.trl_batch), "--device", a.device], a.timeout)
+              "--out", out, "--lr", str(a.lr), "--trl-batch", str(batch), "--device", a.device,
+              "--checkpointing", a.checkpointing]
+             + (["--profile", a.profile] if a.profile and name == "trl" and out.endswith("_r0.json") else []), a.timeout)
         with open(out) as f:
             return json.load(f)
     metrics = out + ".jsonl"
@@ -197,7 +221,8 @@ def _variant(name: str, a, order_file: str, out: str) -> dict:
           "--model-path", os.path.join(d, "model"), "--dp", name, "--world-size", "1", "--device", a.device,
           "--precision", "bf16" if a.device == "cuda" else "fp32", "--sequences", str(a.sequences),
           "--max-tokens", str(a.max_tokens), "--steps", str(a.steps), "--lr", str(a.lr), "--max-grad-norm", "1.0",
-          "--balance", "diff_micro", "--metrics", metrics, "--seed", "0"], a.timeout)
+          "--balance", "diff_micro", "--metrics", metrics, "--seed", "0"]
+         + (["--activation-checkpointing"] if a.checkpointing == "on" else []), a.timeout)
     rows = [json.loads(line) for line in open(metrics)]
     rows = [r for r in rows if "step" in r and r.get("rank", 0) == 0]
     return {"step_s": [r["wall_s"] for r in rows], "losses": [r["loss"] for r in rows],
@@ -246,7 +271,7 @@ def compare(a) -> dict:
     variants = [v for v in variants if v not in failed]
     measured = _matmul_tflops(a.device)
     timed = range(a.warmup, a.steps)
-    result = {"preset": a.preset,
+    result = {"preset": a.preset, "checkpointing": a.checkpointing,
               "sequences": a.sequences, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
               "tokens_per_step": statistics.mean(tokens[s] for s in timed), "peak_tflops": a.peak_tflops,
               "matmul_tflops": measured, "variants": {}, "failed": failed}
@@ -267,7 +292,8 @@ def compare(a) -> dict:
 def report(res: dict) -> str:
     base = res["variants"].get("trl")
     lines = [f"{res['preset']} Llama, {res['sequences']} records a step ({res['tokens_per_step']:.0f} tokens), "
-             f"{res['steps']} steps ({res['warmup']} warm-up), {res['rounds']} rounds; bf16 matmul measured "
+             f"{res['steps']} steps ({res['warmup']} warm-up), {res['rounds']} rounds, activation checkpointing "
+             f"{res['checkpointing']} in both; bf16 matmul measured "
              + (f"{res['matmul_tflops']:.0f} TFLOP/s" if res["matmul_tflops"] else "n/a"), "",
              "| variant | tokens/s (median) | range | vs TRL | TFLOP/s | MFU (stated peak) | MFU (measured matmul) "
              "| peak GiB |", "|---|---|---|---|---|---|---|---|"]
@@ -311,12 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--checkpointing", choices=("off", "on"), default="off",
+                   help="activation checkpointing in both (TRL's SFTConfig defaults to on, posttrain to off)")
+    p.add_argument("--profile", help="write a profile of TRL's last step (operators by self time) to this file")
     p.add_argument("--order")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if a.what == "trl":
         with open(a.order) as f:
-            run_trl(a.dir, json.load(f), a.out, lr=a.lr, batch=a.trl_batch, device=a.device)
+            run_trl(a.dir, json.load(f), a.out, lr=a.lr, batch=a.trl_batch, device=a.device,
+                    checkpointing=a.checkpointing == "on", profile=a.profile)
         return 0
     if not 0 <= a.warmup < a.steps:
         p.error(f"--warmup {a.warmup} must be below --steps {a.steps}")

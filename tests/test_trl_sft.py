@@ -1,0 +1,29 @@
+"""posttrain against TRL's SFTTrainer: the comparison's plumbing on the CPU (the figures come from a GPU:
+docs/results.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_the_trl_comparison_feeds_both_trainers_the_same_records_and_update(tmp_path):
+    """posttrain against TRL's SFTTrainer (lab/bench/trl_sft.py), on the CPU at a tiny size: the
+    same records in posttrain's order, the same optimizer and loss normalization, so the losses
+    of TRL (one record a forward, and two padded) and of posttrain's flat ODC agree (fp32); a variant that fails is reported, not fatal;
+    the profile of TRL's last step is written."""
+    import json
+
+    from posttrain.lab.bench import trl_sft
+
+    out = tmp_path / "res.json"
+    rc = trl_sft.main(["compare", "--dir", str(tmp_path / "d"), "--preset", "tiny", "--device", "cpu", "--steps", "3",
+                       "--warmup", "1", "--rounds", "1", "--records", "24", "--max-len", "256", "--max-tokens", "256",
+                       "--sequences", "4", "--variants", "trl,trl:2,odc,nosuch", "--profile", str(tmp_path / "prof.txt"),
+                       "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    trl, odc = res["variants"]["trl"]["losses"], res["variants"]["odc"]["losses"]
+    assert len(trl) == len(odc) == 3 and trl == pytest.approx(odc, rel=1e-5)
+    assert res["variants"]["trl:2"]["losses"] == pytest.approx(odc, rel=1e-5)  # padded two a forward
+    assert list(res["failed"]) == ["nosuch"]
+    assert "Self CPU" in (tmp_path / "prof.txt").read_text()
