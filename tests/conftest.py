@@ -47,8 +47,8 @@ def cli(capsys):
 #: The fast tier: single-process tests of pure functions (schedules, balancing, simulation, data,
 #: layout), under a minute in all. Every other module, and a test marked ``full`` in these, is the
 #: full tier (multi-process parity, command-line runs, benchmarks). ``make test`` runs both.
-FAST_MODULES = {"test_balance", "test_data", "test_data_formats", "test_device", "test_layout", "test_packing",
-                "test_pipeline_schedules", "test_sim"}
+FAST_MODULES = {"test_balance", "test_data", "test_data_formats", "test_device", "test_layout", "test_packed_attention",
+                "test_packing", "test_pipeline_schedules", "test_sim"}
 
 
 def pytest_collection_modifyitems(config, items):

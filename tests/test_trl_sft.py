@@ -9,8 +9,8 @@ import pytest
 def test_the_trl_comparison_feeds_both_trainers_the_same_records_and_update(tmp_path):
     """posttrain against TRL's SFTTrainer (lab/bench/trl_sft.py), on the CPU at a tiny size: the
     same records in posttrain's order, the same optimizer and loss normalization, so the losses
-    of TRL (one record a forward, and two padded) and of posttrain's flat ODC agree (fp32); a variant that fails is reported, not fatal;
-    the profile of TRL's last step is written."""
+    of TRL (one record a forward, and two padded) and of posttrain's flat ODC agree (fp32); a
+    variant that fails is reported, not fatal; the profile of TRL's last step is written."""
     import json
 
     from posttrain.lab.bench import trl_sft
@@ -18,8 +18,8 @@ def test_the_trl_comparison_feeds_both_trainers_the_same_records_and_update(tmp_
     out = tmp_path / "res.json"
     rc = trl_sft.main(["compare", "--dir", str(tmp_path / "d"), "--preset", "tiny", "--device", "cpu", "--steps", "3",
                        "--warmup", "1", "--rounds", "1", "--records", "24", "--max-len", "256", "--max-tokens", "256",
-                       "--sequences", "4", "--variants", "trl,trl:2,odc,nosuch", "--profile", str(tmp_path / "prof.txt"),
-                       "--out", str(out)])
+                       "--sequences", "4", "--variants", "trl,trl:2,odc,nosuch",
+                       "--profile", str(tmp_path / "prof.txt"), "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     trl, odc = res["variants"]["trl"]["losses"], res["variants"]["odc"]["losses"]

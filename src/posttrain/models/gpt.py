@@ -63,8 +63,10 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             # Per-sequence causal attention: exact, and sum(n_i^2) work instead of the (sum n_i)^2
-            # a block-diagonal mask would cost; a split first sequence over its whole sequence.
-            y = packed_attention(q, k, v, document_lengths, split)
+            # a block-diagonal mask would cost; a split first sequence over its whole sequence. One
+            # call per sequence: the benchmarks in docs/results.md measured GPT so (batching sequences
+            # of similar length, as transformers models do here, waits for their rerun).
+            y = packed_attention(q, k, v, document_lengths, split, batch=False)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
 

@@ -28,7 +28,7 @@ import torch.nn as nn
 from posttrain._files import replace_dir, work_dir
 
 from .gpt import packed_positions
-from .split_attention import HF_ATTENTION, SplitShard, hf_packing, use_split_attention
+from .split_attention import HF_ATTENTION, SplitShard, hf_packing, packed_call, use_split_attention
 
 __all__ = ["HFCausalLM", "check_model_dir", "load_pretrained", "save_pretrained", "tied_names"]
 
@@ -63,9 +63,11 @@ class HFCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None,
                 split: SplitShard | None = None) -> torch.Tensor:
         """Logits for ``tokens``; ``document_lengths`` and ``split`` as :meth:`posttrain.models.GPT.forward`
-        takes them. A ``split`` first switches the model to posttrain's registered attention
-        (:func:`~posttrain.models.split_attention.use_split_attention`); from then on every packed
-        call attends per sequence through it."""
+        takes them. Packed input goes through posttrain's registered attention
+        (:func:`~posttrain.models.split_attention.use_split_attention`), which attends per sequence
+        (:func:`~posttrain.models.split_attention.packed_attention`: about ``sum(n_i^2)`` work, where
+        ``transformers``' SDPA with packed position ids builds a block-diagonal mask over the whole
+        microbatch, ``(sum n_i)^2``); calls without ``document_lengths`` keep ``transformers``' SDPA."""
         t = tokens.shape[1]
         limit = self.max_positions or t
         if document_lengths is None:
@@ -78,11 +80,11 @@ class HFCausalLM(nn.Module):
             if tokens.shape[0] != 1:
                 raise ValueError(f"packed input must have batch size 1, got {tokens.shape[0]}")
             pos = packed_positions(document_lengths, t, limit, tokens.device, split)
-            if split is not None:
-                use_split_attention(self.hf)
+            use_split_attention(self.hf)
             if getattr(self.hf.config, "_attn_implementation", None) == HF_ATTENTION:
-                return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False,
-                               posttrain_packing=hf_packing(document_lengths, split)).logits
+                with packed_call():
+                    return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False,
+                                   posttrain_packing=hf_packing(document_lengths, split)).logits
         return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False).logits
 
 

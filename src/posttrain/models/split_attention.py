@@ -21,6 +21,9 @@ values per layer at a time.
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 
 from posttrain._compat import all_gather_single, reduce_scatter_single
 
-__all__ = ["HF_ATTENTION", "SplitShard", "packed_attention", "split_causal_attention", "use_split_attention"]
+__all__ = ["HF_ATTENTION", "SplitShard", "packed_attention", "packed_call", "split_causal_attention",
+           "use_split_attention"]
 
 #: The position of padding rows: no query attends to it (no query's position is this large).
 _PAD = torch.iinfo(torch.int64).max
@@ -149,25 +153,87 @@ def check_split(document_lengths: list[int] | None, split: SplitShard | None) ->
                          f"(document_lengths {document_lengths})")
 
 
+#: A packed sequence joins a padded batch whose longest sequence is ``L`` tokens when padding it to
+#: ``L`` at most doubles its attention work (``L^2 <= PAD_WASTE * n^2``), or when ``L`` is at most
+#: :data:`SHORT` tokens (then a call's fixed cost outweighs any padding).
+PAD_WASTE = 2.0
+SHORT = 64
+
+
+def _length_groups(lengths: list[int]) -> list[list[int]]:
+    """Sequence indices in groups that run as one padded batch each, longest first (see
+    :data:`PAD_WASTE` and :data:`SHORT`)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        top = lengths[groups[-1][0]] if groups else None
+        if top is not None and (top <= SHORT or top * top <= PAD_WASTE * lengths[i] ** 2):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _batched_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], lengths: list[int],
+                    scale: float | None) -> torch.Tensor:
+    """Causal attention of several packed sequences as one batch, each right-padded to the longest:
+    ``(1, heads, t, d)`` tensors in, ``(heads, sum(lengths), d)`` of these sequences' rows out (in the
+    order given). A padding row repeats a real one, sits after every real row of its sequence, so
+    causally no real query sees it, and its own output is dropped: values and gradients are exact."""
+    longest = max(lengths)
+    steps = torch.arange(longest, device=q.device)
+    rows = torch.tensor(starts, device=q.device).unsqueeze(1) + torch.minimum(
+        steps.unsqueeze(0), torch.tensor(lengths, device=q.device).unsqueeze(1) - 1)  # (n, longest)
+    flat = rows.reshape(-1)
+
+    def batch(x: torch.Tensor) -> torch.Tensor:  # (1, h, t, d) -> (n, h, longest, d)
+        return x[0].index_select(1, flat).unflatten(1, rows.shape).transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=scale)
+    keep = torch.cat([torch.arange(n, device=q.device) + j * longest for j, n in enumerate(lengths)])
+    return out.transpose(0, 1).flatten(1, 2).index_select(1, keep)
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_lengths: list[int],
-                     split: SplitShard | None = None, *, scale: float | None = None) -> torch.Tensor:
+                     split: SplitShard | None = None, *, scale: float | None = None,
+                     batch: bool = True) -> torch.Tensor:
     """Causal attention per packed sequence (never across), ``(1, heads, t, d)`` queries against
     ``(1, kv_heads, t, d)`` keys and values; the first sequence over its whole split sequence
-    where ``split`` is given (a collective over ``split.group``). Costs ``sum(n_i^2)``, not the
-    ``(sum n_i)^2`` of a block-diagonal mask."""
+    where ``split`` is given (a collective over ``split.group``). Costs about ``sum(n_i^2)``, not the
+    ``(sum n_i)^2`` of a block-diagonal mask: with ``batch``, sequences of similar length run
+    together as one padded batch (:func:`_length_groups`), a sequence far longer than the rest on
+    its own; without, one call per sequence."""
     check_split(document_lengths, split)
     rep = q.shape[1] // k.shape[1]
-    outs = []
-    for i, (qi, ki, vi) in enumerate(zip(q.split(document_lengths, dim=2), k.split(document_lengths, dim=2),
-                                         v.split(document_lengths, dim=2))):
-        if i == 0 and split is not None:
-            outs.append(split_causal_attention(qi, ki, vi, split.positions, group=split.group, scale=scale,
-                                               lengths=split.lengths, key_positions=split.key_positions))
+    kv_heads = k, v  # (the split sequence's exchange moves these)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    starts = [0]
+    for n in document_lengths[:-1]:
+        starts.append(starts[-1] + n)
+    first = 0
+    pieces: dict[int, torch.Tensor] = {}  # sequence index -> (heads, n, d)
+    if split is not None:
+        n = document_lengths[0]
+        pieces[0] = split_causal_attention(q[:, :, :n], kv_heads[0][:, :, :n], kv_heads[1][:, :, :n], split.positions,
+                                           group=split.group, scale=scale,
+                                           lengths=split.lengths, key_positions=split.key_positions)[0]
+        first = 1
+    rest = list(range(first, len(document_lengths)))
+    groups = _length_groups([document_lengths[i] for i in rest]) if batch else [[j] for j in range(len(rest))]
+    for group in groups:
+        members = [rest[j] for j in group]
+        if len(members) == 1:
+            i = members[0]
+            a, n = starts[i], document_lengths[i]
+            pieces[i] = F.scaled_dot_product_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n],
+                                                       is_causal=True, scale=scale)[0]
             continue
-        if rep > 1:
-            ki, vi = ki.repeat_interleave(rep, dim=1), vi.repeat_interleave(rep, dim=1)
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale))
-    return torch.cat(outs, dim=2)
+        lens = [document_lengths[i] for i in members]
+        out = _batched_causal(q, k, v, [starts[i] for i in members], lens, scale)
+        for i, o in zip(members, out.split(lens, dim=1)):
+            pieces[i] = o
+    return torch.cat([pieces[i] for i in range(len(document_lengths))], dim=1).unsqueeze(0)
 
 
 #: The name under which :func:`use_split_attention` registers posttrain's attention with ``transformers``.
@@ -196,14 +262,38 @@ def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.
     return out.transpose(1, 2).contiguous(), None
 
 
+#: Set while a packed call runs (:func:`packed_call`): its attention needs no mask.
+_PACKED_CALL = contextvars.ContextVar("posttrain_packed_call", default=False)
+
+
+@contextmanager
+def packed_call() -> Iterator[None]:
+    """Around a ``transformers`` model's packed forward: the mask function registered under
+    ``"posttrain"`` returns no mask, since :func:`packed_attention` attends per sequence (left to
+    ``transformers``, packed position ids build a ``t x t`` block-diagonal mask the attention would
+    ignore)."""
+    token = _PACKED_CALL.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_CALL.reset(token)
+
+
+def _hf_mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
+
+
 def use_split_attention(hf_model) -> None:
     """Point a ``transformers`` model's attention at :func:`packed_attention` (registered as
-    ``"posttrain"``, with ``transformers``' SDPA mask for unpacked calls). Idempotent."""
+    ``"posttrain"``, with ``transformers``' SDPA mask for unpacked calls and none inside
+    :func:`packed_call`). Idempotent."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(HF_ATTENTION, _hf_mask)
     if getattr(hf_model.config, "_attn_implementation", None) == HF_ATTENTION:
         return
     if hasattr(hf_model, "set_attn_implementation"):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.device import backend, check_world, device_count, rank_device, shares_devices, use
-from posttrain.launch import run_job
+from posttrain.launch import end_process_groups, run_job
 
 from .checkpoint import check_resumable
 from .config import RunConfig
@@ -211,4 +211,4 @@ def launch(worker: Callable[..., Any], world_size: int, *args: Any, device: str 
         dist.gather_object(mine, every, dst=0)
         return every
     finally:
-        dist.destroy_process_group()
+        end_process_groups()

@@ -42,8 +42,7 @@ from posttrain.balance import (
     shard_lengths,
     zigzag,
 )
-from posttrain.device import (allow_tf32, max_memory_allocated, rank_device, rank_kind, reset_peak_memory,
-                              synchronize, use)
+from posttrain.device import allow_tf32, max_memory_allocated, rank_device, rank_kind, reset_peak_memory, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
 from posttrain.models.lora import add_lora, check_model_targets, write_model
