@@ -238,9 +238,10 @@ def _failing_member(rank, world, cfg):
 
 
 def test_a_failing_group_member_ends_the_step_on_every_rank_naming_the_peer():
-    """Rank 1 fails before its shard's exchange while rank 0 waits in it: rank 0 ends in seconds
-    with ODC's PeerFailedError carrying rank 1's message and naming the split sequence, not a
-    broken connection or a hang."""
+    """Rank 1 fails before its shard's exchange: rank 0 ends in seconds with ODC's PeerFailedError
+    carrying rank 1's message, not a broken connection or a hang; naming the split sequence where
+    rank 0 met the failure in the exchange. (Rank 1 may fail before rank 0 has left the minibatch's
+    entry barrier, which both passed: rank 0 then meets it there, seen once on a loaded machine.)"""
     import time
     from dataclasses import replace
 
@@ -257,4 +258,5 @@ def test_a_failing_group_member_ends_the_step_on_every_rank_naming_the_peer():
     errors = info.value.errors
     assert "bad shard on rank 1" in errors[1]
     assert "PeerFailedError" in errors[0] and "bad shard on rank 1" in errors[0], errors[0]
-    assert "split sequence" in errors[0] and "with ranks [0, 1]" in errors[0], errors[0]
+    at_entry = "in _enter" in errors[0] and "split sequence" not in errors[0]
+    assert at_entry or ("split sequence" in errors[0] and "with ranks [0, 1]" in errors[0]), errors[0]
