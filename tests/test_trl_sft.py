@@ -26,4 +26,5 @@ def test_the_trl_comparison_feeds_both_trainers_the_same_records_and_update(tmp_
     assert len(trl) == len(odc) == 3 and trl == pytest.approx(odc, rel=1e-5)
     assert res["variants"]["trl:2"]["losses"] == pytest.approx(odc, rel=1e-5)  # padded two a forward
     assert list(res["failed"]) == ["nosuch"]
+    assert res["variants"]["trl"]["vs_trl"] == [1.0, 1.0, 1.0] and res["variants"]["odc"]["vs_trl"][0] > 0
     assert "Self CPU" in (tmp_path / "prof.txt").read_text()

@@ -113,8 +113,6 @@ def end_process_groups() -> None:
     then, and a process ended that way sometimes aborts ("terminate called without an active
     exception": seen in 1 of about 40 runs of examples/engines.py under torchrun, after every loss
     had printed). Collecting the cycles first frees them while the interpreter still runs."""
-    import torch.distributed as dist
-
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -152,8 +150,9 @@ def _rank_main(
     except BaseException:
         status, payload = "error", traceback.format_exc().encode()
     finally:
-        try:
-            end_process_groups()
+        try:  # (no teardown follows here: the rank ends with os._exit, so the groups need no collection first)
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception:
             pass
     if os.getppid() != parent:  # the launcher died (a peer's failure may end this rank before the

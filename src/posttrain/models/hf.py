@@ -28,7 +28,7 @@ import torch.nn as nn
 from posttrain._files import replace_dir, work_dir
 
 from .gpt import packed_positions
-from .split_attention import HF_ATTENTION, SplitShard, hf_packing, packed_call, use_split_attention
+from .split_attention import SplitShard, hf_packing, packed_call, use_split_attention
 
 __all__ = ["HFCausalLM", "check_model_dir", "load_pretrained", "save_pretrained", "tied_names"]
 
@@ -81,10 +81,9 @@ class HFCausalLM(nn.Module):
                 raise ValueError(f"packed input must have batch size 1, got {tokens.shape[0]}")
             pos = packed_positions(document_lengths, t, limit, tokens.device, split)
             use_split_attention(self.hf)
-            if getattr(self.hf.config, "_attn_implementation", None) == HF_ATTENTION:
-                with packed_call():
-                    return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False,
-                                   posttrain_packing=hf_packing(document_lengths, split)).logits
+            with packed_call():
+                return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False,
+                               posttrain_packing=hf_packing(document_lengths, split)).logits
         return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False).logits
 
 

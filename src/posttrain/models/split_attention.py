@@ -22,6 +22,7 @@ values per layer at a time.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,24 +175,32 @@ def _length_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def _batched_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], lengths: list[int],
-                    scale: float | None) -> torch.Tensor:
-    """Causal attention of several packed sequences as one batch, each right-padded to the longest:
-    ``(1, heads, t, d)`` tensors in, ``(heads, sum(lengths), d)`` of these sequences' rows out (in the
-    order given). A padding row repeats a real one, sits after every real row of its sequence, so
-    causally no real query sees it, and its own output is dropped: values and gradients are exact."""
-    longest = max(lengths)
-    steps = torch.arange(longest, device=q.device)
-    rows = torch.tensor(starts, device=q.device).unsqueeze(1) + torch.minimum(
-        steps.unsqueeze(0), torch.tensor(lengths, device=q.device).unsqueeze(1) - 1)  # (n, longest)
-    flat = rows.reshape(-1)
-
-    def batch(x: torch.Tensor) -> torch.Tensor:  # (1, h, t, d) -> (n, h, longest, d)
-        return x[0].index_select(1, flat).unflatten(1, rows.shape).transpose(0, 1)
-
-    out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=scale)
-    keep = torch.cat([torch.arange(n, device=q.device) + j * longest for j, n in enumerate(lengths)])
-    return out.transpose(0, 1).flatten(1, 2).index_select(1, keep)
+@functools.lru_cache(maxsize=64)
+def _attention_plan(lengths: tuple[int, ...], first: int, batch: bool,
+                    device: torch.device) -> tuple[list[tuple[int, int, int]], list[tuple]]:
+    """How :func:`packed_attention` runs the sequences ``first..`` of a microbatch of ``lengths``:
+    ``(index, start, length)`` of each sequence run alone, and for each padded batch its members,
+    their lengths, the rows to gather (``(members, longest)``, a padding row repeating its
+    sequence's last) and the gathered rows to keep. The same for every layer and every microbatch of
+    these lengths: built once."""
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    rest = list(range(first, len(lengths)))
+    groups = _length_groups([lengths[i] for i in rest]) if batch else [[j] for j in range(len(rest))]
+    alone, batches = [], []
+    for group in groups:
+        members = [rest[j] for j in group]
+        if len(members) == 1:
+            alone.append((members[0], starts[members[0]], lengths[members[0]]))
+            continue
+        lens = [lengths[i] for i in members]
+        longest = max(lens)
+        rows = torch.tensor([[starts[i] + min(j, lengths[i] - 1) for j in range(longest)] for i in members],
+                            device=device)
+        keep = torch.tensor([j * longest + r for j, n in enumerate(lens) for r in range(n)], device=device)
+        batches.append((members, lens, rows, keep))
+    return alone, batches
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_lengths: list[int],
@@ -201,37 +210,28 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     ``(1, kv_heads, t, d)`` keys and values; the first sequence over its whole split sequence
     where ``split`` is given (a collective over ``split.group``). Costs about ``sum(n_i^2)``, not the
     ``(sum n_i)^2`` of a block-diagonal mask: with ``batch``, sequences of similar length run
-    together as one padded batch (:func:`_length_groups`), a sequence far longer than the rest on
-    its own; without, one call per sequence."""
+    together as one batch, each right-padded to the longest (:func:`_length_groups`; exact: a
+    padding row sits after every real row of its sequence, so causally no real query sees it, and
+    its output is dropped), a sequence far longer than the rest on its own; without, one call per
+    sequence."""
     check_split(document_lengths, split)
-    rep = q.shape[1] // k.shape[1]
-    kv_heads = k, v  # (the split sequence's exchange moves these)
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    starts = [0]
-    for n in document_lengths[:-1]:
-        starts.append(starts[-1] + n)
-    first = 0
+    gqa = q.shape[1] != k.shape[1]
     pieces: dict[int, torch.Tensor] = {}  # sequence index -> (heads, n, d)
     if split is not None:
         n = document_lengths[0]
-        pieces[0] = split_causal_attention(q[:, :, :n], kv_heads[0][:, :, :n], kv_heads[1][:, :, :n], split.positions,
-                                           group=split.group, scale=scale,
-                                           lengths=split.lengths, key_positions=split.key_positions)[0]
-        first = 1
-    rest = list(range(first, len(document_lengths)))
-    groups = _length_groups([document_lengths[i] for i in rest]) if batch else [[j] for j in range(len(rest))]
-    for group in groups:
-        members = [rest[j] for j in group]
-        if len(members) == 1:
-            i = members[0]
-            a, n = starts[i], document_lengths[i]
-            pieces[i] = F.scaled_dot_product_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n],
-                                                       is_causal=True, scale=scale)[0]
-            continue
-        lens = [document_lengths[i] for i in members]
-        out = _batched_causal(q, k, v, [starts[i] for i in members], lens, scale)
-        for i, o in zip(members, out.split(lens, dim=1)):
+        pieces[0] = split_causal_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], split.positions, group=split.group,
+                                           scale=scale, lengths=split.lengths, key_positions=split.key_positions)[0]
+    alone, batches = _attention_plan(tuple(document_lengths), int(split is not None), batch, q.device)
+    for i, a, n in alone:
+        pieces[i] = F.scaled_dot_product_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n],
+                                                   is_causal=True, scale=scale, enable_gqa=gqa)[0]
+    for members, lens, rows, keep in batches:
+        def gather(x: torch.Tensor) -> torch.Tensor:  # (1, h, t, d) -> (members, h, longest, d)
+            return x[0].index_select(1, rows.reshape(-1)).unflatten(1, rows.shape).transpose(0, 1)
+
+        out = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        for i, o in zip(members, out.transpose(0, 1).flatten(1, 2).index_select(1, keep).split(lens, dim=1)):
             pieces[i] = o
     return torch.cat([pieces[i] for i in range(len(document_lengths))], dim=1).unsqueeze(0)
 

@@ -36,7 +36,8 @@ torch's profile of TRL's last step (operators by self time), to find where its s
 Times are by stopwatch: a step lasts from the end of the one before (data, logging, everything) to
 its own end after a device synchronization; tokens/s count the records' tokens (no padding) over
 the steps after ``--warmup``, per round; the variants alternate over ``--rounds`` rounds (order
-rotated each round) and the medians with their ranges are reported. MFU is the model's FLOPs
+rotated each round) and the medians with their ranges are reported; a variant against TRL is the
+median of its per-round ratios, with their range. MFU is the model's FLOPs
 (posttrain's FLOPs model: 6 x parameters x tokens plus causal attention) over the time and a
 stated peak (``--peak-tflops``, default 989: an H100 SXM's dense bf16) and over an 8192^3 bf16
 matrix product measured on the same device. Peak memory: the largest ``max_memory_allocated`` of a
@@ -223,8 +224,8 @@ def _variant(name: str, a, order_file: str, out: str) -> dict:
           "--max-tokens", str(a.max_tokens), "--steps", str(a.steps), "--lr", str(a.lr), "--max-grad-norm", "1.0",
           "--balance", "diff_micro", "--metrics", metrics, "--seed", "0"]
          + (["--activation-checkpointing"] if a.checkpointing == "on" else []), a.timeout)
-    rows = [json.loads(line) for line in open(metrics)]
-    rows = [r for r in rows if "step" in r and r.get("rank", 0) == 0]
+    with open(metrics) as f:
+        rows = [r for r in map(json.loads, f) if "step" in r and r.get("rank", 0) == 0]
     return {"step_s": [r["wall_s"] for r in rows], "losses": [r["loss"] for r in rows],
             "peak_memory_gib": [r.get("peak_memory_gib") for r in rows]}
 
@@ -275,17 +276,17 @@ def compare(a) -> dict:
               "sequences": a.sequences, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
               "tokens_per_step": statistics.mean(tokens[s] for s in timed), "peak_tflops": a.peak_tflops,
               "matmul_tflops": measured, "variants": {}, "failed": failed}
+    secs = {v: [sum(run["step_s"][s] for s in timed) for run in runs[v]] for v in variants}
     for v in variants:
-        rates, mfus = [], []
-        for run in runs[v]:
-            secs = sum(run["step_s"][s] for s in timed)
-            rates.append(sum(tokens[s] for s in timed) / secs)
-            mfus.append(sum(flops[s] for s in timed) / secs / 1e12)
+        rates = [sum(tokens[s] for s in timed) / t for t in secs[v]]
+        # against TRL round by round (the rounds interleave the variants): median and range
+        vs = ([b / t for t, b in zip(secs[v], secs["trl"])] if "trl" in secs else [])
         peaks = [p for run in runs[v] for p in run["peak_memory_gib"][a.warmup:] if p is not None]
         result["variants"][v] = {
             "tokens_per_s": statistics.median(rates), "range": [min(rates), max(rates)],
-            "tflops": statistics.median(mfus), "peak_memory_gib": max(peaks) if peaks else None,
-            "losses": runs[v][0]["losses"]}
+            "vs_trl": [statistics.median(vs), min(vs), max(vs)] if vs else None,
+            "tflops": statistics.median(sum(flops[s] for s in timed) / t / 1e12 for t in secs[v]),
+            "peak_memory_gib": max(peaks) if peaks else None, "losses": runs[v][0]["losses"]}
     return result
 
 
@@ -295,13 +296,13 @@ def report(res: dict) -> str:
              f"{res['steps']} steps ({res['warmup']} warm-up), {res['rounds']} rounds, activation checkpointing "
              f"{res['checkpointing']} in both; bf16 matmul measured "
              + (f"{res['matmul_tflops']:.0f} TFLOP/s" if res["matmul_tflops"] else "n/a"), "",
-             "| variant | tokens/s (median) | range | vs TRL | TFLOP/s | MFU (stated peak) | MFU (measured matmul) "
-             "| peak GiB |", "|---|---|---|---|---|---|---|---|"]
+             "| variant | tokens/s (median) | range | vs TRL (rounds) | TFLOP/s | MFU (stated peak) "
+             "| MFU (measured matmul) | peak GiB |", "|---|---|---|---|---|---|---|---|"]
     for v, r in res["variants"].items():
-        vs = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        vs = "n/a" if r["vs_trl"] is None else "{:.2f}x ({:.2f}-{:.2f})".format(*r["vs_trl"])
         mm = f"{r['tflops'] / res['matmul_tflops']:.1%}" if res["matmul_tflops"] else "n/a"
         mem = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
-        lines.append(f"| {v} | {r['tokens_per_s']:.0f} | {r['range'][0]:.0f}-{r['range'][1]:.0f} | {vs:.2f}x | "
+        lines.append(f"| {v} | {r['tokens_per_s']:.0f} | {r['range'][0]:.0f}-{r['range'][1]:.0f} | {vs} | "
                      f"{r['tflops']:.1f} | {r['tflops'] / res['peak_tflops']:.1%} | {mm} | {mem} |")
     names = list(res["variants"])
     lines += ["", "| step | " + " | ".join(f"{v} loss" for v in names) + " |", "|---|" + "---|" * len(names)]

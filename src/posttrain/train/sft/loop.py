@@ -353,12 +353,13 @@ class SFTTrainer(Trainer):
         rec.resolve()  # (device-timed spans: their kernels have run)
         busy = time.perf_counter() - t0
         peak = max_memory_allocated(self.device)  # this rank's, over the step (None on the CPU)
+        peak_gib = None if peak is None else peak / 2**30
         comm = sum(rec.total(k) for k in COMM_KINDS)
         own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
                "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
                "microbatches": len(mine) + len(shards),
                "rank_tokens": sum(m.num_tokens for m in mine) + sum(sh.num_tokens for sh in shards),
-               "peak_memory_gib": float("nan") if peak is None else peak / 2**30}
+               "peak_memory_gib": float("nan") if peak_gib is None else peak_gib}
         col = self._stats = gather_step_stats(own, world_size)
         step_time = float(col["busy_s"].max())
         # What a stopwatch sees: the time since the previous step ended (its metrics, checkpoint
@@ -377,7 +378,7 @@ class SFTTrainer(Trainer):
             "lr": recipe["lr"], "grad_norm": recipe["grad_norm"], "skipped_update": recipe["skipped_update"],
             "epoch": (step + 1) * cfg.sequences / self.data.num_sequences if self.data.num_sequences else None,
             "mfu": sum(self.cost(len(s) - 1) for s in seqs) / wall / (self.peak_tflops * 1e12 * world_size),
-            "peak_memory_gib": None if peak is None else peak / 2**30,  # this rank's, over the step
+            "peak_memory_gib": peak_gib,
         }
         if self.eval_samples and cfg.due(step, cfg.eval_every):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
