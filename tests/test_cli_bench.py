@@ -307,8 +307,8 @@ def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):
 
 
 def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
-    """Whole GRPO steps by stopwatch with the phases beside them, for batched and per-prompt
-    sampling and two engines, and TRL's GRPOTrainer on the same model, prompts and reward; every
+    """Whole GRPO steps by stopwatch with the phases beside them, for posttrain's sampler and
+    ``generate``, batched and per prompt, and two engines, and TRL's GRPOTrainer on the same model, prompts and reward; every
     step rate set against posttrain's batched flat-ODC run."""
     out = tmp_path / "e2e.json"
     proc = run_cli("bench", "rl-e2e", "--settings", "readme", "--sft-steps", "5", "--steps", "3", "--warmup", "1",
@@ -317,8 +317,8 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())["settings"]["readme"]
     names = set(got["step_s"])
-    assert names == {"odc+diff_micro (batched)", "odc+diff_micro (per prompt)", "fsdp+same_micro (batched)",
-                     "trl (1 process)"}
+    assert names == {"odc+diff_micro (batched)", "odc+diff_micro (batched, generate)",
+                     "odc+diff_micro (per prompt, generate)", "fsdp+same_micro (batched)", "trl (1 process)"}
     assert got["rate_over"]["odc+diff_micro (batched)"][0] == 1.0
     assert all(v > 0 for v in got["step_s"].values())
     for name, ph in got["phases"].items():  # posttrain's phases fit inside its step

@@ -86,8 +86,8 @@ def test_policy_loss_is_the_clipped_surrogate_plus_k3():
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(4))
 
-        def forward(self, x, document_lengths=None):
-            return self.w.expand(1, x.shape[1], 4)
+        def forward(self, x, document_lengths=None, logits_at=None):
+            return self.w.expand(1, x.shape[1] if logits_at is None else len(logits_at), 4)
 
     m = Fixed()
     ids = torch.tensor([0, 1, 2, 3])  # prompt of 2, response of 2
@@ -183,6 +183,66 @@ def test_batched_generation_samples_what_one_prompt_at_a_time_would(tiny_model):
     first = sampler.generate(prompts, 4, seed=11)
     assert sampler.generate(prompts, 4, seed=11) == first and sampler.generate(prompts, 4, seed=12) != first
     assert len(first) == 16
+
+
+def test_posttrains_sampler_decodes_what_generate_does_and_ended_rows_leave_the_batch(tiny_model):
+    """posttrain's decoding loop (``sample``) against ``transformers``' ``generate`` on the same
+    left-padded batch, made greedy by a vanishing top_p: the same tokens, row for row, for prompts
+    of different lengths (positions, mask and KV cache as ``generate`` keeps them). Then with an
+    end-of-sequence token that some rows reach early: those rows end there and leave the batch,
+    and every other row still decodes what it decodes alone."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in (4, 11, 7, 2)]
+    ours = _rollout(tiny_model, top_p=1e-9, max_new_tokens=12)
+    theirs = _rollout(tiny_model, top_p=1e-9, max_new_tokens=12, use_generate=True)
+    eos = ours.eos
+    assert ours.generate(prompts, 2, seed=0) == theirs.generate(prompts, 2, seed=0)
+
+    free = [r[0] for r in (ours.generate([p], 1, seed=0) for p in prompts)]
+    ours.eos = theirs.eos = free[0][2]  # an end token the first prompt's response meets early
+    assert len([r for r in free if ours.eos in r[:-1]]) < len(prompts)  # (some rows run on past it)
+    together = ours.generate(prompts, 1, seed=0)
+    assert together == theirs.generate(prompts, 1, seed=0)
+    for r, alone in zip(together, free):
+        cut = alone.index(ours.eos) + 1 if ours.eos in alone else len(alone)
+        assert r == alone[:cut]
+    assert len(together[0]) <= 3 and max(map(len, together)) > 3
+    ours.eos = theirs.eos = eos
+
+
+def test_posttrains_sampler_draws_from_the_tempered_nucleus(tiny_model):
+    """One token drawn for 4,000 rows of one prompt (the tiny model's head scaled up, so that its
+    distribution is far from uniform): the draws follow softmax(logits / 1.5) (total variation
+    under 0.1, where the distribution at temperature 1 is further than 0.15), and with top_p
+    only the nucleus is ever drawn (the fewest likeliest tokens whose mass reaches top_p), in
+    proportion within it."""
+    from posttrain.rl import sample
+
+    rollout = _rollout(tiny_model, temperature=1.5, max_new_tokens=1)
+    model = rollout.model
+    prompt = torch.tensor([[5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+        logits = model(input_ids=prompt).logits[0, -1].float()
+    rows = 4000
+    ids, mask = prompt.expand(rows, -1), torch.ones(rows, prompt.shape[1], dtype=torch.long)
+    for top_p in (1.0, 0.5):
+        torch.manual_seed(0)
+        drawn = sample(model, ids, mask, max_new_tokens=1, eos_token_id=-1, pad_token_id=0, temperature=1.5,
+                       top_p=top_p)[:, 0]
+        freq = torch.bincount(drawn, minlength=len(logits)).float() / rows
+        want, cold = (torch.softmax(logits / t, -1) for t in (1.5, 1.0))
+        if top_p < 1:
+            sp, order = want.sort(descending=True)
+            nucleus = order[: int((sp.cumsum(0) < top_p).sum()) + 1]
+            assert 1 < len(nucleus) < len(want)
+            assert set(drawn.tolist()) <= set(nucleus.tolist())
+            keep = torch.zeros_like(want, dtype=torch.bool)
+            keep[nucleus] = True
+            want, cold = ((d * keep) / (d * keep).sum() for d in (want, cold))
+        assert (freq - want).abs().sum() / 2 < 0.1
+        if top_p == 1.0:
+            assert (freq - cold).abs().sum() / 2 > 0.15
 
 
 def test_batched_scoring_gives_each_sequences_own_logprobs(tiny_model):

@@ -85,8 +85,9 @@ SECTIONS: tuple[Section, ...] = (
             "for the same update plans; see docs/rl.md.", 5),
     Section("rl-e2e", "Whole GRPO steps against TRL", ("bench", "rl-e2e"),
             "Whole GRPO steps by stopwatch (`wall_s`), with the phases of posttrain's own rows, at the README's "
-            "setting and at 256-token responses: batched and per-prompt sampling under flat ODC+diff_micro, "
-            "FSDP2+same_micro batched, and TRL's GRPOTrainer matched to the run (one process; the faster of 2 "
+            "setting and at 256-token responses: under flat ODC+diff_micro, posttrain's sampler batched, "
+            "transformers' generate batched and one generate call per prompt (the split of the sampling's gain); "
+            "FSDP2+same_micro with the defaults; and TRL's GRPOTrainer matched to the run (one process; the faster of 2 "
             "and 1 threads); medians of 5 interleaved rounds; see docs/rl.md.", 15),
     Section("transport", "The shared-memory transport against gloo", ("bench", "transport"),
             "Bandwidth of ODC's one-sided gather and scatter-accumulate against gloo's all-gather and "

@@ -84,7 +84,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None,
-                split: SplitShard | None = None) -> torch.Tensor:
+                split: SplitShard | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)`` for token ids ``(batch, seq)``.
 
         Args:
@@ -95,6 +95,8 @@ class GPT(nn.Module):
             split: the first packed sequence is this rank's shard of a sequence split across
                 ranks (context parallelism): its positions are the shard's, and its attention
                 a collective over the shard's group.
+            logits_at: only the logits at these positions of the sequence dimension (a 1-D index
+                tensor): ``(batch, len(logits_at), vocab)``, the head run on those rows alone.
         """
         t = tokens.shape[1]
         if document_lengths is None:
@@ -109,6 +111,8 @@ class GPT(nn.Module):
         x = self.tok_emb(tokens) + self.pos_emb(pos)
         for layer in self.layers:
             x = layer(x, document_lengths) if split is None else layer(x, document_lengths, split)
+        if logits_at is not None:
+            x = x[:, logits_at]
         return self.head(self.norm(x))
 
 

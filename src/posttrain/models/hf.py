@@ -61,15 +61,17 @@ class HFCausalLM(nn.Module):
         return find_blocks(self.hf)
 
     def forward(self, tokens: torch.Tensor, document_lengths: list[int] | None = None,
-                split: SplitShard | None = None) -> torch.Tensor:
-        """Logits for ``tokens``; ``document_lengths`` and ``split`` as :meth:`posttrain.models.GPT.forward`
-        takes them. Packed input goes through posttrain's registered attention
+                split: SplitShard | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``tokens``; ``document_lengths``, ``split`` and ``logits_at`` as
+        :meth:`posttrain.models.GPT.forward` takes them (``logits_at``: ``transformers``'
+        ``logits_to_keep``, the LM head on those rows alone). Packed input goes through posttrain's registered attention
         (:func:`~posttrain.models.split_attention.use_split_attention`), which attends per sequence
         (:func:`~posttrain.models.split_attention.packed_attention`: about ``sum(n_i^2)`` work, where
         ``transformers``' SDPA with packed position ids builds a block-diagonal mask over the whole
         microbatch, ``(sum n_i)^2``); calls without ``document_lengths`` keep ``transformers``' SDPA."""
         t = tokens.shape[1]
         limit = self.max_positions or t
+        keep = {} if logits_at is None else {"logits_to_keep": logits_at}
         if document_lengths is None:
             if split is not None:
                 raise ValueError("a split shard needs document_lengths (packed input)")
@@ -83,8 +85,8 @@ class HFCausalLM(nn.Module):
             use_split_attention(self.hf)
             with packed_call():
                 return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False,
-                               posttrain_packing=hf_packing(document_lengths, split)).logits
-        return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False).logits
+                               posttrain_packing=hf_packing(document_lengths, split), **keep).logits
+        return self.hf(input_ids=tokens, position_ids=pos.unsqueeze(0), use_cache=False, **keep).logits
 
 
 def check_model_dir(path: str | os.PathLike) -> Path:

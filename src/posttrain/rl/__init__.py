@@ -7,7 +7,7 @@ from __future__ import annotations
 from .advantages import ESTIMATORS, Advantages, compute_advantages
 from .loss import LOSS_AGGS, Rollout, clipped_surrogate, loss_units, policy_loss, token_logprobs
 from .rewards import call_reward, load_reward, load_rewards, reverse_digits_reward
-from .rollout import HFRollout, RolloutEngine
+from .rollout import HFRollout, RolloutEngine, sample
 
 __all__ = [
     "ESTIMATORS",
@@ -24,5 +24,6 @@ __all__ = [
     "loss_units",
     "policy_loss",
     "reverse_digits_reward",
+    "sample",
     "token_logprobs",
 ]

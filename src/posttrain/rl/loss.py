@@ -62,11 +62,20 @@ class Rollout:
         return len(self) - self.prompt_len
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                   entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(logits / temperature)[target]`` per position (fp32): the log-probability
-    under the distribution sampled at ``temperature``."""
+    under the distribution sampled at ``temperature``. With ``entropy``, also that distribution's
+    entropy per position (detached), from the same log-softmax."""
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
-    return -F.cross_entropy(scaled.flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
+    if not entropy:
+        return -F.cross_entropy(scaled.flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
+    lsm = torch.log_softmax(scaled, dim=-1)
+    logp = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        lsm = lsm.detach()
+        ent = -(lsm.exp() * lsm.clamp_min(-1e30)).sum(-1)  # (a zero probability adds 0, not nan)
+    return logp, ent
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantage: torch.Tensor, eps_low: float,
@@ -97,21 +106,22 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, cl
     unless ``clip_eps_high`` is given). Log-probabilities and entropy are those of the
     distribution sampled at ``temperature`` (the rollout's and the reference's must be too).
     ``device``: where the model is (the rollouts are moved there; default the CPU); the
-    statistics come back in one transfer."""
+    statistics come back in one transfer. ``model`` is called as posttrain's models are,
+    ``model(tokens, document_lengths=..., logits_at=...)``, and gives logits at the response
+    positions alone."""
     if agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
     device = device or torch.device("cpu")
     inputs = torch.cat([r.input_ids[:-1] for r in rollouts]).unsqueeze(0).to(device, non_blocking=True)
-    targets = torch.cat([r.input_ids[1:] for r in rollouts]).to(device, non_blocking=True)
     lengths = [len(r) - 1 for r in rollouts]
-    logits = model(inputs, document_lengths=lengths)[0]
-    logp_all = token_logprobs(logits, targets, temperature)
-    # The response positions of each sample among the packed targets.
-    pieces, weights, adv, old, ref = [], [], [], [], []
+    # The response positions of each sample among the packed targets: the only logits the loss needs
+    # (the LM head runs on those rows alone, as TRL's logits_to_keep does).
+    pieces, targets, weights, adv, old, ref = [], [], [], [], [], []
     start = 0
     for r, n in zip(rollouts, lengths):
         first = start + r.prompt_len - 1  # target index of the first response token
         pieces.append(torch.arange(first, start + n))
+        targets.append(r.input_ids[r.prompt_len:])
         k = r.response_len
         weights.append(torch.full((k,), 1.0 / k if agg == "seq-mean-token-mean" else 1.0))
         adv.append(torch.full((k,), float(r.advantage)))
@@ -120,7 +130,9 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, cl
             ref.append(r.ref_logprobs.float())
         start += n
     idx = torch.cat(pieces).to(device, non_blocking=True)
-    logp = logp_all[idx]
+    target = torch.cat(targets).to(device, non_blocking=True)
+    logits = model(inputs, document_lengths=lengths, logits_at=idx)[0]
+    logp, entropy = token_logprobs(logits, target, temperature, entropy=True)
     w, a = (torch.cat(x).to(device, non_blocking=True) for x in (weights, adv))
     if all(o is None for o in old):  # on-policy: this forward's own, detached (ratio 1, gradient d logp)
         old_lp = logp.detach()
@@ -137,8 +149,7 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, cl
         kl = torch.exp(d) - d - 1
         loss_tok = loss_tok + kl_coef * kl
         sums["kl"] = kl.detach().sum()
+    sums["entropy"] = entropy.sum()
     with torch.no_grad():
-        probs = torch.softmax(logits[idx].float() / temperature, dim=-1)
-        sums["entropy"] = -(probs * torch.log(probs.clamp_min(1e-30))).sum()
         values = torch.stack([v.float() for v in sums.values()]).tolist()  # (one transfer from the device)
     return (loss_tok * w).sum(), {"tokens": float(idx.numel()), **dict(zip(sums, values))}

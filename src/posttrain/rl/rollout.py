@@ -1,10 +1,12 @@
 """Rollouts: sampling responses with a KV cache, behind a small interface a serving engine can
 implement instead.
 
-:class:`HFRollout` samples with ``transformers`` ``generate`` on an unsharded copy of the policy
-(the engine's full parameters, loaded into it before each rollout phase), every prompt of a step
-in one batched call; it can also score responses' log-probabilities under that copy
-(:meth:`HFRollout.logprobs`, batched).
+:class:`HFRollout` samples on an unsharded copy of the policy (the engine's full parameters, loaded
+into it before each rollout phase), every prompt of a step in one left-padded batch: by default
+with posttrain's own decoding loop over the model's forward and ``transformers``' KV cache
+(:func:`sample`: rows that ended leave the batch and its cache, and nothing but the tempered,
+nucleus-truncated softmax shapes the draw), or with ``transformers``' ``generate``. It can also
+score responses' log-probabilities under that copy (:meth:`HFRollout.logprobs`, batched).
 """
 
 from __future__ import annotations
@@ -17,7 +19,65 @@ import torch.nn as nn
 
 from .loss import token_logprobs
 
-__all__ = ["HFRollout", "RolloutEngine"]
+__all__ = ["HFRollout", "RolloutEngine", "sample"]
+
+#: Rows that ended leave the batch (and its KV cache) once at least this fraction of the rows still
+#: in it has ended: each removal copies the cache, so ending rows are dropped in groups.
+COMPACT_FRACTION = 0.125
+
+
+@torch.no_grad()
+def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+           eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Sample up to ``max_new_tokens`` tokens after each row of a left-padded batch (``input_ids``
+    and ``attention_mask``, ``(rows, width)``, on the model's device) with a KV cache: a prefill,
+    then one forward of the last token per step. Each token is drawn from ``softmax(logits /
+    temperature)``, truncated to its nucleus when ``top_p < 1`` (the smallest set of likeliest
+    tokens whose probability reaches ``top_p``; the likeliest is always kept), with the global
+    torch generator. A row ends at its first ``eos_token_id`` (kept); once at least
+    :data:`COMPACT_FRACTION` of the rows still running have ended, they leave the batch and the
+    cache, so a long tail of responses costs only its own rows. Returns ``(rows,
+    max_new_tokens)`` token ids, ``pad_token_id`` after a row's end (on the model's device).
+
+    Unlike ``generate``, no other logits processor (a model's ``generation_config`` defaults such
+    as repetition penalties or top-k) applies: the update's log-probabilities are those of exactly
+    this distribution."""
+    from transformers import DynamicCache
+
+    rows, device = input_ids.shape[0], input_ids.device
+    out = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    live = torch.arange(rows, device=device)  # the batch's rows, as rows of ``out``
+    running = torch.ones(rows, dtype=torch.bool, device=device)
+    last = positions[:, -1]
+    mask = attention_mask
+    for t in range(max_new_tokens):
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # (the likeliest's mass before it is 0: always kept)
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        token = torch.multinomial(probs, 1).squeeze(1)
+        token = torch.where(running, token, pad_token_id)
+        out[live, t] = token
+        running = running & (token != eos_token_id)
+        if t == max_new_tokens - 1:
+            break
+        still = int(running.sum())  # (one wait for the device a step, as generate's stopping check)
+        if still == 0:
+            break
+        if len(live) - still >= max(1, int(len(live) * COMPACT_FRACTION)):
+            keep = running.nonzero().squeeze(1)
+            live, token, mask, last, running = live[keep], token[keep], mask[keep], last[keep], running[keep]
+            cache.batch_select_indices(keep)
+        mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+        last = last + 1
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache,
+                       use_cache=True).logits[:, -1]
+    return out
 
 
 class RolloutEngine(Protocol):
@@ -50,7 +110,7 @@ class RolloutEngine(Protocol):
 
 
 class HFRollout:
-    """Sampling with ``generate`` (temperature, top-p, a KV cache) on an unsharded model.
+    """Sampling (temperature, top-p, a KV cache) on an unsharded ``transformers`` model.
 
     Args:
         model: a ``transformers`` causal LM (its own copy: weights are replaced by :meth:`load_weights`),
@@ -58,14 +118,15 @@ class HFRollout:
             the CPU).
         eos_token_id, pad_token_id: the tokenizer's.
         temperature, top_p, max_new_tokens: sampling settings.
-        max_batch_tokens: the most padded tokens (prompt and response) one ``generate`` call or one
-            scoring forward holds; more rows go in further calls.
-        per_prompt: one ``generate`` call per prompt (its samples together, no padding) instead.
+        max_batch_tokens: the most padded tokens (prompt and response) one sampling batch or one
+            scoring forward holds; more rows go in further batches.
+        per_prompt: one batch per prompt (its samples together, no padding) instead.
+        use_generate: sample with ``transformers``' ``generate`` instead of :func:`sample`.
     """
 
     def __init__(self, model: nn.Module, *, eos_token_id: int, pad_token_id: int | None, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int = 64, max_batch_tokens: int = 1 << 16,
-                 per_prompt: bool = False) -> None:
+                 per_prompt: bool = False, use_generate: bool = False) -> None:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature} must be positive")
         if not 0 < top_p <= 1:
@@ -76,6 +137,7 @@ class HFRollout:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be at least 1")
         self.max_batch_tokens = max_batch_tokens
         self.per_prompt = per_prompt
+        self.use_generate = use_generate
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.eos, self.pad = eos_token_id, pad_token_id if pad_token_id is not None else eos_token_id
@@ -121,10 +183,10 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], n: int, *, seed: int) -> list[list[int]]:
-        """``n`` samples of every prompt, all of them in one ``generate`` call (or a few, each of at
-        most ``max_batch_tokens`` prompt and response tokens): the prompts left-padded to the
-        longest, with an attention mask, so every row's positions start at its first real token.
-        A response ends at the first end-of-sequence token (kept) or at ``max_new_tokens``."""
+        """``n`` samples of every prompt, all of them in one batch (or a few, each of at most
+        ``max_batch_tokens`` prompt and response tokens): the prompts left-padded to the longest,
+        with an attention mask, so every row's positions start at its first real token. A
+        response ends at the first end-of-sequence token (kept) or at ``max_new_tokens``."""
         torch.manual_seed(seed)
         rows = [list(p) for p in prompts for _ in range(n)]
         out: list[list[int]] = []
@@ -136,10 +198,15 @@ class HFRollout:
             for i, r in enumerate(batch):
                 ids[i, width - len(r):] = torch.tensor(r)
                 mask[i, width - len(r):] = 1
-            gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=True,
-                                      temperature=self.temperature, top_p=self.top_p, top_k=0,
-                                      max_new_tokens=self.max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad)
-            for row in gen[:, width:].tolist():
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            if self.use_generate:
+                gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=self.temperature,
+                                          top_p=self.top_p, top_k=0, max_new_tokens=self.max_new_tokens,
+                                          eos_token_id=self.eos, pad_token_id=self.pad)[:, width:]
+            else:
+                gen = sample(self.model, ids, mask, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
+                             pad_token_id=self.pad, temperature=self.temperature, top_p=self.top_p)
+            for row in gen.tolist():
                 cut = row.index(self.eos) + 1 if self.eos in row else len(row)
                 out.append(row[:cut])
         return out

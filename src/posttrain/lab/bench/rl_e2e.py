@@ -5,9 +5,12 @@ user waits for: every phase of a GRPO step (loading the policy's weights into th
 sampling, rewards, the reference, the update, the metrics) by stopwatch (the rows' ``wall_s``),
 with the phases beside it, for
 
-- ``odc+diff_micro``, every prompt of a step in one ``generate`` call (``generate_batch`` step, the
-  default); the same with one call per prompt (``prompt``, as posttrain sampled before); and
-  ``fsdp+same_micro`` batched: all on 2 CPU processes, as the README's RL command runs;
+- ``odc+diff_micro``, every prompt of a step in one batch with posttrain's own decoding loop
+  (``generate_batch`` step, ``sampler`` posttrain: the defaults); the same batch through
+  ``transformers``' ``generate`` (``sampler`` generate); one ``generate`` call per prompt (as
+  posttrain sampled before batching); and ``fsdp+same_micro`` with the defaults: all on 2 CPU
+  processes, as the README's RL command runs. The first three split the sampling's gain: the
+  decoding loop (batched generate over batched), batching (per prompt over batched generate);
 - TRL's ``GRPOTrainer`` (``trl`` installed; ``--no-trl`` leaves it out) on the same model, prompts,
   reward and sampling, matched to the run: 64 completions per optimizer step, one iteration (the
   update on-policy), the same clipping, token-mean loss, no KL term, learning rate and schedule,
@@ -26,9 +29,13 @@ are medians of per-round ratios with their range.
 What differs between the two per step, besides speed: posttrain leaves groups whose rewards are
 all equal out of the update (``skip_equal_reward_groups``, on by default); TRL trains them with zero
 advantage. TRL's update runs on the prompts and completions padded to the longest of the batch;
-posttrain packs them, unpadded, into microbatches balanced over its ranks. Both take the ratio's
-old log-probs from the update's own forward (one iteration: on-policy) and sample with
-``transformers``' ``generate`` on left-padded batches.
+posttrain packs them, unpadded, into microbatches balanced over its ranks, and runs the LM head
+on the response positions alone (TRL on the last ``max_completion_length`` positions of each
+padded row). Both take the ratio's old log-probs from the update's own forward (one iteration:
+on-policy) and sample left-padded batches with a KV cache: TRL with ``transformers``'
+``generate``, which computes every row until the last one ends; posttrain by default with its own
+loop, which drops rows that ended from the batch and its cache and applies no logits processor
+but the temperature.
 """
 
 from __future__ import annotations
@@ -53,15 +60,16 @@ __all__ = ["SETTINGS", "VARIANTS", "RLE2EBench", "trl_worker"]
 #: groups). The untrained model earns no reward at all: posttrain would skip every group and update nothing,
 #: so the long setting trains them, as TRL does, to time the same work.
 SETTINGS = {"readme": ("sft", 8, 8, 8, 1.5, True), "long": ("random", 8, 8, 256, 1.5, False)}
-#: (engine, balancing method, generate_batch)
-VARIANTS = (("odc", "diff_micro", "step"), ("odc", "diff_micro", "prompt"), ("fsdp", "same_micro", "step"))
+#: (engine, balancing method, generate_batch, sampler)
+VARIANTS = (("odc", "diff_micro", "step", "posttrain"), ("odc", "diff_micro", "step", "generate"),
+            ("odc", "diff_micro", "prompt", "generate"), ("fsdp", "same_micro", "step", "posttrain"))
 #: The README's RL recipe.
 OPTIM = OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=4, max_grad_norm=1.0)
 
 
-def _name(variant: tuple[str, str, str]) -> str:
-    dp, balance, batch = variant
-    return f"{dp}+{balance} ({'batched' if batch == 'step' else 'per prompt'})"
+def _name(variant: tuple[str, str, str, str]) -> str:
+    dp, balance, batch, sampler = variant
+    return f"{dp}+{balance} ({'batched' if batch == 'step' else 'per prompt'}{', generate' * (sampler == 'generate')})"
 
 
 def _median_step(rows: list[dict], warmup: int) -> dict[str, float]:
@@ -218,18 +226,19 @@ class RLE2EBench:
                             if best is None or wall < best["wall_s"]:
                                 best = {"wall_s": wall, "threads": threads}
                         got["trl (1 process)"] = best
-                        log(f"  round {k + 1}/{self.rounds}  {'trl (1 process)':32} {best['wall_s']:.3f} s a step "
+                        log(f"  round {k + 1}/{self.rounds}  {'trl (1 process)':36} {best['wall_s']:.3f} s a step "
                             f"({best['threads']} threads)", flush=True)
                         continue
-                    dp, balance, batch = job
+                    dp, balance, batch, sampler = job
                     cfg = RLConfig(model_path=model, prompts=models["prompts"], samples_per_prompt=samples,
                                    prompts_per_step=prompts_per_step, max_new_tokens=new_tokens, steps=self.steps,
                                    temperature=temperature, engine=EngineConfig(dp), balance=balance,
                                    optim=replace(OPTIM, warmup_steps=min(OPTIM.warmup_steps, self.steps // 2)),
-                                   generate_batch=batch, skip_equal_reward_groups=skip, progress=False)
+                                   generate_batch=batch, sampler=sampler, skip_equal_reward_groups=skip,
+                                   progress=False)
                     rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
                     got[_name(job)] = _median_step(rows, self.warmup)
-                    log(f"  round {k + 1}/{self.rounds}  {_name(job):32} {got[_name(job)]['wall_s']:.3f} s a step",
+                    log(f"  round {k + 1}/{self.rounds}  {_name(job):36} {got[_name(job)]['wall_s']:.3f} s a step",
                         flush=True)
                 rounds.append(got)
             result["settings"][setting] = self._report(setting, names, rounds, log)
@@ -241,7 +250,7 @@ class RLE2EBench:
         med = {n: statistics.median(r[n]["wall_s"] for r in rounds) for n in names}
         vs = {n: [r[ref]["wall_s"] and r[n]["wall_s"] / r[ref]["wall_s"] for r in rounds] for n in names}
         log(f"\n{setting}: seconds a whole GRPO step (median of {len(rounds)} rounds), and {ref}'s step rate over each's")
-        log(f"  {'':32} {'step s':>7} {'rollout':>8} {'reference':>10} {'update':>7} {'other':>6} {'rate of ' + ref[:4]:>12} "
+        log(f"  {'':36} {'step s':>7} {'rollout':>8} {'reference':>10} {'update':>7} {'other':>6} {'rate of ' + ref[:4]:>12} "
             f"{'(rounds)':>11}")
         out: dict = {"step_s": med, "rate_over": {}, "phases": {}}
         for n in names:
@@ -255,7 +264,7 @@ class RLE2EBench:
                           f"{ph['other_s']:6.3f}")
             else:
                 phases = f"{'':8} {'':10} {'':7} {'':6}"
-            log(f"  {n:32} {med[n]:7.3f} {phases} {ratio:11.2f}x {min(vs[n]):5.2f}-{max(vs[n]):<5.2f}")
+            log(f"  {n:36} {med[n]:7.3f} {phases} {ratio:11.2f}x {min(vs[n]):5.2f}-{max(vs[n]):<5.2f}")
         log("  (rate of odc: a step of that variant over odc+diff_micro (batched)'s, per round; above 1: posttrain is "
             "faster; phases are medians of posttrain's own rows: rollout includes loading the weights into the "
             "rollout copy and the rewards)")

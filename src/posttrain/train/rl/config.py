@@ -36,10 +36,14 @@ class RLConfig(LoraFields, RunConfig):
             modelled, as in TRL and verl).
         top_p: nucleus sampling threshold.
         max_new_tokens: longest response.
-        generate_batch: ``step``: all of a rank's prompts of a step in one ``generate`` call
-            (left-padded; more calls only beyond 65,536 padded tokens); ``prompt``: one call per
+        generate_batch: ``step``: all of a rank's prompts of a step in one sampling batch
+            (left-padded; more batches only beyond 65,536 padded tokens); ``prompt``: one batch per
             prompt (its samples together, no padding: what posttrain did before; ``posttrain bench
             rl-e2e`` compares the two).
+        sampler: ``posttrain``: posttrain's own decoding loop on the rollout model's forward and KV
+            cache (:func:`posttrain.rl.rollout.sample`: rows that ended leave the batch, and only
+            temperature and top-p shape the draw); ``generate``: ``transformers``' ``generate``
+            (which also applies the model's ``generation_config`` defaults).
         advantage: ``grpo`` (group mean baseline) or ``rloo`` (leave-one-out baseline).
         scale_rewards: ``std``: GRPO divides by the group's standard deviation; ``none``: it does not.
         clip_eps: PPO ratio clipping, both sides (the shorthand for ``clip_eps_low`` and
@@ -76,6 +80,7 @@ class RLConfig(LoraFields, RunConfig):
     top_p: float = 1.0
     max_new_tokens: int = 16
     generate_batch: Literal["step", "prompt"] = "step"
+    sampler: Literal["posttrain", "generate"] = "posttrain"
     advantage: Literal["grpo", "rloo"] = "grpo"
     scale_rewards: Literal["std", "none"] = "std"
     clip_eps: float = 0.2
@@ -103,7 +108,8 @@ class RLConfig(LoraFields, RunConfig):
         if self.engine.context_parallel != "off":
             raise ValueError("`context_parallel` does not reach the RL update yet (SFT only so far); leave it off")
         for name, choices in (("balance", METHODS), ("advantage", ESTIMATORS), ("loss_agg", LOSS_AGGS),
-                              ("scale_rewards", ("std", "none"))):
+                              ("scale_rewards", ("std", "none")),
+                              ("sampler", ("posttrain", "generate"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
         for name in ("prompts_per_step", "ppo_epochs", "minibatches", "max_new_tokens", "max_tokens"):

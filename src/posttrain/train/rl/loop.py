@@ -4,7 +4,7 @@ Each step:
 
 1. rollout: the engine's full parameters are loaded into this rank's unsharded rollout copy (a
    collective, a part at a time); the rank samples ``samples_per_prompt`` responses for its share
-   of the step's prompts (every ``world_size``-th, all in one batched ``generate``) and scores
+   of the step's prompts (every ``world_size``-th, all in one left-padded batch) and scores
    them with the reward function;
 2. every rank receives every rank's samples (one all-gather of token ids and numbers), so all
    compute the same advantages and the same balancing plans (with ``kl_coef``, the frozen
@@ -184,7 +184,8 @@ class RLTrainer(Trainer):
         try:
             self.rollout = HFRollout(load_pretrained(cfg.model_path).hf.to(self.device), eos_token_id=self.tok.eos_token_id,
                                      pad_token_id=self.tok.pad_token_id, temperature=cfg.temperature, top_p=cfg.top_p,
-                                     max_new_tokens=cfg.max_new_tokens, per_prompt=cfg.generate_batch == "prompt")
+                                     max_new_tokens=cfg.max_new_tokens, per_prompt=cfg.generate_batch == "prompt",
+                                     use_generate=cfg.sampler == "generate")
             self.reference = ShardedReference(cfg.model_path, cfg, self.cost, self.device) if cfg.kl_coef else None
         except BaseException:
             self.close()
