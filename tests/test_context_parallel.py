@@ -177,10 +177,20 @@ def _train(cfg, world=2):
     return [r["loss"] for r in rows], [r["split_sequences"] for r in rows]
 
 
-def test_training_with_split_sequences_follows_the_unsplit_loss_curve():
+def free_exchange(monkeypatch) -> None:
+    """Price the exchange at nothing (the forked ranks inherit it): at these tiny sizes a split
+    never pays on this machine, so the planner would split nothing to test."""
+    import posttrain.train.sft.loop as loop
+
+    monkeypatch.setattr(loop, "FLOPS_PER_EXCHANGED_BYTE", {"cpu": 0.0, "cuda": 0.0})
+    monkeypatch.setattr(loop, "FLOPS_PER_EXCHANGE_CALL", {"cpu": 0.0, "cuda": 0.0})
+
+
+def test_training_with_split_sequences_follows_the_unsplit_loss_curve(monkeypatch):
     """The trainer's path: the plan splits the costliest sequences (context_parallel 2 and auto),
     every rank runs its shards first with its group, and the optimizer takes the same steps as
     without splitting, on both ODC engines, GPT and Llama, under either loss aggregation."""
+    free_exchange(monkeypatch)
     from dataclasses import replace
 
     from posttrain.dp import EngineConfig
@@ -237,11 +247,12 @@ def _failing_member(rank, world, cfg):
     return train_worker(rank, world, cfg)
 
 
-def test_a_failing_group_member_ends_the_step_on_every_rank_naming_the_peer():
+def test_a_failing_group_member_ends_the_step_on_every_rank_naming_the_peer(monkeypatch):
     """Rank 1 fails before its shard's exchange: rank 0 ends in seconds with ODC's PeerFailedError
     carrying rank 1's message, not a broken connection or a hang; naming the split sequence where
     rank 0 met the failure in the exchange. (Rank 1 may fail before rank 0 has left the minibatch's
     entry barrier, which both passed: rank 0 then meets it there, seen once on a loaded machine.)"""
+    free_exchange(monkeypatch)
     import time
     from dataclasses import replace
 

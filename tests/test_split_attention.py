@@ -19,7 +19,11 @@ def _tensors(n, heads, kv_heads, d):
     return [torch.randn(1, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads, heads)]  # q, k, v, weights
 
 
-def _worker(rank, world, n, heads, kv_heads, d):
+def _worker(rank, world, n, heads, kv_heads, d, lse=True):
+    if not lse:  # the masked pieces, as a device without a log-sum-exp kernel runs them
+        import posttrain.models.split_attention as sa
+
+        sa._LSE_ATTENTION.clear()
     q, k, v, w = _tensors(n, heads, kv_heads, d)
     (a0, a1), (b0, b1) = zigzag(n, world)[rank]
     idx = torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
@@ -29,15 +33,17 @@ def _worker(rank, world, n, heads, kv_heads, d):
     return idx, out.detach(), *(t.grad for t in mine)
 
 
-@pytest.mark.parametrize("world,n,heads,kv_heads", [(2, 16, 4, 2), (2, 11, 4, 4), (4, 37, 4, 1), (4, 32, 2, 2)],
-                         ids=["2ranks-gqa", "2ranks-uneven", "4ranks-mqa-uneven", "4ranks-mha"])
-def test_split_attention_equals_one_process_with_exact_gradients(world, n, heads, kv_heads):
+@pytest.mark.parametrize("lse", [True, False], ids=["lse-blocks", "masked-pieces"])
+@pytest.mark.parametrize("world,n,heads,kv_heads", [(2, 16, 4, 2), (2, 11, 4, 4), (4, 37, 4, 1), (4, 32, 2, 2),
+                                                    (2, 300, 2, 1)],
+                         ids=["2ranks-gqa", "2ranks-uneven", "4ranks-mqa-uneven", "4ranks-mha", "2ranks-pieces"])
+def test_split_attention_equals_one_process_with_exact_gradients(world, n, heads, kv_heads, lse):
     d = 8
     q, k, v, w = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_tensors(n, heads, kv_heads, d)))
     rep = heads // kv_heads
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
     (out * w).sum().backward()
-    got = run_ranks(_worker, world, n, heads, kv_heads, d, timeout_s=120)
+    got = run_ranks(_worker, world, n, heads, kv_heads, d, lse, timeout_s=120)
     seen = torch.cat([idx for idx, *_ in got])
     assert sorted(seen.tolist()) == list(range(n))  # every token on exactly one rank
     for idx, o, gq, gk, gv in got:
@@ -55,3 +61,38 @@ def test_split_attention_refuses_what_is_not_one_shard():
         split_causal_attention(q, torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8), torch.arange(4), lengths=[4])
     with pytest.raises(ValueError, match="one sequence's shard"):
         split_causal_attention(q, torch.zeros(1, 3, 5, 8), torch.zeros(1, 3, 5, 8), torch.arange(4))
+
+
+@pytest.mark.parametrize("n,k", [(64, 2), (4096, 2), (4099, 4), (1000, 8)])
+def test_a_shard_attends_to_the_keys_its_runs_need_not_to_every_key(n, k):
+    """``causal_blocks``: a zigzag shard's runs (its two chunks, or one where they are adjacent)
+    see exactly the sorted keys up to their last position, those before their first without a mask
+    (the log-sum-exp path): every rank computes its even share of the causal work. The masked
+    pieces (devices without such a kernel) keep the two chunks apart and see the keys up to their
+    last position: within (2k + 1) / 2k of the even share, within 1 + 1 / 6k for long shards; one
+    masked call over every key would cost each rank the whole sequence's work."""
+    from posttrain.models.split_attention import causal_blocks
+
+    shards = [torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)]) for (a0, a1), (b0, b1) in zigzag(n, k)]
+    keys = torch.cat(shards)  # (gathered in shard order)
+    even = n * n / 2 / k
+    exact, masked = [], []
+    for rank, pos in enumerate(shards):
+        blocks = causal_blocks(pos, keys)
+        ordered = keys if blocks.order is None else keys[blocks.order]
+        assert ordered.tolist() == list(range(n)) and blocks.diagonal
+        for begin, end, before, upto in blocks.runs:
+            assert (before, upto) == (int(pos[begin]), int(pos[end - 1]) + 1)
+        exact.append(sum((end - begin) * before + (end - begin) ** 2 / 2 for begin, end, before, _ in blocks.runs))
+        cuts = [a for a, _, _ in blocks.pieces] + [len(pos)]
+        (_, _), (b0, b1) = zigzag(n, k)[rank]
+        assert len(pos) - (b1 - b0) in cuts  # (the two chunks apart)
+        assert all(b - a <= max(64, -(-len(pos) // 8)) for a, b, _ in blocks.pieces)
+        assert all(m == int(pos[b - 1]) + 1 for _, b, m in blocks.pieces)
+        masked.append(sum((b - a) * m for a, b, m in blocks.pieces))
+    assert max(exact) <= even * 1.02 + n and min(exact) >= even * 0.98 - n
+    assert max(masked) <= even * (2 * k + 1) / (2 * k) + 2 * n
+    if n // k >= 16 * 64:
+        assert max(masked) <= even * (1 + 1 / (6 * k))
+    assert max(masked) < 0.75 * n * n / k  # (a masked call over every key: n / k queries x n keys each)
+

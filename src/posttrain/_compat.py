@@ -89,8 +89,23 @@ def profiler_enabled() -> bool:
     return torch.autograd._profiler_enabled()
 
 
+def cpu_attention_with_lse(q, k, v, causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel, ``(output, log-sum-exp per query row)`` (``aten::
+    _scaled_dot_product_flash_attention_for_cpu``: every torch this project supports has it)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def cpu_attention_with_lse_backward(grad, q, k, v, out, lse, causal: bool,
+                                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`cpu_attention_with_lse`'s query, key and value, given the output and
+    log-sum-exp the gradient is taken at (those of a merge of blocks: the flash-attention identity)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
+                                                                                scale=scale)
+
+
 __all__ = [  # (and, imported when first asked for, the names of _PIPELINING)
-    "AllGather", "ReduceScatter", "ShardedParamInfo", "check_torch_version", "in_backward", "profiler_enabled",
+    "AllGather", "ReduceScatter", "ShardedParamInfo", "check_torch_version", "cpu_attention_with_lse",
+    "cpu_attention_with_lse_backward", "in_backward", "profiler_enabled",
     "reduces_unused_params", "sharded_params", "torch_version", "tree_flatten", "tree_map_only", "tree_unflatten",
 ]
 

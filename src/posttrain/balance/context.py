@@ -12,7 +12,7 @@ exchange of keys and values inside the group:
 - **exchange** (:class:`ExchangeCost`): each shard's attention needs every earlier key and value
   of the sequence, so the group all-gathers them in forward (each rank receives ``(k-1)/k`` of
   them, every layer) and returns their gradients in backward (a reduce-scatter of the same size).
-  Its cost in the cost model's units is ``per_token * n * (k-1)/k``;
+  Its cost in the cost model's units is ``per_token * n * (k-1)/k + fixed``;
 - **alignment**: a group's shards must run at the same time on its ranks. An ODC minibatch starts
   with every rank synchronized, so the plan puts every rank's shards first, in one order shared
   by all ranks (by sequence id): two groups never wait for each other.
@@ -39,30 +39,36 @@ __all__ = ["ContextPlan", "ExchangeCost", "Shard", "plan_context", "shard_length
 
 @dataclass(frozen=True)
 class ExchangeCost:
-    """What moving a split sequence's keys and values costs, in the cost model's units per token
-    of the sequence (scaled by ``(k-1)/k``, the share each rank receives).
+    """What moving a split sequence's keys and values costs each rank of its group, in the cost
+    model's units: ``per_token`` per token of the sequence (scaled by ``(k-1)/k``, the share each
+    rank receives) plus ``fixed`` (the collectives' own cost, whatever their size).
 
     Attributes:
         per_token: cost units per token of the sequence exchanged (forward all-gather and backward
             reduce-scatter together).
+        fixed: cost units a split sequence costs each of its ranks besides (one all-gather and one
+            reduce-scatter a layer).
     """
 
     per_token: float = 0.0
+    fixed: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.per_token < 0:
-            raise ValueError(f"ExchangeCost.per_token={self.per_token} must be >= 0")
+        if self.per_token < 0 or self.fixed < 0:
+            raise ValueError(f"ExchangeCost per_token={self.per_token} and fixed={self.fixed} must be >= 0")
 
     @classmethod
-    def for_shape(cls, shape: ModelShape, *, flops_per_byte: float, dtype_bytes: int = 2) -> ExchangeCost:
+    def for_shape(cls, shape: ModelShape, *, flops_per_byte: float, dtype_bytes: int = 2,
+                  flops_per_call: float = 0.0) -> ExchangeCost:
         """For a FLOPs cost model (:class:`~posttrain.balance.FlopsCost`): the bytes of keys and
         values of one token over every layer, twice (forward and backward), at ``flops_per_byte``
-        (the device's compute rate over its exchange bandwidth: about 1,000 on a GPU over NVLink)."""
+        (the device's compute rate over its exchange bandwidth), and ``flops_per_call`` for each of
+        a layer's two collectives (the rate times their latency)."""
         kv = 2 * shape.num_layers * shape.kv_heads * shape.head_dim * dtype_bytes
-        return cls(per_token=2.0 * kv * flops_per_byte)
+        return cls(per_token=2.0 * kv * flops_per_byte, fixed=2.0 * shape.num_layers * flops_per_call)
 
     def __call__(self, n: int, k: int) -> float:
-        return self.per_token * n * (k - 1) / k if k > 1 else 0.0
+        return self.per_token * n * (k - 1) / k + self.fixed if k > 1 else 0.0
 
 
 @dataclass(frozen=True)

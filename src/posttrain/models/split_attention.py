@@ -8,8 +8,10 @@ function registered under ``"posttrain"`` (:func:`use_split_attention`), no mode
 A sequence split into ``k`` shards (:func:`posttrain.balance.zigzag`) lives on the ``k`` ranks of
 its group: each holds the queries, keys and values of its own tokens, at their positions in the
 sequence. A query attends to every key at or before its position, wherever that key lives, so each
-rank all-gathers the group's keys and values (and their positions) and runs attention of its own
-queries over all of them under the mask ``query position >= key position``. The all-gather's
+rank all-gathers the group's keys and values (and their positions), orders them by position, and
+runs each run of consecutive query positions (a zigzag shard has two) over the keys at or before
+its last position under the mask ``query position >= key position`` (:func:`causal_blocks`): the
+work of a causal split, not of every query against every key. The all-gather's
 backward sums every rank's gradient of a key or value and hands each owner its own rows (a
 reduce-scatter), so the keys' and values' gradients come back exactly.
 
@@ -21,21 +23,27 @@ values per layer at a time.
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain._compat import all_gather_single, reduce_scatter_single
+from posttrain._compat import (
+    all_gather_single,
+    cpu_attention_with_lse,
+    cpu_attention_with_lse_backward,
+    reduce_scatter_single,
+)
 
-__all__ = ["HF_ATTENTION", "SplitShard", "packed_attention", "packed_call", "split_causal_attention",
-           "use_split_attention"]
+__all__ = ["HF_ATTENTION", "CausalBlocks", "SplitShard", "causal_blocks", "packed_attention", "packed_call",
+           "split_causal_attention", "use_split_attention"]
 
 #: The position of padding rows: no query attends to it (no query's position is this large).
 _PAD = torch.iinfo(torch.int64).max
@@ -67,7 +75,8 @@ class _GatherRows(torch.autograd.Function):
 
 def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
                            group=None, scale: float | None = None, lengths: list[int] | None = None,
-                           key_positions: torch.Tensor | None = None) -> torch.Tensor:
+                           key_positions: torch.Tensor | None = None,
+                           blocks: CausalBlocks | None = None) -> torch.Tensor:
     """This rank's queries attending, causally, to the keys and values of the whole split sequence.
     See [Note: attention over a split sequence]. A collective over ``group``: every rank of it
     calls this at the same point with its own shard.
@@ -82,6 +91,8 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         lengths, key_positions: every shard's token count and the positions of all of them in
             shard order, where the caller knows them (the plan gives them to every rank); else
             exchanged here, two more collectives a call.
+        blocks: :func:`causal_blocks` of ``positions`` and ``key_positions``, where the caller
+            has it (a :class:`SplitShard` keeps it); else computed here.
 
     Returns:
         ``(1, heads, t, head_dim)``.
@@ -96,13 +107,129 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if lengths is None:
         lengths, key_positions = _exchange_positions(positions.to(q.device, torch.int64), group)
     key_pos = key_positions.to(q.device)
-    keys = _GatherRows.apply(k, lengths, group)
-    values = _GatherRows.apply(v, lengths, group)
-    if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a block of query heads
-        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-        values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
-    mask = positions.to(q.device)[:, None] >= key_pos[None, :]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if blocks is None:
+        blocks = causal_blocks(positions, key_pos)
+    # keys and values in one collective each way (the exchange is latency-bound on a CPU's gloo)
+    keys, values = _GatherRows.apply(torch.cat([k, v], dim=1), lengths, group).chunk(2, dim=1)
+    if blocks.order is not None:  # the gathered rows in position order: a query run's keys are then a prefix
+        perm = blocks.order.to(q.device)
+        keys, values, key_pos = keys.index_select(2, perm), values.index_select(2, perm), key_pos.index_select(0, perm)
+    lse_kernel = _LSE_ATTENTION.get(q.device.type)
+    if lse_kernel is not None and blocks.diagonal:
+        if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a block of query heads
+            keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+            values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
+        return _RunAttention.apply(q, keys, values, blocks.runs, scale, lse_kernel)
+    pos = positions.to(q.device)
+    gqa = keys.shape[1] != q.shape[1]
+    out = [F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :m], values[:, :, :m],
+                                          attn_mask=pos[a:b, None] >= key_pos[None, :m], scale=scale, enable_gqa=gqa)
+           for a, b, m in blocks.pieces]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+#: The fewest query rows of a piece of a split shard's attention under a mask (:func:`causal_blocks`):
+#: smaller pieces mask less work but make more calls.
+PIECE_ROWS = 64
+
+
+class CausalBlocks(NamedTuple):
+    """How :func:`split_causal_attention` runs a shard's queries against the gathered keys
+    (:func:`causal_blocks`).
+
+    Attributes:
+        order: the order that sorts the gathered keys by position (``None``: they already are).
+        runs: ``(start, end, before, upto)`` per run of consecutive query positions (a zigzag
+            shard's two chunks, or one where they are adjacent): its queries ``start:end`` see the
+            first ``upto`` sorted keys, of which the first ``before`` come before its first position.
+        pieces: ``(start, end, upto)``: the runs cut into pieces of an eighth of the shard (at
+            least :data:`PIECE_ROWS` rows, at most half the shard), each attending to the first
+            ``upto`` sorted keys under a mask.
+        diagonal: every run's own keys are exactly its positions (so unless two keys share a
+            position), so a run is a mask-free block over the keys before it plus a causal square.
+    """
+
+    order: torch.Tensor | None
+    runs: list[tuple[int, int, int, int]]
+    pieces: list[tuple[int, int, int]]
+    diagonal: bool
+
+
+def causal_blocks(positions: torch.Tensor, key_positions: torch.Tensor) -> CausalBlocks:
+    """The runs and pieces of a shard's queries (its ``positions``) over the gathered keys
+    (``key_positions``, in shard order); host values (one transfer from the device). Where the
+    device has an attention kernel that returns its log-sum-exp (the CPU's), a run attends to the
+    keys before it without a mask and to its own keys causally, the two merged by their
+    log-sum-exps (:class:`_RunAttention`): exactly a causal split's work, ``1 / k`` of the
+    sequence's at ``k`` shards. Otherwise each piece attends to every key up to its last position
+    under a mask, of which only the triangle at its end is masked: about ``1 + 1 / 8k`` of that
+    (``(2k + 1) / 2k`` for shards under ``16 x PIECE_ROWS`` tokens). One masked call over every
+    key would compute the whole sequence's work on every rank."""
+    qpos = positions.tolist()
+    kpos = key_positions.tolist()
+    order = sorted(range(len(kpos)), key=kpos.__getitem__)
+    ordered = [kpos[i] for i in order]
+    piece = min(-(-len(qpos) // 2), max(PIECE_ROWS, -(-len(qpos) // 8)))
+    runs, pieces = [], []
+    start = cut = 0
+    for i in range(1, len(qpos) + 1):
+        end_run = i == len(qpos) or qpos[i] != qpos[i - 1] + 1
+        if end_run or i - cut == piece:
+            pieces.append((cut, i, bisect.bisect_right(ordered, qpos[i - 1])))
+            cut = i
+        if end_run:
+            runs.append((start, i, bisect.bisect_left(ordered, qpos[start]), bisect.bisect_right(ordered, qpos[i - 1])))
+            start = i
+    diagonal = all(upto - before == end - begin for begin, end, before, upto in runs)
+    return CausalBlocks(None if order == list(range(len(order))) else torch.tensor(order), runs, pieces, diagonal)
+
+
+#: Per device type, an attention kernel returning ``(output, log-sum-exp)`` and its backward taking
+#: the merged output and log-sum-exp (the flash-attention identity: a block's gradients need only
+#: those). A device without one (CUDA: not yet run on a GPU) takes the masked pieces.
+_LSE_ATTENTION = {"cpu": (cpu_attention_with_lse, cpu_attention_with_lse_backward)}
+
+
+class _RunAttention(torch.autograd.Function):
+    """Each run of a shard's queries over the keys before it (no mask) and its own keys (causal),
+    merged by log-sum-exp; backward: each block's gradients from the merged output and
+    log-sum-exp (exact)."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, runs, scale, kernel):
+        fwd, _ = kernel
+        outs, lses = [], []
+        for begin, end, before, upto in runs:
+            qr = q[:, :, begin:end]
+            parts = [fwd(qr, keys[:, :, a:b], values[:, :, a:b], causal, scale)
+                     for a, b, causal in ((0, before, False), (before, upto, True)) if b > a]
+            if len(parts) == 1:
+                out, lse = parts[0]
+            else:
+                lse = torch.logaddexp(parts[0][1], parts[1][1])
+                out = sum(o.float() * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in parts).to(q.dtype)
+            outs.append(out)
+            lses.append(lse)
+        ctx.save_for_backward(q, keys, values, *outs, *lses)
+        ctx.runs, ctx.scale, ctx.kernel = runs, scale, kernel
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, keys, values, *saved = ctx.saved_tensors
+        runs, scale = ctx.runs, ctx.scale
+        _, bwd = ctx.kernel
+        outs, lses = saved[:len(runs)], saved[len(runs):]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
+        for (begin, end, before, upto), out, lse in zip(runs, outs, lses):
+            g = grad[:, :, begin:end].contiguous()
+            for a, b, causal in ((0, before, False), (before, upto, True)):
+                if b > a:
+                    gq, gk, gv = bwd(g, q[:, :, begin:end], keys[:, :, a:b], values[:, :, a:b], out, lse, causal, scale)
+                    dq[:, :, begin:end] += gq
+                    dk[:, :, a:b] += gk
+                    dv[:, :, a:b] += gv
+        return dq, dk, dv, None, None, None
 
 
 def _exchange_positions(positions: torch.Tensor, group) -> tuple[list[int], torch.Tensor]:
@@ -143,6 +270,12 @@ class SplitShard:
         if self.positions.dim() != 1 or self.positions.dtype != torch.int64 or self.positions.numel() < 1:
             raise ValueError(f"SplitShard.positions must be a non-empty 1-D int64 tensor, got "
                              f"{self.positions.dtype} of shape {tuple(self.positions.shape)}")
+
+    @functools.cached_property
+    def blocks(self) -> CausalBlocks | None:
+        """:func:`causal_blocks` of the shard, once for all its layers (``None`` until the key
+        positions are known: without them every call exchanges them)."""
+        return None if self.key_positions is None else causal_blocks(self.positions, self.key_positions)
 
 
 def check_split(document_lengths: list[int] | None, split: SplitShard | None) -> None:
@@ -220,7 +353,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     if split is not None:
         n = document_lengths[0]
         pieces[0] = split_causal_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], split.positions, group=split.group,
-                                           scale=scale, lengths=split.lengths, key_positions=split.key_positions)[0]
+                                           scale=scale, lengths=split.lengths, key_positions=split.key_positions,
+                                           blocks=split.blocks)[0]
     alone, batches = _attention_plan(tuple(document_lengths), int(split is not None), batch, q.device)
     for i, a, n in alone:
         pieces[i] = F.scaled_dot_product_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n],

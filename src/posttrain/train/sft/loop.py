@@ -73,10 +73,14 @@ __all__ = [
     "train_worker",
 ]
 
-#: FLOPs a rank computes in the time it moves one byte of a split sequence's keys and values, by
-#: device kind: estimates (a CPU core's ~80 GFLOP/s over gloo's ~1.2 GiB/s; a GPU's ~1 PFLOP/s bf16
-#: over NVLink's ~1 TB/s), not yet calibrated by measurement.
-FLOPS_PER_EXCHANGED_BYTE = {"cpu": 64.0, "cuda": 1000.0}
+#: FLOPs a rank computes in the time it moves one byte of a split sequence's keys and values, and
+#: in the time one of a layer's two exchange collectives costs whatever its size, by device kind.
+#: CPU: measured on 2 processes of this project's 2-core machine (gloo), by
+#: ``python -m posttrain.lab.bench.cp_exchange`` (two runs fitted 253 and 527 FLOPs a byte, -32M
+#: and 148M FLOPs a call: the middle of each). CUDA: estimates, not yet measured on a GPU (about
+#: 1 PFLOP/s bf16 over NVLink's ~1 TB/s, and ~20 microseconds a collective).
+FLOPS_PER_EXCHANGED_BYTE = {"cpu": 400.0, "cuda": 1000.0}
+FLOPS_PER_EXCHANGE_CALL = {"cpu": 6e7, "cuda": 2e10}
 
 
 @dataclass
@@ -130,9 +134,11 @@ def plan_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], world_siz
 
 def exchange_cost(cfg: TrainConfig, cost: FlopsCost) -> ExchangeCost:
     """What moving a split sequence's keys and values costs in ``cost``'s units (FLOPs) on the
-    run's device (:data:`FLOPS_PER_EXCHANGED_BYTE`) at its precision."""
-    rate = FLOPS_PER_EXCHANGED_BYTE.get(cfg.device_kind, FLOPS_PER_EXCHANGED_BYTE["cuda"])
-    return ExchangeCost.for_shape(cost.shape, flops_per_byte=rate, dtype_bytes=2 if cfg.engine.precision == "bf16" else 4)
+    run's device (:data:`FLOPS_PER_EXCHANGED_BYTE`, :data:`FLOPS_PER_EXCHANGE_CALL`) at its precision."""
+    kind = cfg.device_kind if cfg.device_kind in FLOPS_PER_EXCHANGED_BYTE else "cuda"
+    return ExchangeCost.for_shape(cost.shape, flops_per_byte=FLOPS_PER_EXCHANGED_BYTE[kind],
+                                  dtype_bytes=2 if cfg.engine.precision == "bf16" else 4,
+                                  flops_per_call=FLOPS_PER_EXCHANGE_CALL[kind])
 
 
 def plan_context_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], world_size: int,
