@@ -387,6 +387,18 @@ def test_a_fixed_shard_count_the_exchange_and_sequences_longer_than_max_tokens()
     assert set(plan.split.values()) == {2} and 0 in plan.split  # 6000 > max_tokens: split, into 2
     costly = plan_context(lengths, world_size=4, max_tokens=4096, cost=cost, exchange=ExchangeCost(per_token=1.0))
     assert set(costly.split) == {0}  # an exchange dearer than any gain: only what must be split
+    # a split taken only where it saves more than min_gain of the step; a fixed price per split
+    two = [3000, 1000]
+    gain = 1 - max(plan_context(two, world_size=2, max_tokens=4096, cost=cost).rank_costs) / cost(3000)
+    assert 0.05 < gain < 0.9
+    assert plan_context(two, world_size=2, max_tokens=4096, cost=cost, min_gain=gain * 0.9).split == {0: 2}
+    assert plan_context(two, world_size=2, max_tokens=4096, cost=cost, min_gain=gain * 1.1).split == {}
+    assert ExchangeCost(per_token=2.0, fixed=5.0)(100, 2) == 2.0 * 100 / 2 + 5.0
+    assert ExchangeCost(per_token=2.0, fixed=5.0)(100, 1) == 0.0
+    assert plan_context(two, world_size=2, max_tokens=4096, cost=cost,
+                        exchange=ExchangeCost(fixed=cost(3000))).split == {}
+    with pytest.raises(ValueError, match=r"min_gain=1 must be in \[0, 1\)"):
+        plan_context(two, world_size=2, max_tokens=4096, min_gain=1)
     with pytest.raises(ValueError, match=r"max_tokens=4096 is smaller than sequence 0 \(6000 tokens\)"):
         plan_context(lengths, world_size=4, max_tokens=4096, context_parallel="off")
     with pytest.raises(ValueError, match="context_parallel=1"):

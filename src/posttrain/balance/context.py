@@ -188,9 +188,10 @@ def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int
 
 
 def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, cost: CostModel | None = None,
-                 exchange: ExchangeCost | None = None, context_parallel: str | int = "auto") -> ContextPlan:
-    """Plan one minibatch with sequences split across ranks where that lowers the predicted step.
-    See [Note: splitting a sequence].
+                 exchange: ExchangeCost | None = None, context_parallel: str | int = "auto",
+                 min_gain: float = 0.0) -> ContextPlan:
+    """Plan one minibatch with sequences split across ranks where that lowers the predicted step
+    (by more than ``min_gain``, a fraction of it, each split). See [Note: splitting a sequence].
 
     Args:
         lengths: tokens per sequence (sequence ids are positions).
@@ -200,6 +201,8 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
         exchange: what moving a split sequence's keys and values costs (default: nothing).
         context_parallel: ``off``, ``auto`` (2 to ``world_size`` shards per sequence, chosen
             where it gains) or an integer ``K`` (``K`` shards).
+        min_gain: the least fraction of the predicted step a split must save to be taken (the
+            predictions' error: a split that gains less may lose).
 
     Raises:
         ValueError: a bad ``context_parallel``, or a sequence longer than ``max_tokens`` that no
@@ -207,6 +210,8 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
     """
     if world_size < 1 or max_tokens < 1:
         raise ValueError(f"world_size={world_size} and max_tokens={max_tokens} must be at least 1")
+    if not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain={min_gain} must be in [0, 1)")
     if context_parallel not in ("off", "auto") and not (isinstance(context_parallel, int) and context_parallel >= 2):
         raise ValueError(f"context_parallel={context_parallel!r}: use off, auto or a shard count of 2 or more")
     if isinstance(context_parallel, int) and context_parallel > world_size:
@@ -251,7 +256,7 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
                 if not fits(lengths[i], k):
                     continue
                 got = evaluate({**split, i: k})
-                if got[0] < best_step * (1 - 1e-9) and (trial_best is None or got[0] < trial_best[0][0]):
+                if got[0] < best_step * (1 - max(min_gain, 1e-9)) and (trial_best is None or got[0] < trial_best[0][0]):
                     trial_best = (got, i, k)
         if trial_best is not None:
             (best_step, parts, groups), i, k = trial_best

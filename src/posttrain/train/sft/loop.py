@@ -81,6 +81,10 @@ __all__ = [
 #: 1 PFLOP/s bf16 over NVLink's ~1 TB/s, and ~20 microseconds a collective).
 FLOPS_PER_EXCHANGED_BYTE = {"cpu": 400.0, "cuda": 1000.0}
 FLOPS_PER_EXCHANGE_CALL = {"cpu": 6e7, "cuda": 2e10}
+#: The least fraction of a step's predicted time a split must save (``plan_context``'s ``min_gain``):
+#: the exchange's price is fitted to within about that (two runs of ``cp_exchange`` differ by about
+#: 2x in it), and on this machine a shard also costs a microbatch of its own the price leaves out.
+MIN_SPLIT_GAIN = 0.1
 
 
 @dataclass
@@ -146,7 +150,8 @@ def plan_context_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], w
     """The plan of one minibatch with the costliest sequences split across ranks where that gains
     (``cfg.engine.context_parallel``; :func:`posttrain.balance.plan_context`)."""
     return plan_context([len(s) - 1 for s in seqs], world_size=world_size, max_tokens=cfg.max_tokens, cost=cost,
-                        exchange=exchange_cost(cfg, cost), context_parallel=cfg.engine.context_parallel)
+                        exchange=exchange_cost(cfg, cost), context_parallel=cfg.engine.context_parallel,
+                        min_gain=MIN_SPLIT_GAIN)
 
 
 def _sample(s: Sample | torch.Tensor) -> Sample:
