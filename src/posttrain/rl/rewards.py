@@ -11,6 +11,7 @@ naming the function, the record and the value.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -82,16 +83,28 @@ def load_rewards(spec: str) -> list[tuple[str, RewardFn]]:
     return [(name, load_reward(name)) for name in names]
 
 
-def _fields_for(fn: RewardFn, fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The record fields ``fn`` takes: those it names as parameters, or all with ``**kwargs``."""
+@functools.lru_cache(maxsize=64)
+def _takes(fn: RewardFn) -> tuple[bool, frozenset[str]]:
+    """Whether ``fn`` takes ``**kwargs``, and the parameter names it takes by keyword (read once
+    per function: a reward is called for every sample of every step)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: the two arguments only
-        return {}
+        return False, frozenset()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True, frozenset()
+    return False, frozenset(n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                                         inspect.Parameter.KEYWORD_ONLY))
+
+
+def _fields_for(fn: RewardFn, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The record fields ``fn`` takes: those it names as parameters, or all with ``**kwargs``."""
+    try:
+        every, named = _takes(fn)
+    except TypeError:  # (an unhashable callable: read its signature each time)
+        every, named = _takes.__wrapped__(fn)
+    if every:
         return dict(fields)
-    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                         inspect.Parameter.KEYWORD_ONLY)}
     return {k: v for k, v in fields.items() if k in named and k not in ("prompt", "response")}
 
 
