@@ -185,7 +185,7 @@ def test_batched_generation_samples_what_one_prompt_at_a_time_would(tiny_model):
     assert len(first) == 16
 
 
-def test_posttrains_sampler_decodes_what_generate_does_and_ended_rows_leave_the_batch(tiny_model):
+def test_posttrains_sampler_decodes_what_generate_does_and_ended_rows_leave_the_batch(tiny_model, monkeypatch):
     """posttrain's decoding loop (``sample``) against ``transformers``' ``generate`` on the same
     left-padded batch, made greedy by a vanishing top_p: the same tokens, row for row, for prompts
     of different lengths (positions, mask and KV cache as ``generate`` keeps them). Then with an
@@ -201,7 +201,14 @@ def test_posttrains_sampler_decodes_what_generate_does_and_ended_rows_leave_the_
     free = [r[0] for r in (ours.generate([p], 1, seed=0) for p in prompts)]
     ours.eos = theirs.eos = free[0][2]  # an end token the first prompt's response meets early
     assert len([r for r in free if ours.eos in r[:-1]]) < len(prompts)  # (some rows run on past it)
+    from transformers import DynamicCache
+
+    removed = []
+    select = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda self, keep: removed.append(len(keep)) or select(self, keep))
     together = ours.generate(prompts, 1, seed=0)
+    assert removed and removed[0] < len(prompts)  # (rows that ended left the batch and its cache)
     assert together == theirs.generate(prompts, 1, seed=0)
     for r, alone in zip(together, free):
         cut = alone.index(ours.eos) + 1 if ours.eos in alone else len(alone)

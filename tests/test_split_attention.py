@@ -19,7 +19,7 @@ def _tensors(n, heads, kv_heads, d):
     return [torch.randn(1, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads, heads)]  # q, k, v, weights
 
 
-def _worker(rank, world, n, heads, kv_heads, d, lse=True):
+def _worker(rank, world, n, heads, kv_heads, d, lse=True, dtype=torch.float32):
     if not lse:  # the masked pieces, as a device without a log-sum-exp kernel runs them
         import posttrain.models.split_attention as sa
 
@@ -27,7 +27,8 @@ def _worker(rank, world, n, heads, kv_heads, d, lse=True):
     q, k, v, w = _tensors(n, heads, kv_heads, d)
     (a0, a1), (b0, b1) = zigzag(n, world)[rank]
     idx = torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
-    mine = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+    mine = [t[:, :, idx].to(dtype).clone().requires_grad_() for t in (q, k, v)]
+    w = w.to(dtype)
     out = split_causal_attention(*mine, idx)
     (out * w[:, :, idx]).sum().backward()
     return idx, out.detach(), *(t.grad for t in mine)
@@ -96,3 +97,19 @@ def test_a_shard_attends_to_the_keys_its_runs_need_not_to_every_key(n, k):
         assert max(masked) <= even * (1 + 1 / (6 * k))
     assert max(masked) < 0.75 * n * n / k  # (a masked call over every key: n / k queries x n keys each)
 
+
+@pytest.mark.parametrize("lse", [True, False], ids=["lse-blocks", "masked-pieces"])
+def test_split_attention_in_bf16_is_one_process_fp32_within_bf16s_rounding(lse):
+    """bf16 queries, keys and values on 2 ranks (grouped-query): output and gradients within
+    bf16's rounding of one fp32 process's (the blocks are merged and their gradients summed in
+    fp32); all in fp32 the same comparison holds to 1e-5."""
+    n, heads, kv_heads, d = 96, 4, 2, 16
+    q, k, v, w = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_tensors(n, heads, kv_heads, d)))
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    (out * w).sum().backward()
+    got = run_ranks(_worker, 2, n, heads, kv_heads, d, lse, torch.bfloat16, timeout_s=120)
+    for idx, o, gq, gk, gv in got:
+        assert o.dtype == gq.dtype == torch.bfloat16
+        for mine, want in ((o, out.detach()), (gq, q.grad), (gk, k.grad), (gv, v.grad)):
+            want = want[:, :, idx]
+            assert (mine.float() - want).abs().max() <= 2e-2 * want.abs().max() + 1e-2

@@ -114,16 +114,16 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if blocks.order is not None:  # the gathered rows in position order: a query run's keys are then a prefix
         perm = blocks.order.to(q.device)
         keys, values, key_pos = keys.index_select(2, perm), values.index_select(2, perm), key_pos.index_select(0, perm)
+    if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a block of query heads
+        # (repeated, not SDPA's enable_gqa: with a mask that would leave a GPU only its math kernel)
+        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
     lse_kernel = _LSE_ATTENTION.get(q.device.type)
     if lse_kernel is not None and blocks.diagonal:
-        if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a block of query heads
-            keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-            values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
         return _RunAttention.apply(q, keys, values, blocks.runs, scale, lse_kernel)
     pos = positions.to(q.device)
-    gqa = keys.shape[1] != q.shape[1]
     out = [F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :m], values[:, :, :m],
-                                          attn_mask=pos[a:b, None] >= key_pos[None, :m], scale=scale, enable_gqa=gqa)
+                                          attn_mask=pos[a:b, None] >= key_pos[None, :m], scale=scale)
            for a, b, m in blocks.pieces]
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
@@ -210,26 +210,28 @@ class _RunAttention(torch.autograd.Function):
                 out = sum(o.float() * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in parts).to(q.dtype)
             outs.append(out)
             lses.append(lse)
-        ctx.save_for_backward(q, keys, values, *outs, *lses)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        ctx.save_for_backward(q, keys, values, out, *lses)  # (the output once, sliced per run in backward)
         ctx.runs, ctx.scale, ctx.kernel = runs, scale, kernel
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, keys, values, *saved = ctx.saved_tensors
+        q, keys, values, out, *lses = ctx.saved_tensors
         runs, scale = ctx.runs, ctx.scale
         _, bwd = ctx.kernel
-        outs, lses = saved[:len(runs)], saved[len(runs):]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
-        for (begin, end, before, upto), out, lse in zip(runs, outs, lses):
+        # summed in fp32 over blocks and runs (bf16 inputs: one rounding at the end)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, keys, values))
+        for (begin, end, before, upto), lse in zip(runs, lses):
             g = grad[:, :, begin:end].contiguous()
             for a, b, causal in ((0, before, False), (before, upto, True)):
                 if b > a:
-                    gq, gk, gv = bwd(g, q[:, :, begin:end], keys[:, :, a:b], values[:, :, a:b], out, lse, causal, scale)
+                    gq, gk, gv = bwd(g, q[:, :, begin:end], keys[:, :, a:b], values[:, :, a:b], out[:, :, begin:end], lse,
+                                     causal, scale)
                     dq[:, :, begin:end] += gq
                     dk[:, :, a:b] += gk
                     dv[:, :, a:b] += gv
-        return dq, dk, dv, None, None, None
+        return dq.to(q.dtype), dk.to(keys.dtype), dv.to(values.dtype), None, None, None
 
 
 def _exchange_positions(positions: torch.Tensor, group) -> tuple[list[int], torch.Tensor]:

@@ -11,6 +11,7 @@ score responses' log-probabilities under that copy (:meth:`HFRollout.logprobs`, 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -36,7 +37,8 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     tokens whose probability reaches ``top_p``; the likeliest is always kept), with the global
     torch generator. A row ends at its first ``eos_token_id`` (kept); once at least
     :data:`COMPACT_FRACTION` of the rows still running have ended, they leave the batch and the
-    cache, so a long tail of responses costs only its own rows. Returns ``(rows,
+    cache, so a long tail of responses costs only its own rows (where the cache's layers all hold
+    keys and values only; a model with linear-attention layers keeps every row, as ``generate``). Returns ``(rows,
     max_new_tokens)`` token ids, ``pad_token_id`` after a row's end (on the model's device).
 
     Unlike ``generate``, no other logits processor (a model's ``generation_config`` defaults such
@@ -48,8 +50,10 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     out = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
+    keep_last = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
+                   use_cache=True, **keep_last).logits[:, -1]
+    compactable = _rows_removable(cache)
     live = torch.arange(rows, device=device)  # the batch's rows, as rows of ``out``
     running = torch.ones(rows, dtype=torch.bool, device=device)
     last = positions[:, -1]
@@ -69,7 +73,7 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
         still = int(running.sum())  # (one wait for the device a step, as generate's stopping check)
         if still == 0:
             break
-        if len(live) - still >= max(1, int(len(live) * COMPACT_FRACTION)):
+        if compactable and len(live) - still >= max(1, int(len(live) * COMPACT_FRACTION)):
             keep = running.nonzero().squeeze(1)
             live, token, mask, last, running = live[keep], token[keep], mask[keep], last[keep], running[keep]
             cache.batch_select_indices(keep)
@@ -78,6 +82,26 @@ def sample(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache,
                        use_cache=True).logits[:, -1]
     return out
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (every current ``transformers`` causal
+    LM; older remote code may not): the prefill then computes the last position's logits only."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "logits_to_keep" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _rows_removable(cache) -> bool:
+    """Whether rows can leave the cache: every layer a plain key/value layer (full or sliding
+    window). A layer with other state (linear attention's convolution and recurrent states) keeps
+    every row, as ``generate`` does."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(cache, "layers", None)
+    return layers is not None and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
 
 
 class RolloutEngine(Protocol):

@@ -28,7 +28,7 @@ __all__ = ["main", "measure"]
 
 
 def _worker(rank: int, world: int, lengths: list[int], reps: int) -> dict:
-    from posttrain.balance.context import Shard
+    from posttrain.balance.context import Shard, shard_lengths
     from posttrain.models import GPT
     from posttrain.train.sft import TrainConfig
     from posttrain.train.sft.loop import microbatch_loss, shard_loss
@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, lengths: list[int], reps: int) -> dict:
                 dist.barrier()
                 t = time.perf_counter()
                 if mode == "split":
-                    shard_loss(model, seq, Shard(0, rank, 2, (0, 1), (n + 1) // 2, 0.0), group).backward()
+                    shard_loss(model, seq, Shard(0, rank, 2, (0, 1), shard_lengths(n, 2)[rank], 0.0), group).backward()
                 elif rank == 0:
                     microbatch_loss(model, [seq], [0], 1.0).backward()
                 dist.barrier()
