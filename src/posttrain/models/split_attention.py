@@ -8,10 +8,12 @@ function registered under ``"posttrain"`` (:func:`use_split_attention`), no mode
 A sequence split into ``k`` shards (:func:`posttrain.balance.zigzag`) lives on the ``k`` ranks of
 its group: each holds the queries, keys and values of its own tokens, at their positions in the
 sequence. A query attends to every key at or before its position, wherever that key lives, so each
-rank all-gathers the group's keys and values (and their positions), orders them by position, and
-runs each run of consecutive query positions (a zigzag shard has two) over the keys at or before
-its last position under the mask ``query position >= key position`` (:func:`causal_blocks`): the
-work of a causal split, not of every query against every key. The all-gather's
+rank all-gathers the group's keys and values (and their positions) and orders them by position;
+each run of its consecutive query positions (a zigzag shard has two) then attends to the keys
+before it without a mask and to its own keys causally, the two blocks merged by their
+log-sum-exps (:func:`causal_blocks`, :class:`_RunAttention`): the work of a causal split, not of
+every query against every key (a device without such a kernel runs pieces of the runs over the
+keys up to their last position, under the mask ``query position >= key position``). The all-gather's
 backward sums every rank's gradient of a key or value and hands each owner its own rows (a
 reduce-scatter), so the keys' and values' gradients come back exactly.
 
@@ -119,7 +121,7 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
     lse_kernel = _LSE_ATTENTION.get(q.device.type)
-    if lse_kernel is not None and blocks.diagonal:
+    if lse_kernel is not None:
         return _RunAttention.apply(q, keys, values, blocks.runs, scale, lse_kernel)
     pos = positions.to(q.device)
     out = [F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :m], values[:, :, :m],
@@ -145,19 +147,21 @@ class CausalBlocks(NamedTuple):
         pieces: ``(start, end, upto)``: the runs cut into pieces of an eighth of the shard (at
             least :data:`PIECE_ROWS` rows, at most half the shard), each attending to the first
             ``upto`` sorted keys under a mask.
-        diagonal: every run's own keys are exactly its positions (so unless two keys share a
-            position), so a run is a mask-free block over the keys before it plus a causal square.
+
+    A run's own keys are exactly its positions (``upto - before == end - start``: the shard holds
+    every position from its first to its last), so it is a mask-free block over the keys before
+    it plus a causal square.
     """
 
     order: torch.Tensor | None
     runs: list[tuple[int, int, int, int]]
     pieces: list[tuple[int, int, int]]
-    diagonal: bool
 
 
 def causal_blocks(positions: torch.Tensor, key_positions: torch.Tensor) -> CausalBlocks:
     """The runs and pieces of a shard's queries (its ``positions``) over the gathered keys
-    (``key_positions``, in shard order); host values (one transfer from the device). Where the
+    (``key_positions``, in shard order; the sorting order on their device, the rest host values
+    from one transfer). Where the
     device has an attention kernel that returns its log-sum-exp (the CPU's), a run attends to the
     keys before it without a mask and to its own keys causally, the two merged by their
     log-sum-exps (:class:`_RunAttention`): exactly a causal split's work, ``1 / k`` of the
@@ -180,8 +184,8 @@ def causal_blocks(positions: torch.Tensor, key_positions: torch.Tensor) -> Causa
         if end_run:
             runs.append((start, i, bisect.bisect_left(ordered, qpos[start]), bisect.bisect_right(ordered, qpos[i - 1])))
             start = i
-    diagonal = all(upto - before == end - begin for begin, end, before, upto in runs)
-    return CausalBlocks(None if order == list(range(len(order))) else torch.tensor(order), runs, pieces, diagonal)
+    sorted_order = None if order == list(range(len(order))) else torch.tensor(order, device=key_positions.device)
+    return CausalBlocks(sorted_order, runs, pieces)
 
 
 #: Per device type, an attention kernel returning ``(output, log-sum-exp)`` and its backward taking

@@ -73,7 +73,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     lsm = torch.log_softmax(scaled, dim=-1)
     logp = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
-        lsm = lsm.detach()
         ent = -(lsm.exp() * lsm.clamp_min(-1e30)).sum(-1)  # (a zero probability adds 0, not nan)
     return logp, ent
 

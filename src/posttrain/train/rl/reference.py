@@ -48,13 +48,15 @@ def engine_logprobs(engine, model, sequences: Sequence[torch.Tensor], prompt_len
                     engine.run_dummy(backward=False)
                     continue
                 inputs = torch.cat([sequences[i][:-1] for i in ids]).unsqueeze(0).to(engine.device)
-                targets = torch.cat([sequences[i][1:] for i in ids]).to(engine.device)
                 lengths = [len(sequences[i]) - 1 for i in ids]
-                lp = token_logprobs(model(inputs, document_lengths=lengths)[0], targets, cfg.temperature).cpu()
-                start = 0
-                for i, n in zip(ids, lengths):
-                    out[i] = lp[start + prompt_lens[i] - 1:start + n].tolist()
-                    start += n
+                starts = [sum(lengths[:j]) for j in range(len(ids))]
+                # the response positions alone: the LM head runs on those rows only (as the update's)
+                at = torch.cat([torch.arange(a + prompt_lens[i] - 1, a + n) for i, a, n in zip(ids, starts, lengths)])
+                targets = torch.cat([sequences[i][prompt_lens[i]:] for i in ids]).to(engine.device)
+                logits = model(inputs, document_lengths=lengths, logits_at=at.to(engine.device))[0]
+                lp = token_logprobs(logits, targets, cfg.temperature).cpu()
+                for i, part in zip(ids, lp.split([n + 1 - prompt_lens[i] for i, n in zip(ids, lengths)])):
+                    out[i] = part.tolist()
     engine.after_forward_only()  # no backward comes for these forwards
     every: list = [None] * world_size
     dist.all_gather_object(every, out)
