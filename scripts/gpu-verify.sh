@@ -13,11 +13,12 @@
 #   bash scripts/gpu-verify.sh trl                     (c) posttrain against TRL's SFTTrainer on the GPU
 #                                                          (lab/bench/trl_sft.py: a 1.1B Llama, the same
 #                                                          records, order and update; TRL one record a
-#                                                          forward and 4 padded, posttrain flat ODC and
-#                                                          FSDP2; 2 rounds of 8 steps; a profile of one
-#                                                          TRL step). About 7 minutes on an H100 with
-#                                                          checkpointing off; TRL_CHECKPOINTING=on for the
-#                                                          second half (slower: TRL took 7 s a step)
+#                                                          forward and 4 padding-free in one row,
+#                                                          posttrain flat ODC and FSDP2; 2 rounds of 8
+#                                                          steps; a profile of one TRL step). About 7
+#                                                          minutes on an H100 with checkpointing off;
+#                                                          TRL_CHECKPOINTING=on for the second half
+#                                                          (slower: TRL took 7 s a step)
 #   bash scripts/gpu-verify.sh --dry-run [tests|measure]   here, on the CPU: the plan, the tests (a) would
 #                                                          run and the time expected from the last recorded
 #                                                          durations (scripts/gpu-durations.txt)
@@ -32,7 +33,8 @@
 #                  the profile of TRL's last step
 # Environment: OUT, PART_TIMEOUT (seconds for the part, default 460), TEST_TIMEOUT (per test, default
 #   120), WORKERS (pytest-xdist workers for (a), default 3; 0: one process), PROFILE (odc benchmarks'
-#   length profile, default long_tail), DOCTOR_ARGS, PY.
+#   length profile, default long_tail), DOCTOR_ARGS, PY; for (c) TRL_VARIANTS (default
+#   trl,trl-pf:4,odc,fsdp), TRL_ROUNDS (2), TRL_STEPS (8, 2 of them warm-up), TRL_CHECKPOINTING, TRL_DIR.
 set -u
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
@@ -54,7 +56,7 @@ WORKERS=${WORKERS:-3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 
-TRL_ARGS="--dir ${TRL_DIR:-/tmp/trl_sft} --variants trl,trl:4,odc,fsdp --rounds 2 --steps 8 --warmup 2 --timeout 150 --checkpointing ${TRL_CHECKPOINTING:-off}"
+TRL_ARGS="--dir ${TRL_DIR:-/tmp/trl_sft} --variants ${TRL_VARIANTS:-trl,trl-pf:4,odc,fsdp} --rounds ${TRL_ROUNDS:-2} --steps ${TRL_STEPS:-8} --warmup 2 --timeout 150 --checkpointing ${TRL_CHECKPOINTING:-off}"
 if [ "$DRY" = 1 ]; then
   echo "gpu-verify (dry run) of part '$PART' on this machine; on the GPU machine it would:"
   if [ "$PART" = trl ]; then

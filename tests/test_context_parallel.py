@@ -61,22 +61,29 @@ def _groups(groups):
     return [dist.new_group(list(grp)) for grp in groups]  # (every rank creates every group, in one order)
 
 
-def _model_worker(rank, world, groups, variants):
+def _device(device: str, rank: int) -> torch.device:
+    """A rank's device: the CPU, or a GPU (ranks sharing one where there are fewer GPUs than ranks,
+    the group then gloo over GPU memory)."""
+    return torch.device("cuda", rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+
+
+def _model_worker(rank, world, groups, variants, device="cpu"):
     """The plain model on every rank (no engine): its own gradients summed over the ranks."""
     pgs = _groups(groups)
+    dev = _device(device, rank)
     out = {}
     for kind, checkpointing in variants:
-        model = _model(kind, checkpointing)
+        model = _model(kind, checkpointing).to(dev)
         long, labels, whole = _data(groups, world)
         packed, split = _mine(rank, groups, world, long, labels, whole, pgs)
         total = torch.tensor(float(packed.num_trained))
         dist.all_reduce(total)
-        logits = model(packed.inputs, document_lengths=packed.document_lengths, split=split)
-        loss = token_loss_sum(logits, packed.targets) / total
+        logits = model(packed.inputs.to(dev), document_lengths=packed.document_lengths, split=split)
+        loss = token_loss_sum(logits, packed.targets.to(dev)) / total.to(dev)
         loss.backward()
-        summed = loss.detach().clone()
+        summed = loss.detach().cpu()
         dist.all_reduce(summed)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
         for g in grads.values():
             dist.all_reduce(g)
         out[(kind, checkpointing)] = (float(summed), grads, packed.shard_positions)
@@ -99,24 +106,25 @@ def test_a_split_sequence_gives_the_single_process_loss_and_gradients(world, gro
                 torch.testing.assert_close(grads[n], g, **FP32, msg=f"{kind} ckpt={checkpointing} rank {r} {n}")
 
 
-def _engine_worker(rank, world, groups, variants):
+def _engine_worker(rank, world, groups, variants, device="cpu"):
     """The ODC engines: a minibatch of one packed microbatch per rank (the shard first), an SGD
     step, the full parameters after it."""
     from posttrain.dp import EngineConfig, build_engine
 
     pgs = _groups(groups)
+    dev = _device(device, rank)
     out = {}
     for kind, engine_name, checkpointing in variants:
-        model = _model(kind, False)
+        model = _model(kind, False).to(dev)
         engine = build_engine(model, EngineConfig(engine_name, activation_checkpointing=checkpointing))
         long, labels, whole = _data(groups, world)
         packed, split = _mine(rank, groups, world, long, labels, whole, pgs)
         opt = torch.optim.SGD(engine.parameters(), lr=0.5)
         with engine.minibatch(packed.num_trained) as mb:
-            logits = model(packed.inputs, document_lengths=packed.document_lengths, split=split)
-            (token_loss_sum(logits, packed.targets) / mb.loss_divisor).backward()
+            logits = model(packed.inputs.to(dev), document_lengths=packed.document_lengths, split=split)
+            (token_loss_sum(logits, packed.targets.to(dev)) / mb.loss_divisor).backward()
         opt.step()
-        out[(kind, engine_name, checkpointing)] = engine.full_state_dict()
+        out[(kind, engine_name, checkpointing)] = {n: t.cpu() for n, t in engine.full_state_dict().items()}
         engine.close()
     return out
 
@@ -131,6 +139,31 @@ def test_the_odc_engines_train_a_split_sequence_like_one_process():
             state = res[(kind, engine_name, checkpointing)]
             for n, p in want.items():
                 torch.testing.assert_close(state[n], p, **FP32, msg=f"{kind} {engine_name} ckpt={checkpointing} rank {r} {n}")
+
+
+@pytest.mark.cuda
+def test_a_split_sequence_on_a_gpu_trains_like_one_cpu_process():
+    """On CUDA, 2 ranks sharing the GPU (gloo over GPU memory; NCCL takes one rank per GPU): the
+    models' split attention (the masked pieces: no log-sum-exp kernel there), GQA, checkpointing
+    and packing beside whole sequences give one CPU process's loss and gradients, and flat ODC
+    takes its step, within the GPU kernels' fp32 rounding (TF32 off)."""
+    variants = [("gpt", False), ("llama", True)]
+    got = run_ranks(_model_worker, 2, [(0, 1)], variants, "cuda", start="spawn", timeout_s=240)
+    for kind, checkpointing in variants:
+        want_loss, want_grads, _ = _reference(kind, [(0, 1)], 2)
+        for r, res in enumerate(got):
+            loss, grads, _ = res[(kind, checkpointing)]
+            assert abs(loss - want_loss) <= 1e-4 * abs(want_loss), (kind, checkpointing, r, loss, want_loss)
+            for n, g in want_grads.items():
+                torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-5, msg=f"{kind} ckpt={checkpointing} rank {r} {n}")
+    engines = [("llama", "odc", True), ("gpt", "odc", False)]
+    got = run_ranks(_engine_worker, 2, [(0, 1)], engines, "cuda", start="spawn", timeout_s=240)
+    for kind, engine_name, checkpointing in engines:
+        _, _, want = _reference(kind, [(0, 1)], 2)
+        for r, res in enumerate(got):
+            for n, p in want.items():
+                torch.testing.assert_close(res[(kind, engine_name, checkpointing)][n], p, rtol=1e-4, atol=1e-5,
+                                           msg=f"{kind} {engine_name} ckpt={checkpointing} rank {r} {n}")
 
 
 def test_a_llama_switched_to_split_attention_still_attends_like_transformers_unpacked():

@@ -19,7 +19,7 @@ def _tensors(n, heads, kv_heads, d):
     return [torch.randn(1, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads, heads)]  # q, k, v, weights
 
 
-def _worker(rank, world, n, heads, kv_heads, d, lse=True, dtype=torch.float32):
+def _worker(rank, world, n, heads, kv_heads, d, lse=True, dtype=torch.float32, device="cpu"):
     if not lse:  # the masked pieces, as a device without a log-sum-exp kernel runs them
         import posttrain.models.split_attention as sa
 
@@ -27,11 +27,12 @@ def _worker(rank, world, n, heads, kv_heads, d, lse=True, dtype=torch.float32):
     q, k, v, w = _tensors(n, heads, kv_heads, d)
     (a0, a1), (b0, b1) = zigzag(n, world)[rank]
     idx = torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
-    mine = [t[:, :, idx].to(dtype).clone().requires_grad_() for t in (q, k, v)]
-    w = w.to(dtype)
-    out = split_causal_attention(*mine, idx)
-    (out * w[:, :, idx]).sum().backward()
-    return idx, out.detach(), *(t.grad for t in mine)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    mine = [t[:, :, idx].to(dev, dtype).clone().requires_grad_() for t in (q, k, v)]
+    w = w.to(dev, dtype)
+    out = split_causal_attention(*mine, idx.to(dev))
+    (out * w[:, :, idx.to(dev)]).sum().backward()
+    return idx, out.detach().cpu(), *(t.grad.cpu() for t in mine)
 
 
 @pytest.mark.parametrize("lse", [True, False], ids=["lse-blocks", "masked-pieces"])
@@ -113,3 +114,26 @@ def test_split_attention_in_bf16_is_one_process_fp32_within_bf16s_rounding(lse):
         for mine, want in ((o, out.detach()), (gq, q.grad), (gk, k.grad), (gv, v.grad)):
             want = want[:, :, idx]
             assert (mine.float() - want).abs().max() <= 2e-2 * want.abs().max() + 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_attention_on_a_gpu_equals_one_process(dtype):
+    """On CUDA (two ranks sharing the GPU, the keys and values all-gathered over gloo from GPU
+    memory): the masked pieces a device without a log-sum-exp kernel runs give one CPU process's
+    fp32 output and gradients, within the GPU kernels' own rounding (fp32) or bf16's; long enough
+    for several pieces per shard, grouped-query."""
+    n, heads, kv_heads, d = 600, 4, 2, 16
+    q, k, v, w = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_tensors(n, heads, kv_heads, d)))
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    (out * w).sum().backward()
+    got = run_ranks(_worker, 2, n, heads, kv_heads, d, True, dtype, "cuda", start="spawn", timeout_s=180)
+    assert sorted(torch.cat([idx for idx, *_ in got]).tolist()) == list(range(n))
+    for idx, o, gq, gk, gv in got:
+        assert o.dtype == gq.dtype == dtype
+        for mine, want in ((o, out.detach()), (gq, q.grad), (gk, k.grad), (gv, v.grad)):
+            want = want[:, :, idx]
+            if dtype == torch.float32:
+                torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-5)
+            else:
+                assert (mine.float() - want).abs().max() <= 2e-2 * want.abs().max() + 1e-2

@@ -9,7 +9,8 @@ import pytest
 def test_the_trl_comparison_feeds_both_trainers_the_same_records_and_update(tmp_path):
     """posttrain against TRL's SFTTrainer (lab/bench/trl_sft.py), on the CPU at a tiny size: the
     same records in posttrain's order, the same optimizer and loss normalization, so the losses
-    of TRL (one record a forward, and two padded) and of posttrain's flat ODC agree (fp32); a
+    of TRL (one record a forward, two padded, two padding-free in one row: no attention across
+    them) and of posttrain's flat ODC agree (fp32); a
     variant that fails is reported, not fatal; the profile of TRL's last step is written."""
     import json
 
@@ -18,13 +19,14 @@ def test_the_trl_comparison_feeds_both_trainers_the_same_records_and_update(tmp_
     out = tmp_path / "res.json"
     rc = trl_sft.main(["compare", "--dir", str(tmp_path / "d"), "--preset", "tiny", "--device", "cpu", "--steps", "3",
                        "--warmup", "1", "--rounds", "1", "--records", "24", "--max-len", "256", "--max-tokens", "256",
-                       "--sequences", "4", "--variants", "trl,trl:2,odc,nosuch",
+                       "--sequences", "4", "--variants", "trl,trl:2,trl-pf:2,odc,nosuch",
                        "--profile", str(tmp_path / "prof.txt"), "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     trl, odc = res["variants"]["trl"]["losses"], res["variants"]["odc"]["losses"]
     assert len(trl) == len(odc) == 3 and trl == pytest.approx(odc, rel=1e-5)
     assert res["variants"]["trl:2"]["losses"] == pytest.approx(odc, rel=1e-5)  # padded two a forward
+    assert res["variants"]["trl-pf:2"]["losses"] == pytest.approx(odc, rel=1e-5)  # padding-free
     assert list(res["failed"]) == ["nosuch"]
     assert res["variants"]["trl"]["vs_trl"] == [1.0, 1.0, 1.0] and res["variants"]["odc"]["vs_trl"][0] > 0
     assert "Self CPU" in (tmp_path / "prof.txt").read_text()

@@ -20,18 +20,24 @@ Each variant runs as its own process for ``--steps`` optimizer steps of ``--sequ
   over fp32 weights, AdamW (transformers' default, fused), a constant learning rate, the loss over
   the step's trained tokens (transformers' ``num_items_in_batch``), and what TRL adds by itself:
   its log-probabilities through a chunked LM head that also yields the entropy and token accuracy
-  it logs each step. Without flash attention (the
-  GPU image has none) TRL cannot run padding-free or packed (both need varlen attention kernels);
-  what its docs leave is a padded batch, so it runs ``--trl-batch`` records a forward (1: no
-  padding; more: padded to the batch's longest) and accumulates ``sequences / trl-batch`` of them;
-  a variant ``trl:N`` runs N records a forward beside it.
+  it logs each step. It runs ``--trl-batch`` records a forward (1: no padding; more: padded to the
+  batch's longest) and accumulates ``sequences / trl-batch`` of them; a variant ``trl:N`` runs N
+  records a forward, padded, beside it.
+- ``trl-pf:N``: TRL's padding-free mode (``padding_free=True``), N records a forward concatenated
+  into one row with position ids restarting at each record, as TRL's docs advise to avoid
+  padding. Its docs pair it with flash attention's varlen kernels, which the GPU image lacks;
+  with ``sdpa`` transformers builds a block-diagonal mask from the position ids (no attention
+  across records: the losses show it), so the attention runs as a masked kernel over the whole
+  row. TRL's packing (``packing=True``) is not run: it regroups records into fixed-length rows, so
+  a step would no longer hold the same records as posttrain's.
 - ``odc`` / ``fsdp``: ``posttrain train`` at world size 1, bf16 (fp32 master weights and
   gradients), the records packed into microbatches of at most ``--max-tokens`` tokens (4096) with
   varlen attention between packed sequences (no padding).
 
 ``--checkpointing on|off`` (default off) sets activation checkpointing in both: TRL's ``SFTConfig``
 turns it on unless told otherwise, posttrain leaves it off unless asked. ``--profile FILE`` writes
-torch's profile of TRL's last step (operators by self time), to find where its step goes.
+torch's profile of one TRL step (operators by self time), to find where its step goes: the last
+warm-up step of the first round, so that the profiler's own cost stays out of the timed steps.
 
 Times are by stopwatch: a step lasts from the end of the one before (data, logging, everything) to
 its own end after a device synchronization; tokens/s count the records' tokens (no padding) over
@@ -125,9 +131,10 @@ def _records(directory: str) -> list[dict]:
 
 
 def run_trl(directory: str, order: list[list[int]], out: str, *, lr: float, batch: int, device: str,
-            checkpointing: bool, profile: str | None = None) -> None:
+            checkpointing: bool, profile: str | None = None, profile_step: int = -1,
+            padding_free: bool = False) -> None:
     """One TRL run (in its own process): per-step stopwatch times, losses, peak memory; with
-    ``profile``, torch's profiler over the last step, its operators by self device time (CPU time
+    ``profile``, torch's profiler over step ``profile_step`` (-1: the last), its operators by self device time (CPU time
     without a GPU) written there."""
     import torch
     from datasets import Dataset
@@ -156,7 +163,7 @@ def run_trl(directory: str, order: list[list[int]], out: str, *, lr: float, batc
             self.last = time.perf_counter()
 
         def on_step_begin(self, args, state, control, **kw):
-            if profile and state.global_step == len(order) - 1:
+            if profile and state.global_step == profile_step % len(order):
                 self.prof = torch.profiler.profile(record_shapes=False)
                 self.prof.__enter__()
 
@@ -188,7 +195,7 @@ def run_trl(directory: str, order: list[list[int]], out: str, *, lr: float, batc
         gradient_accumulation_steps=sequences // batch, max_steps=len(order), learning_rate=lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-        max_length=None, packing=False, padding_free=False, dataset_kwargs={"skip_prepare_dataset": True},
+        max_length=None, packing=False, padding_free=padding_free, dataset_kwargs={"skip_prepare_dataset": True},
         disable_tqdm=True, dataloader_drop_last=False, gradient_checkpointing=checkpointing,
     )
     trainer = InOrder(model=model, args=args, train_dataset=dataset,
@@ -207,12 +214,13 @@ def _run(cmd: list[str], timeout: float) -> None:
 
 def _variant(name: str, a, order_file: str, out: str) -> dict:
     d = a.dir
-    if name == "trl" or name.startswith("trl:"):  # trl:N: N records a forward, padded to the longest
+    if name == "trl" or name.startswith(("trl:", "trl-pf:")):  # N records a forward: padded / padding-free
         batch = int(name.split(":")[1]) if ":" in name else a.trl_batch
         _run([sys.executable, "-m", "posttrain.lab.bench.trl_sft", "trl", "--dir", d, "--order", order_file,
               "--out", out, "--lr", str(a.lr), "--trl-batch", str(batch), "--device", a.device,
-              "--checkpointing", a.checkpointing]
-             + (["--profile", a.profile] if a.profile and name == "trl" and out.endswith("_r0.json") else []), a.timeout)
+              "--checkpointing", a.checkpointing] + (["--padding-free"] if name.startswith("trl-pf:") else [])
+             + (["--profile", a.profile, "--profile-step", str(a.warmup - 1 if a.warmup else -1)]
+                if a.profile and name == "trl" and out.endswith("_r0.json") else []), a.timeout)
         with open(out) as f:
             return json.load(f)
     metrics = out + ".jsonl"
@@ -340,14 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--checkpointing", choices=("off", "on"), default="off",
                    help="activation checkpointing in both (TRL's SFTConfig defaults to on, posttrain to off)")
-    p.add_argument("--profile", help="write a profile of TRL's last step (operators by self time) to this file")
+    p.add_argument("--profile", help="write a profile of one TRL step (operators by self time) to this file")
+    p.add_argument("--profile-step", type=int, default=-1, help="(trl) the step to profile (-1: the last)")
+    p.add_argument("--padding-free", action="store_true", help="(trl) TRL's padding-free mode")
     p.add_argument("--order")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if a.what == "trl":
         with open(a.order) as f:
             run_trl(a.dir, json.load(f), a.out, lr=a.lr, batch=a.trl_batch, device=a.device,
-                    checkpointing=a.checkpointing == "on", profile=a.profile)
+                    checkpointing=a.checkpointing == "on", profile=a.profile,
+                    profile_step=a.profile_step, padding_free=a.padding_free)
         return 0
     if not 0 <= a.warmup < a.steps:
         p.error(f"--warmup {a.warmup} must be below --steps {a.steps}")
