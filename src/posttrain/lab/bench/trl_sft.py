@@ -276,7 +276,11 @@ def compare(a) -> dict:
                 failed[v] = str(exc)
                 _log(f"round {r + 1}/{a.rounds}  {v:5s}  FAILED:\n{exc}")
                 continue
-            _log(f"round {r + 1}/{a.rounds}  {v:5s}  {time.perf_counter() - t0:6.1f} s")
+            run = runs[v][-1]  # (logged as it comes: a run cut short keeps what it measured)
+            _log(f"round {r + 1}/{a.rounds}  {v:5s}  {time.perf_counter() - t0:6.1f} s  step_s "
+                 + " ".join(f"{x:.3f}" for x in run["step_s"]) + "  losses "
+                 + " ".join(f"{x:.4f}" for x in run["losses"]) + "  peak GiB "
+                 + " ".join("-" if x is None else f"{x:.1f}" for x in run["peak_memory_gib"]))
     variants = [v for v in variants if v not in failed]
     measured = _matmul_tflops(a.device)
     timed = range(a.warmup, a.steps)
