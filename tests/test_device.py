@@ -198,6 +198,46 @@ def test_tf32_is_a_cuda_setting_refused_on_the_cpu_and_nothing_there():
     assert torch.backends.cuda.matmul.fp32_precision == before
 
 
+def test_cudnn_attention_is_a_cuda_setting_refused_on_the_cpu_and_nothing_there():
+    from posttrain.train.core import check_run
+    from posttrain.train.rl import RLConfig
+    from posttrain.train.sft import TrainConfig
+
+    for cfg in (TrainConfig(device="cpu", cudnn_attention=True), RLConfig(device="cpu", cudnn_attention=True)):
+        with pytest.raises(ValueError, match=r"`cudnn_attention` is a CUDA setting .* this run is on the CPU: leave it out"):
+            check_run(cfg)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    device.allow_cudnn_attention(torch.device("cpu"), not before)  # nothing to set on the CPU
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.cuda
+def test_packed_attention_on_cuda_keeps_off_cudnn_unless_allowed():
+    """A packed bf16 microbatch of sequences of several lengths (several attention calls of new
+    shapes, grouped-query): with cuDNN's attention not allowed (the trainers' default) no call
+    runs it, and flash attention does; the flag is cleared and set again as asked."""
+    from posttrain.models.split_attention import packed_attention
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    lengths = [700, 130, 129, 64, 3000, 31]
+    q = torch.randn(1, 8, sum(lengths), 64, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, 2, sum(lengths), 64, generator=g).to(dev, torch.bfloat16).requires_grad_() for _ in range(2))
+    try:
+        for allowed in (False, True):
+            device.allow_cudnn_attention(dev, allowed)
+            assert torch.backends.cuda.cudnn_sdp_enabled() == allowed
+            with torch.profiler.profile() as prof:
+                packed_attention(q, k, v, lengths).float().sum().backward()
+                torch.cuda.synchronize()
+            ops = {e.key for e in prof.key_averages()}
+            if not allowed:
+                assert not any("cudnn_attention" in op for op in ops), sorted(ops)
+                assert any("flash_attention" in op for op in ops), sorted(ops)
+    finally:
+        device.allow_cudnn_attention(dev, True)  # (torch's default)
+
+
 @pytest.mark.cuda
 def test_tf32_on_cuda_sets_and_clears_the_matmul_and_conv_precision():
     """Through ``fp32_precision`` (the ``allow_tf32`` flags are the legacy API; torch refuses to

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "add_into", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
+__all__ = ["DEVICES", "add_into", "allow_cudnn_attention", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
            "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "on_stream", "physical_id", "rank_device",
            "rank_kind", "reset_peak_memory", "resolve", "shares_devices", "staged", "start_method", "synchronize", "use",
            "visible_index"]
@@ -257,6 +257,18 @@ def allow_tf32(device: torch.device, allowed: bool) -> None:
     precision = "tf32" if allowed else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision
     torch.backends.cudnn.conv.fp32_precision = precision
+
+
+def allow_cudnn_attention(device: torch.device, allowed: bool) -> None:
+    """Whether ``scaled_dot_product_attention`` on ``device`` may pick cuDNN's attention kernel
+    (``allowed``) or keeps to flash attention, the memory-efficient kernel and the math fallback.
+    Nothing on the CPU. posttrain's trainers leave it off: cuDNN builds an execution graph for each
+    new shape of the inputs, about 3 ms of host time a call, and packed microbatches of varying
+    lengths give new shapes at nearly every call (one H100, torch 2.11: 62% of a 1.1B Llama's SFT
+    step, docs/results.md)."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.enable_cudnn_sdp(allowed)
 
 
 @contextlib.contextmanager

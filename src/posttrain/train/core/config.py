@@ -202,6 +202,10 @@ class RunConfig:
         tf32: on CUDA, let fp32 matrix products and convolutions use TF32 tensor cores (faster,
             about 10 mantissa bits in the products; bf16 runs are unaffected). A CUDA setting:
             refused on the CPU.
+        cudnn_attention: on CUDA, let attention use cuDNN's kernel. Off by default: cuDNN
+            prepares a graph for every new shape (milliseconds of host time a call), and packed
+            microbatches change shape at nearly every call; flash attention has no such cost. A
+            CUDA setting: refused on the CPU.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -218,6 +222,7 @@ class RunConfig:
     progress: bool = field(default=False, metadata={"cli": False})
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tf32: bool = False
+    cudnn_attention: bool = False
 
     #: Fields that decide which data each step sees; a resumed run must agree on them.
     DATA_FIELDS: ClassVar[tuple[str, ...]] = ("seed",)

@@ -51,6 +51,9 @@ def check_run(cfg: RunConfig, outputs: Mapping[str, str | None] | None = None,
     if cfg.tf32 and kind != "cuda":
         raise ValueError(f"`tf32` is a CUDA setting (TF32 tensor cores for fp32 matrix products); this run is on the "
                          f"{kind.upper()}: leave it out")
+    if cfg.cudnn_attention and kind != "cuda":
+        raise ValueError(f"`cudnn_attention` is a CUDA setting (cuDNN's attention kernel); this run is on the "
+                         f"{kind.upper()}: leave it out")
     if world_size is not None:
         check_world(kind, world_size, local_world_size=local_world(world_size), shared_ok=cfg.device_sharing)
     for flag, path in (("`checkpoint_dir`", cfg.checkpoint_dir), ("`output_dir`", cfg.output_dir),

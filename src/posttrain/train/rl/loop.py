@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from posttrain.balance import FlopsCost, plan_minibatch
-from posttrain.device import allow_tf32, rank_device, rank_kind, use
+from posttrain.device import allow_cudnn_attention, allow_tf32, rank_device, rank_kind, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import load_pretrained
 from posttrain.models.lora import add_lora, merged, write_model
@@ -169,6 +169,7 @@ class RLTrainer(Trainer):
         self.device = rank_device(rank_kind(cfg.device), rank)
         use(self.device)
         allow_tf32(self.device, cfg.tf32)
+        allow_cudnn_attention(self.device, cfg.cudnn_attention)
         self.tok = AutoTokenizer.from_pretrained(cfg.model_path)
         self.prompts = load_prompts(cfg.prompts, self.tok, max_new_tokens=cfg.max_new_tokens,
                                     max_tokens=cfg.max_tokens)

@@ -42,7 +42,7 @@ from posttrain.balance import (
     shard_lengths,
     zigzag,
 )
-from posttrain.device import allow_tf32, max_memory_allocated, rank_device, rank_kind, reset_peak_memory, synchronize, use
+from posttrain.device import allow_cudnn_attention, allow_tf32, max_memory_allocated, rank_device, rank_kind, reset_peak_memory, synchronize, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
 from posttrain.models.lora import add_lora, check_model_targets, write_model
@@ -297,6 +297,7 @@ class SFTTrainer(Trainer):
         self.device = rank_device(kind, rank)
         use(self.device)
         allow_tf32(self.device, cfg.tf32)
+        allow_cudnn_attention(self.device, cfg.cudnn_attention)
         self.data = TrainData(cfg, world_size)
         self.rec = Recorder(rank, self.device)  # (on a GPU: spans timed by events on the stream)
         self.training = build_training(cfg, self.data.vocab_size, self.device)

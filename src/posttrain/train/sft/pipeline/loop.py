@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.data import synthetic_sequences
-from posttrain.device import allow_tf32, rank_device, rank_kind, use
+from posttrain.device import allow_cudnn_attention, allow_tf32, rank_device, rank_kind, use
 from posttrain.dp import Shards, decay_flags
 from posttrain.launch import run_job
 from posttrain.models import build_model, check_model_dir
@@ -180,10 +180,11 @@ def _step_loss(part: float | None, scale: float = 1.0) -> float:
 
 def place(cfg: PipelineConfig, rank: int) -> torch.device:
     """This rank's device (the launcher's resolution of ``cfg.device``), made current, with the
-    run's TF32 setting."""
+    run's TF32 and attention-kernel settings."""
     device = rank_device(rank_kind(cfg.device), rank)
     use(device)
     allow_tf32(device, cfg.tf32)
+    allow_cudnn_attention(device, cfg.cudnn_attention)
     return device
 
 
