@@ -19,7 +19,7 @@ def _tensors(n, heads, kv_heads, d):
     return [torch.randn(1, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads, heads)]  # q, k, v, weights
 
 
-def _worker(rank, world, n, heads, kv_heads, d, lse=True, dtype=torch.float32, device="cpu"):
+def _worker(rank, world, n, heads, kv_heads, d, lse=True, dtype=torch.float32, device="cpu", shm=False):
     if not lse:  # the masked pieces, as a device without a log-sum-exp kernel runs them
         import posttrain.models.split_attention as sa
 
@@ -30,7 +30,15 @@ def _worker(rank, world, n, heads, kv_heads, d, lse=True, dtype=torch.float32, d
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     mine = [t[:, :, idx].to(dev, dtype).clone().requires_grad_() for t in (q, k, v)]
     w = w.to(dev, dtype)
-    out = split_causal_attention(*mine, idx.to(dev))
+    group = None
+    if shm:  # the ODC trainers' exchange among ranks of one host
+        import torch.distributed as dist
+
+        from posttrain.odc import ShmRowExchange, row_exchange
+
+        group = row_exchange(dist.group.WORLD)
+        assert isinstance(group, ShmRowExchange)
+    out = split_causal_attention(*mine, idx.to(dev), group=group)
     (out * w[:, :, idx.to(dev)]).sum().backward()
     return idx, out.detach().cpu(), *(t.grad.cpu() for t in mine)
 
@@ -48,6 +56,24 @@ def test_split_attention_equals_one_process_with_exact_gradients(world, n, heads
     got = run_ranks(_worker, world, n, heads, kv_heads, d, lse, timeout_s=120)
     seen = torch.cat([idx for idx, *_ in got])
     assert sorted(seen.tolist()) == list(range(n))  # every token on exactly one rank
+    for idx, o, gq, gk, gv in got:
+        torch.testing.assert_close(o, out.detach()[:, :, idx], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gq, q.grad[:, :, idx], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gk, k.grad[:, :, idx], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gv, v.grad[:, :, idx], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lse", [True, False], ids=["lse-blocks", "masked-pieces"])
+@pytest.mark.parametrize("world,n,heads,kv_heads", [(2, 16, 4, 2), (4, 37, 4, 1)], ids=["2ranks-gqa", "4ranks-mqa-uneven"])
+def test_split_attention_through_shared_memory_equals_one_process(world, n, heads, kv_heads, lse):
+    """The same through the ODC trainers' shared-memory exchange instead of gloo's collectives
+    (the positions' exchange too: no lengths given)."""
+    d = 8
+    q, k, v, w = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_tensors(n, heads, kv_heads, d)))
+    rep = heads // kv_heads
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+    (out * w).sum().backward()
+    got = run_ranks(_worker, world, n, heads, kv_heads, d, lse, shm=True, timeout_s=120)
     for idx, o, gq, gk, gv in got:
         torch.testing.assert_close(o, out.detach()[:, :, idx], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gq, q.grad[:, :, idx], rtol=1e-5, atol=1e-6)

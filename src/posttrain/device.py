@@ -24,10 +24,10 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEVICES", "add_into", "allow_cudnn_attention", "allow_tf32", "backend", "check_world", "cuda_available", "current", "describe",
-           "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "on_stream", "physical_id", "rank_device",
-           "rank_kind", "reset_peak_memory", "resolve", "shares_devices", "staged", "start_method", "synchronize", "use",
-           "visible_index"]
+__all__ = ["DEVICES", "add_into", "allow_cudnn_attention", "allow_tf32", "backend", "check_world", "cuda_available",
+           "current", "describe", "device_count", "local_rank", "matmul_tflops", "max_memory_allocated", "on_stream",
+           "physical_id", "rank_device", "rank_kind", "reset_peak_memory", "resolve", "shares_devices", "staged",
+           "start_method", "synchronize", "use", "visible_index"]
 
 #: What ``device`` may be: ``auto`` (CUDA when torch can use it, else the CPU), ``cpu`` or ``cuda``.
 DEVICES = ("auto", "cpu", "cuda")

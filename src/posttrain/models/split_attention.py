@@ -20,7 +20,10 @@ reduce-scatter), so the keys' and values' gradients come back exactly.
 All-gather rather than a ring: the keys and values of grouped-query attention are a fraction of
 the queries, a shard is at most ``max_tokens`` tokens, and one collective per layer and direction
 is simpler to align across a group than ``k - 1`` ring steps; the memory is one sequence's keys and
-values per layer at a time.
+values per layer at a time. The exchange goes through the group's process group, or through an
+exchange object given in its place: the ODC trainers on the CPU give ranks of one host
+``posttrain.odc.ShmRowExchange`` (copies through shared memory and a spinning barrier instead of
+gloo's sockets).
 """
 
 from __future__ import annotations
@@ -51,6 +54,34 @@ __all__ = ["HF_ATTENTION", "CausalBlocks", "SplitShard", "causal_blocks", "packe
 _PAD = torch.iinfo(torch.int64).max
 
 
+class _GroupCollectives:
+    """A process group's all-gather and reduce-scatter along dim 0, as a split shard's exchange
+    (what an exchange object given as ``SplitShard.group`` provides itself: ``rank``, ``size``,
+    ``process_group``, ``all_gather_into(out, x)``, ``reduce_scatter_into(out, x)``; the ODC
+    engines' ranks on one host use ``posttrain.odc.ShmRowExchange``)."""
+
+    def __init__(self, group) -> None:
+        self.process_group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        all_gather_single(out, x, group=self.process_group)
+
+    def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        reduce_scatter_single(out, x, group=self.process_group)
+
+
+def _exchange(group):
+    """``group``'s exchange: an exchange object as it is, a process group (or ``None``, the world)
+    through its collectives."""
+    return group if hasattr(group, "all_gather_into") else _GroupCollectives(group)
+
+
+def _process_group(group):
+    return getattr(group, "process_group", group)
+
+
 class _GatherRows(torch.autograd.Function):
     """All-gather along dim 2 of tensors padded to the group's longest, keeping each rank's true
     rows; backward: the sum over the group of the gathered rows' gradients, this rank's rows (a
@@ -61,18 +92,19 @@ class _GatherRows(torch.autograd.Function):
         longest = max(lengths)
         padded = F.pad(x, (0, 0, 0, longest - x.shape[2])).contiguous()
         out = padded.new_empty((len(lengths) * padded.shape[0], *padded.shape[1:]))  # ranks' rows along dim 0
-        all_gather_single(out, padded, group=group)
-        ctx.lengths, ctx.group = lengths, group
+        ex = _exchange(group)
+        ex.all_gather_into(out, padded)
+        ctx.lengths, ctx.ex = lengths, ex
         return torch.cat([p[:, :, :n] for p, n in zip(out.chunk(len(lengths)), lengths)], dim=2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        lengths, group = ctx.lengths, ctx.group
+        lengths, ex = ctx.lengths, ctx.ex
         longest = max(lengths)
         pieces = torch.cat([F.pad(g, (0, 0, 0, longest - n)) for g, n in zip(grad.split(lengths, dim=2), lengths)])
         mine = pieces.new_empty((grad.shape[0], *pieces.shape[1:]))
-        reduce_scatter_single(mine, pieces, group=group)
-        return mine[:, :, : lengths[dist.get_rank(group)]], None, None
+        ex.reduce_scatter_into(mine, pieces)
+        return mine[:, :, : lengths[ex.rank]], None, None
 
 
 def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
@@ -241,6 +273,7 @@ class _RunAttention(torch.autograd.Function):
 def _exchange_positions(positions: torch.Tensor, group) -> tuple[list[int], torch.Tensor]:
     """Every shard's token count and every shard's positions in shard order (two all-gathers, on
     the positions' device: NCCL takes device tensors only)."""
+    group = _process_group(group)
     world = dist.get_world_size(group)
     count = torch.tensor([positions.numel()], dtype=torch.int64, device=positions.device)
     counts = [torch.zeros_like(count) for _ in range(world)]
@@ -262,7 +295,8 @@ class SplitShard:
         positions: ``(t,)`` int64, the positions in the whole sequence of the shard's tokens (its
             length is the first of the microbatch's ``document_lengths``).
         group: the process group of the ranks holding the sequence's shards, in shard order
-            (``None``: the world).
+            (``None``: the world), or an exchange among them (``posttrain.odc.ShmRowExchange``:
+            through shared memory on one host).
         lengths, key_positions: every shard's token count and all shards' positions in shard
             order, where the caller knows them (a plan does): saves their exchange at every layer.
     """

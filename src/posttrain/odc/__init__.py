@@ -21,6 +21,7 @@ microbatches. See [Note: ODC minibatch protocol] in ``_protocol.py``. Two engine
     model.odc.close()                                     # full parameters back on the model
 """
 
+from ._exchange import ShmRowExchange, row_exchange
 from ._flat import FlatODC, FlatUnit
 from ._fsdp import ODC, enable
 from ._module import FlatODCModule, flat_shard
@@ -38,8 +39,10 @@ __all__ = [
     "Minibatch",
     "ODCConfig",
     "PeerFailedError",
+    "ShmRowExchange",
     "ShmTransport",
     "enable",
     "flat_shard",
     "global_token_count",
+    "row_exchange",
 ]

@@ -262,12 +262,15 @@ class ShmTransport:
         """Every rank's value in ``slot``; meaningful after a barrier that follows the writes."""
         return [int(h[_VALUES + slot]) for h in self._headers]
 
-    def barrier(self, tag: int) -> None:
+    def barrier(self, tag: int, watch: Callable[[], str | None] | None = None) -> None:
         """Wait until every rank of the group reached its barrier of the same generation.
+
+        ``watch``, where given, is asked every 0.2 s of waiting whether a failure elsewhere ends
+        the wait (a message, e.g. an engine's own transport naming a failed peer; ``None``: go on).
 
         Raises:
             BarrierMismatchError: a peer reached a barrier with a different ``tag``.
-            PeerFailedError: a peer aborted, died, or ``timeout_s`` passed.
+            PeerFailedError: a peer aborted, died, ``watch`` said so, or ``timeout_s`` passed.
         """
         if self._closed:
             raise RuntimeError("the ODC transport is closed")
@@ -312,6 +315,8 @@ class ShmTransport:
                             f"rank {self.global_ranks[r]} (pid {self._pids[r]}) exited while "
                             f"rank {self.global_ranks[self.rank]} waited for it at a barrier"
                         )
+                if watch is not None and (msg := watch()) is not None:
+                    raise PeerFailedError(msg)
                 if now - start > self.timeout_s:
                     raise PeerFailedError(
                         f"ranks {[self.global_ranks[r] for r in pending]} did not reach the "

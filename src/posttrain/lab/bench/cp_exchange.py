@@ -3,11 +3,13 @@ context-parallel plan, measured.
 
 ``python -m posttrain.lab.bench.cp_exchange [--lengths 256,1024,4096] [--reps 5]``: posttrain's GPT
 (``TrainConfig``'s default shape, fp32, the CPU) runs one sequence's forward and backward whole on
-rank 0 and split on 2 ranks (:func:`posttrain.train.sft.loop.shard_loss`), interleaved ``reps``
-times; per length, the median times and the overhead ``split - whole / 2``. The overheads, in the
-cost model's units (FLOPs, at the rate the whole runs measured), are fitted as ``fixed + per_token
-* n / 2`` (least squares): ``fixed`` over the layers' collectives gives the FLOPs one collective
-costs, ``per_token`` over the bytes of keys and values moved gives the FLOPs per byte
+rank 0 and split on 2 ranks (:func:`posttrain.train.sft.loop.shard_loss`), the split both over
+gloo's collectives and through the shared-memory exchange the ODC trainers use on one host
+(:class:`posttrain.odc.ShmRowExchange`), interleaved ``reps`` times; per length, the median times
+and the overhead ``split - whole / 2``. The overheads, in the cost model's units (FLOPs, at the
+rate the whole runs measured), are fitted per exchange as ``fixed + per_token * n / 2`` (least
+squares): ``fixed`` over the layers' exchanges gives the FLOPs one costs, ``per_token`` over the
+bytes of keys and values moved gives the FLOPs per byte
 (:data:`posttrain.train.sft.loop.FLOPS_PER_EXCHANGED_BYTE` and ``FLOPS_PER_EXCHANGE_CALL`` hold
 the CPU's from this command).
 """
@@ -36,23 +38,28 @@ def _worker(rank: int, world: int, lengths: list[int], reps: int) -> dict:
     cfg = TrainConfig(max_len=max(lengths), max_tokens=max(lengths))
     torch.manual_seed(0)
     model = GPT(cfg.model_config())
+    from posttrain.odc import row_exchange
+
     group = dist.new_group(list(range(world)))
+    exchanges = {"split": group, "split-shm": row_exchange(dist.new_group(list(range(world))))}
     out: dict = {}
     for n in lengths:
         seq = torch.randint(0, model.cfg.vocab_size, (n + 1,))
-        times: dict[str, list[float]] = {"whole": [], "split": []}
+        times: dict[str, list[float]] = {"whole": [], "split": [], "split-shm": []}
         for rep in range(reps + 1):  # (the first of each: warm-up)
-            for mode in ("whole", "split"):
+            for mode in times:
                 dist.barrier()
                 t = time.perf_counter()
-                if mode == "split":
-                    shard_loss(model, seq, Shard(0, rank, 2, (0, 1), shard_lengths(n, 2)[rank], 0.0), group).backward()
+                if mode != "whole":
+                    shard = Shard(0, rank, 2, (0, 1), shard_lengths(n, 2)[rank], 0.0)
+                    shard_loss(model, seq, shard, exchanges[mode]).backward()
                 elif rank == 0:
                     microbatch_loss(model, [seq], [0], 1.0).backward()
                 dist.barrier()
                 if rep:
                     times[mode].append(time.perf_counter() - t)
         out[n] = {k: statistics.median(v) for k, v in times.items()}
+    exchanges["split-shm"].close()
     return out
 
 
@@ -64,22 +71,24 @@ def measure(lengths: list[int], reps: int = 5) -> dict:
 
     times = run_ranks(_worker, 2, lengths, reps, timeout_s=1800)[0]
     cost = FlopsCost.from_config(TrainConfig(max_len=max(lengths), max_tokens=max(lengths)).model_config())
-    rows, over = [], []
-    out: dict = {"lengths": {}}
-    for n in lengths:
-        t = times[n]
-        rate = cost(n) / t["whole"]
-        extra = (t["split"] - t["whole"] / 2) * rate
-        out["lengths"][n] = {**t, "flops_per_s": rate, "overhead_flops": extra}
-        rows.append([1.0, n / 2])
-        over.append(extra)
-    a = torch.tensor(rows, dtype=torch.float64)
-    fixed, per_token = torch.linalg.lstsq(a, torch.tensor(over, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
     shape = cost.shape
     kv_bytes = 2 * shape.num_layers * shape.kv_heads * shape.head_dim * 4  # (fp32)
-    out["fit"] = {"fixed_flops": fixed, "per_token_flops": per_token,
-                  "flops_per_call": fixed / (2 * shape.num_layers),  # an all-gather forward, a reduce-scatter backward
-                  "flops_per_byte": per_token / (2 * kv_bytes)}
+    out: dict = {"lengths": {}, "fit": {}}
+    for mode in ("split", "split-shm"):
+        rows, over = [], []
+        for n in lengths:
+            t = times[n]
+            rate = cost(n) / t["whole"]
+            extra = (t[mode] - t["whole"] / 2) * rate
+            out["lengths"].setdefault(n, {**t, "flops_per_s": rate})[f"overhead_flops ({mode})"] = extra
+            rows.append([1.0, n / 2])
+            over.append(extra)
+        a = torch.tensor(rows, dtype=torch.float64)
+        fixed, per_token = torch.linalg.lstsq(a, torch.tensor(over, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+        out["fit"][mode] = {"fixed_flops": fixed, "per_token_flops": per_token,
+                            # an all-gather forward, a reduce-scatter backward
+                            "flops_per_call": fixed / (2 * shape.num_layers),
+                            "flops_per_byte": per_token / (2 * kv_bytes)}
     return out
 
 
@@ -93,12 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     if min(lengths) < 4 or args.reps < 1:
         p.error("lengths of at least 4 tokens and --reps of at least 1")
     res = measure(lengths, args.reps)
-    print(f"{'tokens':>7} {'whole s':>8} {'split s':>8} {'split/whole':>11} {'overhead GFLOP':>15}")
+    print(f"{'tokens':>7} {'exchange':>9} {'whole s':>8} {'split s':>8} {'split/whole':>11} {'overhead GFLOP':>15}")
     for n, r in res["lengths"].items():
-        print(f"{n:7d} {r['whole']:8.3f} {r['split']:8.3f} {r['split'] / r['whole']:11.2f} {r['overhead_flops'] / 1e9:15.2f}")
-    f = res["fit"]
-    print(f"fit: {f['fixed_flops'] / 1e9:.2f} GFLOP a split + {f['per_token_flops'] / 1e6:.2f} MFLOP a token received: "
-          f"{f['flops_per_call'] / 1e6:.0f} MFLOP a collective, {f['flops_per_byte']:.0f} FLOPs a byte")
+        for mode, name in (("split", "gloo"), ("split-shm", "shm")):
+            print(f"{n:7d} {name:>9} {r['whole']:8.3f} {r[mode]:8.3f} {r[mode] / r['whole']:11.2f} "
+                  f"{r[f'overhead_flops ({mode})'] / 1e9:15.2f}")
+    for mode, name in (("split", "gloo"), ("split-shm", "shm")):
+        f = res["fit"][mode]
+        print(f"fit ({name}): {f['fixed_flops'] / 1e9:.2f} GFLOP a split + {f['per_token_flops'] / 1e6:.2f} MFLOP a "
+              f"token received: {f['flops_per_call'] / 1e6:.0f} MFLOP an exchange, {f['flops_per_byte']:.0f} FLOPs a byte")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
