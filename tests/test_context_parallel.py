@@ -245,6 +245,51 @@ def test_training_with_split_sequences_follows_the_unsplit_loss_curve(monkeypatc
             assert got == pytest.approx(want, rel=1e-4), (extra, engine, got, want)
 
 
+def test_sequences_longer_than_a_microbatch_are_split_and_train_like_whole_ones(tmp_path):
+    """With context parallelism a run takes sequences longer than ``max_tokens`` (up to
+    ``max_len``): each is split across ranks into shards that fit (the plan's forced splits), and
+    the run takes the same steps as one whose microbatches hold them whole; a data file's long
+    record is taken too, where without splitting it is refused."""
+    import json
+    from dataclasses import replace
+
+    from posttrain.dp import EngineConfig
+    from posttrain.train.core import OptimConfig
+    from posttrain.train.sft import TrainConfig, run_training
+
+    base = TrainConfig(steps=3, sequences=4, max_len=96, dim=32, num_layers=2, seed=3,
+                       optim=OptimConfig("sgd", lr=0.5), profile="uniform")
+    for extra in ({}, {"model": "llama", "engine": EngineConfig("odc-fsdp2")}):
+        cfg = replace(base, **extra)
+        want, _ = _train(replace(cfg, max_tokens=96))
+        engine = replace(cfg.engine, context_parallel="auto")
+        got, split = _train(replace(cfg, max_tokens=48, engine=engine))
+        assert all(n > 0 for n in split), (extra, split)  # every step had a sequence over 48 tokens
+        assert got == pytest.approx(want, rel=1e-4), (extra, got, want)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 50 + 1 for j in range(n)]}) + "\n"
+                            for i, n in enumerate((10, 12, 90, 11))))
+    data = replace(base, data=str(path), vocab_size=64, max_len=96, max_tokens=48, steps=1)
+    with pytest.raises(ValueError, match=r"d.jsonl:3: a sequence of 90 tokens .* split longer sequences across ranks"):
+        run_training(data, world_size=2, quiet=True)
+    rows = run_training(replace(data, engine=EngineConfig("odc", context_parallel=2)), world_size=2, quiet=True)
+    assert rows[0]["metrics"][0]["split_sequences"] == 1
+
+
+def test_a_run_whose_longest_sequence_no_split_fits_is_refused_before_starting():
+    from posttrain.dp import EngineConfig
+    from posttrain.train.sft import TrainConfig, run_training
+
+    with pytest.raises(ValueError, match=r"max_tokens=48 is smaller than the longest sequence \(max_len=200\); raise "
+                                         r"`max_tokens`, or split the longer sequences across ranks"):
+        TrainConfig(steps=1, sequences=4, max_len=200, max_tokens=48)
+    for cp in ("auto", 2):
+        with pytest.raises(ValueError, match=r"max_len=200 tokens split over 2 ranks leaves shards longer than "
+                                             r"max_tokens=48: it needs 5 ranks"):
+            run_training(TrainConfig(steps=1, sequences=4, max_len=200, max_tokens=48, dim=32, num_layers=2,
+                                     engine=EngineConfig("odc", context_parallel=cp)), world_size=2, quiet=True)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"engine": {"name": "fsdp", "context_parallel": 2}}, "for the ODC engines in one-sided mode"),
     ({"engine": {"name": "odc", "mode": "collective", "context_parallel": "auto"}}, "for the ODC engines in one-sided mode"),

@@ -34,16 +34,20 @@ class TrainConfig(LoraFields, RunConfig):
         train_on_prompt: train every token, not only the assistant's (completion's).
         loss_agg: ``token-mean``: the mean loss over the minibatch's trained tokens;
             ``seq-mean-token-mean``: each sequence's mean, then the mean over sequences.
-        truncate: cut sequences longer than ``max_tokens`` + 1 tokens instead of refusing them.
-        skip_long: leave out sequences longer than ``max_tokens`` + 1 tokens instead of refusing them.
+        truncate: cut sequences longer than :attr:`longest` + 1 tokens instead of refusing them.
+        skip_long: leave out sequences longer than :attr:`longest` + 1 tokens instead of refusing them.
         vocab_size: the vocabulary of the built-in models on pre-tokenized data (default: the
             tokenizer's, else the largest id + 1); an id outside it is an error.
         eval_data: held-out records (same formats and masks as ``data``): their loss, averaged as
             ``loss_agg`` says, goes into the metrics as ``eval_loss``.
         eval_every: evaluate every this many steps (0: after the last step only).
         sequences: sequences per minibatch, over all ranks.
-        max_len: longest synthetic sequence.
-        max_tokens: most tokens in one microbatch (at least ``max_len``; default ``max_len``).
+        max_len: longest synthetic sequence; with context parallelism (``engine.context_parallel``
+            not ``off``) also the longest sequence a run takes from ``data``, which may exceed
+            ``max_tokens``: such a sequence is split across ranks into shards of at most
+            ``max_tokens`` (:attr:`longest`).
+        max_tokens: most tokens in one microbatch or shard (at least ``max_len`` unless context
+            parallelism splits the longer sequences; default ``max_len``).
         dim: model hidden size.
         num_layers: transformer blocks.
         epochs: passes over ``data`` instead of ``steps`` (which it then sets:
@@ -80,12 +84,20 @@ class TrainConfig(LoraFields, RunConfig):
                                               "truncate", "skip_long")
 
     def state_fields(self) -> tuple[str, ...]:
-        gpt = ("max_tokens",) if self.model == "gpt" else ()  # sizes its position table
+        # the position table's size: max_tokens, max_len where split sequences are longer
+        gpt = (("max_tokens", "max_len") if self.longest > self.max_tokens else ("max_tokens",)) if self.model == "gpt" else ()
         return ("model_path", "model", "dim", "num_layers", *super().state_fields(), *gpt)
 
     @property
     def sequences_per_step(self) -> int:
         return self.sequences
+
+    @property
+    def longest(self) -> int:
+        """The longest sequence (input tokens) the run takes: ``max_tokens``, or with context
+        parallelism ``max(max_len, max_tokens)`` (a longer sequence than a microbatch holds is
+        split across ranks)."""
+        return self.max_tokens if self.engine.context_parallel == "off" else max(self.max_len, self.max_tokens)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -130,10 +142,11 @@ class TrainConfig(LoraFields, RunConfig):
         if self.data is None:
             if self.max_len < 8:
                 raise ValueError(f"max_len={self.max_len} must be at least 8")
-            if self.max_tokens < self.max_len:
+            if self.max_tokens < self.max_len and self.engine.context_parallel == "off":
                 raise ValueError(
                     f"max_tokens={self.max_tokens} is smaller than the longest sequence "
-                    f"(max_len={self.max_len}); raise `max_tokens`"
+                    f"(max_len={self.max_len}); raise `max_tokens`, or split the longer sequences across "
+                    "ranks with `context_parallel`"
                 )
         elif self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
@@ -145,4 +158,4 @@ class TrainConfig(LoraFields, RunConfig):
         while self.dim % heads:
             heads -= 1
         return GPTConfig(vocab_size=vocab_size, dim=self.dim, num_layers=self.num_layers,
-                         num_heads=heads, max_seq_len=self.max_tokens)
+                         num_heads=heads, max_seq_len=self.longest)

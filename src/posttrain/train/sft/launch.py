@@ -67,9 +67,9 @@ def _run_training(cfg: TrainConfig, world_size: int, say) -> list[dict] | None:
         say(f"epochs {cfg.epochs:g} of {data.num_sequences} sequences, {cfg.sequences} a step: {steps} steps")
         cfg = replace(cfg, steps=steps, epochs=0.0)  # (checks the run again: a warm-up as long as the run)
     if data.dropped:
-        say(f"skip_long: left out {data.dropped} of {len(data.dataset)} sequences longer than {cfg.max_tokens + 1} tokens")
+        say(f"skip_long: left out {data.dropped} of {len(data.dataset)} sequences longer than {cfg.longest + 1} tokens")
     if data.truncated:
-        say(f"truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.max_tokens + 1} tokens")
+        say(f"truncate: cut {data.truncated} of {len(data.dataset)} sequences to {cfg.longest + 1} tokens")
     source = cfg.data or f"{cfg.profile} synthetic"
     model = cfg.model_path or f"{cfg.model} {cfg.num_layers}x{cfg.dim}"
     where = placement(kind, world_size)

@@ -9,6 +9,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from posttrain.balance import shard_lengths
 from posttrain.data import load_tokenized, profile_lengths, synthetic_sequences
 
 from .config import SYNTHETIC_VOCAB, TrainConfig
@@ -94,6 +95,7 @@ class TrainData:
         self._perm = None
         if cfg.sequences < world_size:
             raise ValueError(f"sequences={cfg.sequences} is fewer than the {world_size} ranks; every rank needs data")
+        check_split_reach(cfg, world_size)
         model_vocab = model_vocab_size(cfg)
         self.eval_dataset = self._eval_index = None
         if cfg.data is None:
@@ -117,13 +119,13 @@ class TrainData:
                 cfg.eval_data, cfg, tokenizer, tok_path, model_vocab, log, vocab=self.vocab_size)
             if log and (dropped or cut):
                 log(f"eval_data: {'left out' if dropped else 'cut'} {dropped or cut} sequences longer than "
-                    f"{cfg.max_tokens + 1} tokens")
+                    f"{cfg.longest + 1} tokens")
 
     def eval_samples(self) -> list[Sample]:
         """Every usable held-out sequence (``--eval-data``)."""
         if self.eval_dataset is None:
             return []
-        return [Sample(*self.eval_dataset.example(int(i), max_len=self.cfg.max_tokens + 1)) for i in self._eval_index]
+        return [Sample(*self.eval_dataset.example(int(i), max_len=self.cfg.longest + 1)) for i in self._eval_index]
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._perm is None or self._perm[0] != epoch:
@@ -145,7 +147,7 @@ class TrainData:
             return [Sample(s) for s in synthetic_sequences([n + 1 for n in lengths], vocab_size=SYNTHETIC_VOCAB,
                                                            seed=seed)]
         return [Sample(ids, labels) for ids, labels in self.dataset.examples(self.record_ids(step),
-                                                                             max_len=cfg.max_tokens + 1)]
+                                                                             max_len=cfg.longest + 1)]
 
     def record_ids(self, step: int) -> list[int]:
         """The data file's records (0-based, in the file's order) that step ``step`` trains on, in
@@ -155,6 +157,24 @@ class TrainData:
         n, cfg = len(self._index), self.cfg
         return [int(self._index[int(self._permutation(epoch)[i])])
                 for epoch, i in (divmod(pos, n) for pos in range(step * cfg.sequences, (step + 1) * cfg.sequences))]
+
+
+def check_split_reach(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse a run whose longest sequence no allowed split fits into shards of ``max_tokens``
+    (context parallelism over at most the world's ranks, or its fixed shard count)."""
+    if cfg.longest <= cfg.max_tokens:
+        return
+    cp = cfg.engine.context_parallel
+    k = world_size if cp == "auto" else int(cp)
+    if k > world_size:
+        raise ValueError(f"context_parallel={cp} shards a sequence over {k} ranks, but the run has {world_size}")
+    if max(shard_lengths(cfg.longest, k)) > cfg.max_tokens:
+        need = -(-cfg.longest // cfg.max_tokens)
+        while max(shard_lengths(cfg.longest, need)) > cfg.max_tokens:
+            need += 1
+        raise ValueError(f"max_len={cfg.longest} tokens split over {k} ranks leaves shards longer than "
+                         f"max_tokens={cfg.max_tokens}: it needs {need} ranks (a larger world"
+                         + (", context_parallel auto" if cp != "auto" else "") + ") or a larger `max_tokens`")
 
 
 def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model_vocab: int | None, log,
@@ -181,7 +201,7 @@ def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model
         bad = int(np.nonzero(max_ids >= vocab)[0][0])
         raise ValueError(f"{ds.where(bad)}: token id {int(max_ids[bad])} is outside {flag} ({vocab} ids); "
                          "give the right `vocab_size` or `tokenizer`")
-    limit = cfg.max_tokens + 1  # a sequence of n tokens trains on n - 1 positions
+    limit = cfg.longest + 1  # a sequence of n tokens trains on n - 1 positions
     long = np.nonzero(ds.lengths > limit)[0]
     keep, dropped, truncated = np.arange(len(ds)), 0, 0
     if long.size:
@@ -192,7 +212,12 @@ def _prepare(path: str, cfg: TrainConfig, tokenizer, tok_path: str | None, model
         else:
             first = int(long[0])
             n = int(ds.lengths[first])
+            if cfg.longest > cfg.max_tokens:
+                raise ValueError(f"{ds.where(first)}: a sequence of {n} tokens trains on {n - 1}, more than the "
+                                 f"longest a split takes (max_len={cfg.longest}; {long.size} such sequences); "
+                                 "raise `max_len`, or give `truncate` or `skip_long`")
             raise ValueError(f"{ds.where(first)}: a sequence of {n} tokens trains on {n - 1}, more than "
                              f"max_tokens={cfg.max_tokens} fit in a microbatch ({long.size} such sequences); "
-                             "raise `max_tokens`, or give `truncate` or `skip_long`")
+                             "raise `max_tokens`, split longer sequences across ranks with `context_parallel`, "
+                             "or give `truncate` or `skip_long`")
     return ds, keep, vocab, dropped, truncated
