@@ -213,10 +213,10 @@ def _train(cfg, world=2):
 def free_exchange(monkeypatch) -> None:
     """Price the exchange at nothing (the forked ranks inherit it): at these tiny sizes a split
     never pays on this machine, so the planner would split nothing to test."""
-    import posttrain.train.sft.loop as loop
+    import posttrain.train.core.context as context
 
-    monkeypatch.setattr(loop, "FLOPS_PER_EXCHANGED_BYTE", {"cpu": 0.0, "cuda": 0.0})
-    monkeypatch.setattr(loop, "FLOPS_PER_EXCHANGE_CALL", {"cpu": 0.0, "cuda": 0.0})
+    monkeypatch.setattr(context, "FLOPS_PER_EXCHANGED_BYTE", {"cpu": 0.0, "cpu-gloo": 0.0, "cuda": 0.0})
+    monkeypatch.setattr(context, "FLOPS_PER_EXCHANGE_CALL", {"cpu": 0.0, "cpu-gloo": 0.0, "cuda": 0.0})
 
 
 def test_training_with_split_sequences_follows_the_unsplit_loss_curve(monkeypatch):
@@ -303,14 +303,6 @@ def test_context_parallel_refuses_what_it_cannot_run_in_one_line(kwargs, message
     with pytest.raises(ValueError, match=message):
         engine = EngineConfig(**kwargs.pop("engine"))
         TrainConfig(engine=engine, **kwargs)
-
-
-def test_rl_refuses_context_parallel_until_it_reaches_the_update():
-    from posttrain.dp import EngineConfig
-    from posttrain.train.rl import RLConfig
-
-    with pytest.raises(ValueError, match="does not reach the RL update yet"):
-        RLConfig(engine=EngineConfig("odc", context_parallel="auto"))
 
 
 def _failing_member(rank, world, cfg):

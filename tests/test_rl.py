@@ -499,6 +499,70 @@ def test_one_update_under_each_engine_equals_the_single_process_reference(tiny_m
     assert results[0][1]["tokens"] == sum(n for _, n in LENGTHS)
 
 
+CP_LENGTHS = [(5, 30), (8, 38), (8, 51), (40, 5), (3, 39), (5, 32), (3, 5), (7, 7)]  # 4 longer than 40
+
+
+@pytest.mark.parametrize("engine, agg", [
+    (EngineConfig("odc", context_parallel="auto"), "token-mean"),
+    (EngineConfig("odc-fsdp2", context_parallel=2, activation_checkpointing=True), "seq-mean-token-mean"),
+    (EngineConfig("odc", context_parallel="auto"), "seq-mean-token-sum"),
+], ids=["odc-token-mean", "odc-fsdp2-ckpt-seq-mean-token-mean", "odc-seq-mean-token-sum"])
+def test_an_update_with_rollouts_split_across_ranks_equals_the_single_process_reference(tiny_model, engine, agg):
+    """Context parallelism in the RL update: rollouts longer than ``max_tokens`` are split across
+    both ranks (one with its response in one shard alone: the other shard runs with no response
+    token), every rank runs its shards first, and the step equals one process's over the whole
+    rollouts, KL included; the statistics count every token once."""
+    model_dir = tiny_model("llama")
+    cfg = RLConfig(engine=engine, balance="diff_micro", loss_agg=agg, kl_coef=0.1, optim=OptimConfig("sgd", lr=0.5),
+                   max_tokens=40)
+    results = run_ranks(_update_worker, 2, cfg, model_dir, CP_LENGTHS)
+    ref = load_pretrained(model_dir)
+    rolls = _rollouts(ref, ref.config.vocab_size, CP_LENGTHS)
+    opt = torch.optim.SGD(ref.parameters(), lr=cfg.optim.lr)
+    loss, want_st = policy_loss(ref, rolls, clip_eps=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
+                                kl_coef=cfg.kl_coef, agg=agg)
+    (loss / loss_units(rolls, agg)).backward()
+    opt.step()
+    want = ref.hf.state_dict()
+    for name, value in results[0][0].items():
+        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4, msg=name)
+    st = results[0][1]
+    assert st["tokens"] == sum(n for _, n in CP_LENGTHS) and st["clipped"] == want_st["clipped"]
+    assert st["kl"] == pytest.approx(want_st["kl"], rel=1e-4) and st["entropy"] == pytest.approx(want_st["entropy"], rel=1e-4)
+    assert sum(int(r[1]["microbatches"]) for r in results) >= 4 * 2  # every long rollout as two shards
+
+
+def test_an_rl_run_with_split_rollouts_takes_the_unsplit_runs_steps(tmp_path, tiny_model, monkeypatch):
+    """The trainer's path (its groups kept across steps): the update's plan, given microbatches of
+    24 tokens, splits every longer rollout across both ranks, and every step's figures equal the
+    run without splitting (the same samples, the same updates)."""
+    import posttrain.train.rl.loop as rl_loop
+    from posttrain.data.tasks import chat_task_records
+
+    real = rl_loop.plan_context
+    monkeypatch.setattr(rl_loop, "plan_context", lambda lengths, **kw: real(lengths, **{**kw, "max_tokens": 24}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
+    (tmp_path / "text_reward.py").write_text("def reward(prompt, response):\n    return float(sum(map(ord, response)) % 7)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="text_reward:reward",
+                   samples_per_prompt=2, prompts_per_step=2, max_new_tokens=16, steps=2, max_tokens=128, kl_coef=0.05,
+                   seed=1)
+    want = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
+    got = run_rl(replace(cfg, engine=EngineConfig("odc", context_parallel=2)), world_size=2, quiet=True)[0]["metrics"]
+    assert sum(r["split_sequences"] for r in got) > 0 and all(r["split_sequences"] == 0 for r in want)
+    assert all(r["updates"] > 0 for r in want)
+    for a, b in zip(got, want):
+        assert a["reward_mean"] == b["reward_mean"] and a["updates"] == b["updates"]
+        for k in ("kl", "entropy", "grad_norm"):
+            assert (a[k] is None) == (b[k] is None) and (a[k] is None or a[k] == pytest.approx(b[k], rel=1e-4)), k
+
+
+def test_rl_context_parallel_takes_diff_micro_only():
+    with pytest.raises(ValueError, match="use `balance` diff_micro"):
+        RLConfig(engine=EngineConfig("odc", context_parallel="auto"), balance="same_micro")
+
+
 def _rl_checked_worker(rank, world, cfg):
     """An RL run whose export also checks, in the rank, that the rollout copy loads the engine's
     full state exactly and that the files written hold it."""

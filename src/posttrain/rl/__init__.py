@@ -5,7 +5,16 @@ that composes them with a data-parallel engine is :mod:`posttrain.train.rl`."""
 from __future__ import annotations
 
 from .advantages import ESTIMATORS, Advantages, compute_advantages
-from .loss import LOSS_AGGS, Rollout, clipped_surrogate, loss_units, policy_loss, token_logprobs
+from .loss import (
+    LOSS_AGGS,
+    Rollout,
+    clipped_surrogate,
+    loss_units,
+    policy_loss,
+    shard_policy_loss,
+    shard_units,
+    token_logprobs,
+)
 from .rewards import call_reward, load_reward, load_rewards, reverse_digits_reward
 from .rollout import HFRollout, RolloutEngine, sample
 
@@ -25,5 +34,7 @@ __all__ = [
     "policy_loss",
     "reverse_digits_reward",
     "sample",
+    "shard_policy_loss",
+    "shard_units",
     "token_logprobs",
 ]

@@ -26,7 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LOSS_AGGS", "Rollout", "clipped_surrogate", "loss_units", "policy_loss", "token_logprobs"]
+from posttrain.balance import shard_lengths, zigzag
+from posttrain.models.split_attention import SplitShard
+
+__all__ = ["LOSS_AGGS", "Rollout", "clipped_surrogate", "loss_units", "policy_loss", "shard_policy_loss", "shard_units",
+           "token_logprobs"]
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -130,25 +134,83 @@ def policy_loss(model, rollouts: Sequence[Rollout], *, clip_eps: float = 0.2, cl
         start += n
     idx = torch.cat(pieces).to(device, non_blocking=True)
     target = torch.cat(targets).to(device, non_blocking=True)
-    logits = model(inputs, document_lengths=lengths, logits_at=idx)[0]
-    logp, entropy = token_logprobs(logits, target, temperature, entropy=True)
-    w, a = (torch.cat(x).to(device, non_blocking=True) for x in (weights, adv))
-    if all(o is None for o in old):  # on-policy: this forward's own, detached (ratio 1, gradient d logp)
-        old_lp = logp.detach()
-    elif any(o is None for o in old):
+    if any(o is None for o in old) and not all(o is None for o in old):
         raise ValueError("policy_loss: some rollouts have old_logprobs and others not; give all or none")
-    else:
-        old_lp = torch.cat(old).to(device, non_blocking=True)
+    logits = model(inputs, document_lengths=lengths, logits_at=idx)[0]
+    return _token_loss(logits, target, torch.cat(weights), torch.cat(adv), None if old[0] is None else torch.cat(old),
+                       torch.cat(ref) if kl_coef else None, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                       kl_coef=kl_coef, temperature=temperature, device=device)
+
+
+def _token_loss(logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, adv: torch.Tensor,
+                old: torch.Tensor | None, ref: torch.Tensor | None, *, clip_eps: float, clip_eps_high: float | None,
+                kl_coef: float, temperature: float, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted loss sum and statistics of response tokens from their ``logits`` (one row a
+    token) and their targets, weights, advantages, old log-probs (``None``: on-policy) and
+    reference log-probs (``None`` without KL); see :func:`policy_loss`."""
+    logp, entropy = token_logprobs(logits, target, temperature, entropy=True)
+    w, a = (x.to(device, non_blocking=True) for x in (weights, adv))
+    # on-policy: this forward's own, detached (ratio 1, gradient d logp)
+    old_lp = logp.detach() if old is None else old.to(device, non_blocking=True)
     ratio = torch.exp(logp - old_lp)
     pg, clipped = clipped_surrogate(ratio, a, clip_eps, clip_eps if clip_eps_high is None else clip_eps_high)
     loss_tok = pg
     sums = {"clipped": clipped.sum()}
     if kl_coef:
-        d = torch.cat(ref).to(device, non_blocking=True) - logp
+        d = ref.to(device, non_blocking=True) - logp
         kl = torch.exp(d) - d - 1
         loss_tok = loss_tok + kl_coef * kl
         sums["kl"] = kl.detach().sum()
     sums["entropy"] = entropy.sum()
     with torch.no_grad():
         values = torch.stack([v.float() for v in sums.values()]).tolist()  # (one transfer from the device)
-    return (loss_tok * w).sum(), {"tokens": float(idx.numel()), **dict(zip(sums, values))}
+    return (loss_tok * w).sum(), {"tokens": float(target.numel()), **dict(zip(sums, values))}
+
+
+def shard_units(rollout: Rollout, index: int, num_shards: int, agg: str) -> int:
+    """What shard ``index`` of ``num_shards`` of ``rollout`` (split across ranks: context
+    parallelism) adds to its rank's loss units: its response targets (``token-mean``), or, on the
+    first shard, the sample (the ``seq-mean`` aggregations)."""
+    if agg != "token-mean":
+        return int(index == 0)
+    return int((_shard_positions(len(rollout) - 1, index, num_shards) >= rollout.prompt_len - 1).sum())
+
+
+def _shard_positions(n: int, index: int, num_shards: int) -> torch.Tensor:
+    (a0, a1), (b0, b1) = zigzag(n, num_shards)[index]
+    return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
+
+
+def shard_policy_loss(model, rollout: Rollout, index: int, num_shards: int, group, *, clip_eps: float = 0.2,
+                      clip_eps_high: float | None = None, kl_coef: float = 0.0, agg: str = "token-mean",
+                      temperature: float = 1.0, device: torch.device | None = None
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`policy_loss` of this rank's shard ``index`` of ``num_shards`` of ``rollout``, split
+    across the ranks of ``group`` (a process group or an exchange, in shard order: a collective
+    over them, every layer's attention seeing the whole sequence): the shard's response tokens'
+    weighted loss and statistics, so that the shards' sums over the group are the whole
+    rollout's."""
+    if agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
+    device = device or torch.device("cpu")
+    n, first = len(rollout) - 1, rollout.prompt_len - 1  # inputs are input_ids[:-1]; targets shift by one
+    positions = _shard_positions(n, index, num_shards)
+    keys = torch.cat([_shard_positions(n, i, num_shards) for i in range(num_shards)])
+    local = torch.nonzero(positions >= first).flatten()  # the shard's rows whose targets are response tokens
+    at = positions[local] - first  # their index among the response's tokens
+    k = rollout.response_len
+    weights = torch.full((len(at),), 1.0 / k if agg == "seq-mean-token-mean" else 1.0)
+    adv = torch.full((len(at),), float(rollout.advantage))
+    old = None if rollout.old_logprobs is None else rollout.old_logprobs.float()[at]
+    ref = rollout.ref_logprobs.float()[at] if kl_coef else None
+    target = rollout.input_ids[positions[local] + 1]
+    inputs = rollout.input_ids[positions].unsqueeze(0).to(device, non_blocking=True)
+    split = SplitShard(positions.to(device), group, shard_lengths(n, num_shards), keys.to(device))
+    # a shard without response tokens still runs its forward and backward (its exchanges are
+    # collectives): one row of logits, weighted 0
+    rows = local if len(local) else torch.tensor([len(positions) - 1])
+    logits = model(inputs, document_lengths=[len(positions)], split=split, logits_at=rows.to(device))[0]
+    if not len(local):
+        return logits.sum() * 0.0, {"tokens": 0.0, "clipped": 0.0, "entropy": 0.0, **({"kl": 0.0} if kl_coef else {})}
+    return _token_loss(logits, target.to(device), weights, adv, old, ref, clip_eps=clip_eps,
+                       clip_eps_high=clip_eps_high, kl_coef=kl_coef, temperature=temperature, device=device)

@@ -10,7 +10,7 @@ and the overhead ``split - whole / 2``. The overheads, in the cost model's units
 rate the whole runs measured), are fitted per exchange as ``fixed + per_token * n / 2`` (least
 squares): ``fixed`` over the layers' exchanges gives the FLOPs one costs, ``per_token`` over the
 bytes of keys and values moved gives the FLOPs per byte
-(:data:`posttrain.train.sft.loop.FLOPS_PER_EXCHANGED_BYTE` and ``FLOPS_PER_EXCHANGE_CALL`` hold
+(:data:`posttrain.train.core.context.FLOPS_PER_EXCHANGED_BYTE` and ``FLOPS_PER_EXCHANGE_CALL`` hold
 the CPU's from this command).
 """
 

@@ -105,8 +105,9 @@ class RLConfig(LoraFields, RunConfig):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.clip_eps)
         super().__post_init__()
-        if self.engine.context_parallel != "off":
-            raise ValueError("`context_parallel` does not reach the RL update yet (SFT only so far); leave it off")
+        if self.engine.context_parallel != "off" and self.balance != "diff_micro":
+            raise ValueError(f"`context_parallel` splits rollouts within diff_micro's plan; balance={self.balance!r} "
+                             "does not take it (use `balance` diff_micro)")
         for name, choices in (("balance", METHODS), ("advantage", ESTIMATORS), ("loss_agg", LOSS_AGGS),
                               ("scale_rewards", ("std", "none")),
                               ("sampler", ("posttrain", "generate"))):

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from posttrain.balance import FlopsCost, plan_minibatch
+from posttrain.balance import ContextPlan, FlopsCost, plan_context, plan_minibatch
 from posttrain.device import allow_cudnn_attention, allow_tf32, rank_device, rank_kind, use
 from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import load_pretrained
@@ -47,9 +47,12 @@ from posttrain.rl import (
     load_rewards,
     loss_units,
     policy_loss,
+    shard_policy_loss,
+    shard_units,
 )
 from posttrain.text import count
-from posttrain.train.core import Trainer
+from posttrain.train.core import Trainer, local_world
+from posttrain.train.core.context import MIN_SPLIT_GAIN, SplitGroups, exchange_cost, group_failure
 from posttrain.train.core.recipe import optimizer_step
 
 from .config import RLConfig
@@ -123,22 +126,47 @@ def _stat_sum(values: Sequence[float]) -> list[float]:
 
 def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: torch.optim.Optimizer,
                      rollouts: Sequence[Rollout], cfg: RLConfig, rank: int, world_size: int,
-                     cost: FlopsCost, *, step: int = 0) -> dict[str, float]:
+                     cost: FlopsCost, *, step: int = 0, groups: SplitGroups | None = None) -> dict[str, float]:
     """One optimizer step on ``rollouts`` (identical on every rank): balanced over the ranks,
     run under ``engine``, the loss aggregated over the whole minibatch, then the step's recipe
     (learning rate of training step ``step``, clipping, weight decay: [Note: the step's recipe]).
-    Returns the global ``tokens``, ``clipped``, ``kl`` and ``entropy`` sums, this rank's
-    ``microbatches``, the ``lr`` and the ``grad_norm`` before clipping."""
-    plan = plan_minibatch([len(r) - 1 for r in rollouts], world_size=world_size, max_tokens=cfg.max_tokens,
-                          method=cfg.balance, cost=cost)
+    With context parallelism (``cfg.engine.context_parallel``) the plan may split the costliest
+    rollouts across ranks (always those longer than ``max_tokens``); every rank runs its shards
+    first, with ``groups``' exchanges (default: made for this call). Returns the global
+    ``tokens``, ``clipped``, ``kl`` and ``entropy`` sums, this rank's ``microbatches``, the
+    ``lr`` and the ``grad_norm`` before clipping."""
+    lengths = [len(r) - 1 for r in rollouts]
+    shards = ()
+    if cfg.engine.context_parallel == "off":
+        plan = plan_minibatch(lengths, world_size=world_size, max_tokens=cfg.max_tokens, method=cfg.balance, cost=cost)
+    else:
+        plan = plan_context(lengths, world_size=world_size, max_tokens=cfg.max_tokens, cost=cost,
+                            exchange=exchange_cost(cfg, cost, local_world(world_size) == world_size),
+                            context_parallel=cfg.engine.context_parallel, min_gain=MIN_SPLIT_GAIN)
+        shards = plan.shards_for(rank)
+        if groups is None:
+            groups = SplitGroups(rank, engine.device, engine.peer_failure)
+        groups.make(plan.groups)
     mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
     busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
     units = loss_units(rollouts, cfg.loss_agg)
-    own = sum(loss_units([rollouts[i] for i in m.sequence_ids], cfg.loss_agg) for m in mine)
+    own = (sum(loss_units([rollouts[i] for i in m.sequence_ids], cfg.loss_agg) for m in mine)
+           + sum(shard_units(rollouts[sh.sequence_id], sh.index, sh.num_shards, cfg.loss_agg) for sh in shards))
     sums = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
     with engine.minibatch(own) as mb:
         if mb.global_tokens != units:
             raise AssertionError(f"the engine counts {mb.global_tokens} loss units, the rollouts {units}")
+        for sh in shards:  # first, in the order every rank runs them: a group's shards run together
+            try:
+                loss, st = shard_policy_loss(model, rollouts[sh.sequence_id], sh.index, sh.num_shards,
+                                             groups[sh.group], clip_eps=cfg.clip_eps_low,
+                                             clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
+                                             agg=cfg.loss_agg, temperature=cfg.temperature, device=engine.device)
+                for k, v in st.items():
+                    sums[k] += v
+                (loss / mb.loss_divisor).backward()
+            except RuntimeError as exc:
+                raise group_failure(engine, sh, exc) from exc
         for micro in engine.pad(mine, busiest):
             if micro is None:
                 engine.run_dummy()
@@ -151,7 +179,8 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
             (loss / mb.loss_divisor).backward()
     recipe = optimizer_step(optimizer, cfg.optim, step, cfg.steps, [engine.shards()], engine.device)
     keys = list(sums)
-    return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine)), **recipe}
+    return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine) + len(shards)),
+            "split_sequences": float(len(plan.split) if isinstance(plan, ContextPlan) else 0), **recipe}
 
 
 class RLTrainer(Trainer):
@@ -181,6 +210,7 @@ class RLTrainer(Trainer):
         self.tied = tied_names(self.policy)
         self.cost = FlopsCost.from_config(self.policy.config)
         self.engine = build_engine(self.policy.to(self.device), cfg.engine)
+        self._groups = SplitGroups(rank, self.device, self.engine.peer_failure)  # split rollouts' exchanges
         self.reference = None
         try:
             self.rollout = HFRollout(load_pretrained(cfg.model_path).hf.to(self.device), eos_token_id=self.tok.eos_token_id,
@@ -266,7 +296,7 @@ class RLTrainer(Trainer):
                     for s, a in zip(samples, adv.values)]}) + "\n")
         t1 = time.perf_counter()
         totals = {"tokens": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
-        updates = skipped = 0
+        updates = skipped = split = 0
         norms: list[float] = []
         if rollouts:
             for epoch in range(cfg.ppo_epochs):
@@ -276,12 +306,13 @@ class RLTrainer(Trainer):
                 for start in range(0, len(order), size):
                     part = [rollouts[i] for i in order[start:start + size]]
                     st = update_minibatch(engine, self.policy, self.optimizer, part, cfg, rank, world_size, self.cost,
-                                          step=step)
+                                          step=step, groups=self._groups)
                     for k in totals:
                         totals[k] += st[k]
                     norms.append(st["grad_norm"])
                     updates += 1
                     skipped += int(st["skipped_update"])
+                    split += int(st["split_sequences"])
         t_upd = time.perf_counter() - t1 + t_old
         wall = self._stopwatch(began)
         gen_max = torch.tensor([t_gen, t_upd, t_ref, wall], dtype=torch.float64)
@@ -295,6 +326,7 @@ class RLTrainer(Trainer):
                 for i, (name, _) in enumerate(self.rewards)} if len(self.rewards) > 1 else {}),
             "response_len_mean": float(lens.mean()), "response_len_max": int(lens.max()),
             "zero_advantage_groups": len(zero), "updates": updates, "skipped_updates": skipped,
+            "split_sequences": split,
             "lr": cfg.optim.lr_at(step, cfg.steps), "grad_norm": statistics.fmean(norms) if norms else None,
             "kl": totals["kl"] / tok_n if cfg.kl_coef else None, "clip_fraction": totals["clipped"] / tok_n,
             "entropy": totals["entropy"] / tok_n,
@@ -323,6 +355,7 @@ class RLTrainer(Trainer):
         dist.barrier()
 
     def close(self) -> None:
+        self._groups.close()
         self.engine.close()
         if self.reference is not None:
             self.reference.close()

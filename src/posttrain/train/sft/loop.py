@@ -31,7 +31,6 @@ import torch.nn as nn
 
 from posttrain.balance import (
     ContextPlan,
-    ExchangeCost,
     FlopsCost,
     Plan,
     Shard,
@@ -56,9 +55,9 @@ from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
 from posttrain.models.lora import add_lora, check_model_targets, write_model
 from posttrain.models.split_attention import SplitShard
-from posttrain.odc import row_exchange
 from posttrain.spans import COMM_KINDS, Recorder
 from posttrain.train.core import Trainer
+from posttrain.train.core.context import MIN_SPLIT_GAIN, SplitGroups, exchange_cost, group_failure
 from posttrain.train.core.launch import local_world
 from posttrain.train.core.recipe import optimizer_step
 
@@ -84,22 +83,6 @@ __all__ = [
     "train_worker",
 ]
 
-#: FLOPs a rank computes in the time it moves one byte of a split sequence's keys and values, and
-#: in the time one of a layer's two exchanges costs whatever its size, by the exchange: ``cpu``
-#: (every rank on one host: :class:`posttrain.odc.ShmRowExchange`), ``cpu-gloo`` (CPU ranks on
-#: several hosts: gloo's collectives), ``cuda``. The CPU's are measured on 2 processes of this
-#: project's 2-core machine by ``python -m posttrain.lab.bench.cp_exchange`` (four runs over gloo
-#: fitted 253-527 FLOPs a byte and -32M to 148M a call; two through shared memory 375 and 483 a
-#: byte and -38M and -16M a call: nothing measurable a call, and the per-byte term, about the
-#: same for both, is mostly the split attention's own extra work rather than the copy). CUDA:
-#: estimates, not yet measured on a GPU (about 1 PFLOP/s bf16 over NVLink's ~1 TB/s, and ~20
-#: microseconds a collective).
-FLOPS_PER_EXCHANGED_BYTE = {"cpu": 430.0, "cpu-gloo": 420.0, "cuda": 1000.0}
-FLOPS_PER_EXCHANGE_CALL = {"cpu": 0.0, "cpu-gloo": 8e7, "cuda": 2e10}
-#: The least fraction of a step's predicted time a split must save (``plan_context``'s ``min_gain``):
-#: the exchange's price is fitted to within about that (two runs of ``cp_exchange`` differ by about
-#: 2x in it), and on this machine a shard also costs a microbatch of its own the price leaves out.
-MIN_SPLIT_GAIN = 0.1
 
 
 @dataclass
@@ -149,16 +132,6 @@ def plan_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], world_siz
     """The balancing plan of one minibatch (lengths are the sequences' input tokens, trained or not)."""
     return plan_minibatch([len(s) - 1 for s in seqs], world_size=world_size, max_tokens=cfg.max_tokens,
                           method=method or cfg.balance, cost=cost)
-
-
-def exchange_cost(cfg: TrainConfig, cost: FlopsCost, one_host: bool = True) -> ExchangeCost:
-    """What moving a split sequence's keys and values costs in ``cost``'s units (FLOPs) on the
-    run's device (:data:`FLOPS_PER_EXCHANGED_BYTE`, :data:`FLOPS_PER_EXCHANGE_CALL`) at its
-    precision; on the CPU through shared memory where every rank is on ``one_host``, else gloo."""
-    kind = "cuda" if cfg.device_kind != "cpu" else "cpu" if one_host else "cpu-gloo"
-    return ExchangeCost.for_shape(cost.shape, flops_per_byte=FLOPS_PER_EXCHANGED_BYTE[kind],
-                                  dtype_bytes=2 if cfg.engine.precision == "bf16" else 4,
-                                  flops_per_call=FLOPS_PER_EXCHANGE_CALL[kind])
 
 
 def plan_context_step(cfg: TrainConfig, seqs: Sequence[Sample | torch.Tensor], world_size: int,
@@ -230,21 +203,6 @@ def shard_loss(model: nn.Module, sample: Sample | torch.Tensor, shard: Shard, gr
     logits = model(inputs, document_lengths=packed.document_lengths,
                    split=SplitShard(positions, group, shard_lengths(n, k), key_positions))
     return token_loss_sum(logits, targets, weights)
-
-
-def group_failure(engine: DataParallelEngine, shard: Shard, exc: RuntimeError, wait_s: float = 2.0) -> RuntimeError:
-    """What a broken exchange of a split sequence means: where a peer failed (the engine can tell
-    within ``wait_s``: its message, as ODC's own waits report it), a :class:`~posttrain.odc.PeerFailedError`
-    naming the sequence and its group; else ``exc`` itself."""
-    from posttrain.odc import PeerFailedError
-
-    deadline = time.monotonic() + wait_s
-    while (msg := engine.peer_failure()) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if msg is None:
-        return exc
-    return PeerFailedError(f"{msg} (while rank {dist.get_rank()} exchanged split sequence {shard.sequence_id} "
-                           f"with ranks {list(shard.group)})")
 
 
 def export_model(cfg: TrainConfig, engine: DataParallelEngine, model: nn.Module, rank: int,
@@ -326,7 +284,7 @@ class SFTTrainer(Trainer):
         self.peak_tflops = cfg.peak_tflops or _measured_peak(self.device, cfg.engine.precision)
         self._stats: dict[str, torch.Tensor] = {}
         self._ended: float | None = None  # when the previous step ended (its wall time starts there)
-        self._groups: dict[tuple[int, ...], object] = {}  # the ranks of a split sequence -> their exchange
+        self._groups = SplitGroups(rank, self.device, self.engine.peer_failure)  # split sequences' exchanges
         super().__init__(cfg, rank, world_size, state=self.engine, optimizer=self.training.optimizer,
                          label=f"{cfg.engine.label}+{cfg.balance}")
 
@@ -339,7 +297,7 @@ class SFTTrainer(Trainer):
         else:
             plan = plan_context_step(cfg, seqs, world_size, self.cost)
             shards = plan.shards_for(rank)
-            self._make_groups(plan.groups)
+            self._groups.make(plan.groups)
         mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
         busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
         total = sum(plan.rank_tokens)
@@ -413,19 +371,6 @@ class SFTTrainer(Trainer):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
         return row
 
-    def _make_groups(self, groups: list[tuple[int, ...]]) -> None:
-        """The exchanges of the plan's split sequences not made yet: their process groups (a
-        collective: every rank computes the same plan, so every rank makes the same new groups in
-        the same order), then, among each group's members, on the CPU, the shared-memory exchange
-        where they share a host (:func:`posttrain.odc.row_exchange`; [Note: the split sequence's
-        exchange in shared memory])."""
-        new = [g for g in groups if g not in self._groups]
-        for g in new:
-            self._groups[g] = dist.new_group(list(g))
-        for g in new:
-            if self.rank in g and self.device.type == "cpu":
-                self._groups[g] = row_exchange(self._groups[g], watch=self.engine.peer_failure)
-
     #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
     OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens", "peak_memory_gib")
 
@@ -458,9 +403,7 @@ class SFTTrainer(Trainer):
         export_model(self.cfg, self.engine, self.training.model, self.rank, self.training.tied)
 
     def close(self) -> None:
-        for ex in self._groups.values():
-            if hasattr(ex, "close"):
-                ex.close()
+        self._groups.close()
         self.engine.close()
 
 
