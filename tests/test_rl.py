@@ -533,14 +533,13 @@ def test_an_update_with_rollouts_split_across_ranks_equals_the_single_process_re
 
 
 def test_an_rl_run_with_split_rollouts_takes_the_unsplit_runs_steps(tmp_path, tiny_model, monkeypatch):
-    """The trainer's path (its groups kept across steps): the update's plan, given microbatches of
-    24 tokens, splits every longer rollout across both ranks, and every step's figures equal the
-    run without splitting (the same samples, the same updates)."""
-    import posttrain.train.rl.loop as rl_loop
+    """The trainer's path (its groups kept across steps): with context parallelism a rollout may
+    be longer than a microbatch (``max_tokens`` 24 here: prompts plus 16 new tokens are longer),
+    the update splits each such rollout across both ranks, and every step's figures equal the run
+    whose microbatches hold them whole (the same samples, the same updates); a prompt that no
+    split fits is refused, naming the limit."""
     from posttrain.data.tasks import chat_task_records
-
-    real = rl_loop.plan_context
-    monkeypatch.setattr(rl_loop, "plan_context", lambda lengths, **kw: real(lengths, **{**kw, "max_tokens": 24}))
+    from posttrain.train.rl import prompt_limit
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
     (tmp_path / "text_reward.py").write_text("def reward(prompt, response):\n    return float(sum(map(ord, response)) % 7)\n")
@@ -549,13 +548,20 @@ def test_an_rl_run_with_split_rollouts_takes_the_unsplit_runs_steps(tmp_path, ti
                    samples_per_prompt=2, prompts_per_step=2, max_new_tokens=16, steps=2, max_tokens=128, kl_coef=0.05,
                    seed=1)
     want = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
-    got = run_rl(replace(cfg, engine=EngineConfig("odc", context_parallel=2)), world_size=2, quiet=True)[0]["metrics"]
+    split = replace(cfg, max_tokens=24, engine=EngineConfig("odc", context_parallel="auto"))
+    assert prompt_limit(split, 2)["max_tokens"] == 48
+    got = run_rl(split, world_size=2, quiet=True)[0]["metrics"]
     assert sum(r["split_sequences"] for r in got) > 0 and all(r["split_sequences"] == 0 for r in want)
     assert all(r["updates"] > 0 for r in want)
     for a, b in zip(got, want):
         assert a["reward_mean"] == b["reward_mean"] and a["updates"] == b["updates"]
         for k in ("kl", "entropy", "grad_norm"):
             assert (a[k] is None) == (b[k] is None) and (a[k] is None or a[k] == pytest.approx(b[k], rel=1e-4)), k
+    with pytest.raises(ValueError, match=r"plus max_new_tokens=16 exceeds the longest split rollout \(max_tokens=12 x "
+                                         r"shards\)=24 \+ 1"):
+        run_rl(replace(split, max_tokens=12), world_size=2, quiet=True)
+    with pytest.raises(ValueError, match=r"plus max_new_tokens=16 exceeds max_tokens=24 \+ 1"):
+        run_rl(replace(split, engine=EngineConfig("odc")), world_size=2, quiet=True)
 
 
 def test_rl_context_parallel_takes_diff_micro_only():

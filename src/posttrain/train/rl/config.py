@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from posttrain.balance import METHODS
+from posttrain.balance import METHODS, shard_lengths
 from posttrain.rl import ESTIMATORS, LOSS_AGGS
 from posttrain.train.core.config import LoraFields, OptimConfig, RunConfig
 
@@ -59,7 +59,9 @@ class RLConfig(LoraFields, RunConfig):
             (their KL term with ``kl_coef``) and count in the loss's divisor, as TRL does.
         loss_agg: ``token-mean``, ``seq-mean-token-sum`` or ``seq-mean-token-mean``.
         steps: rollout-and-update steps.
-        max_tokens: most tokens in one update microbatch.
+        max_tokens: most tokens in one update microbatch or shard; a prompt plus
+            ``max_new_tokens`` must fit it, or with context parallelism (``engine.context_parallel``)
+            the longest sequence its shards hold (:meth:`longest`).
         checkpoint_dir: save checkpoints (policy and optimizer, sharded) here and resume from the
             newest one found there; the step's prompts and sampling seeds follow from ``seed``
             and the step, so a resumed run samples what the uninterrupted one would have.
@@ -99,6 +101,19 @@ class RLConfig(LoraFields, RunConfig):
 
     def state_fields(self) -> tuple[str, ...]:
         return ("model_path", *super().state_fields())
+
+    def longest(self, world_size: int) -> int:
+        """The longest rollout (input tokens) the update takes on ``world_size`` ranks:
+        ``max_tokens``, or with context parallelism the longest sequence whose shards over the
+        ranks it may use (all for ``auto``, else its shard count) hold at most ``max_tokens`` each."""
+        cp = self.engine.context_parallel
+        if cp == "off":
+            return self.max_tokens
+        k = world_size if cp == "auto" else min(int(cp), world_size)
+        n = k * self.max_tokens
+        while n > self.max_tokens and max(shard_lengths(n, k)) > self.max_tokens:
+            n -= 1
+        return max(n, self.max_tokens)
 
     def __post_init__(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high"):

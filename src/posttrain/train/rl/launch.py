@@ -16,7 +16,7 @@ from posttrain.text import count
 from posttrain.train.core import check_run, claim_outputs, launch, launch_world, placement
 
 from .config import RLConfig
-from .loop import load_prompts, rl_worker
+from .loop import load_prompts, prompt_limit, rl_worker
 
 __all__ = ["run_rl"]
 
@@ -45,7 +45,7 @@ def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) 
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
         raise ValueError(f"`model_path` {cfg.model_path}: no tokenizer transformers can load ({e})") from None
-    prompts = load_prompts(cfg.prompts, tok, max_new_tokens=cfg.max_new_tokens, max_tokens=cfg.max_tokens)
+    prompts = load_prompts(cfg.prompts, tok, **prompt_limit(cfg, world_size))
     load_rewards(cfg.reward)
     if cfg.prompts_per_step < world_size:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} is fewer than the {world_size} ranks")

@@ -58,7 +58,7 @@ from posttrain.train.core.recipe import optimizer_step
 from .config import RLConfig
 from .reference import ShardedReference, engine_logprobs
 
-__all__ = ["RL_SCALARS", "Prompt", "RLTrainer", "load_prompts", "rl_worker", "update_minibatch"]
+__all__ = ["RL_SCALARS", "Prompt", "RLTrainer", "load_prompts", "prompt_limit", "rl_worker", "update_minibatch"]
 
 #: The per-step figures written to TensorBoard.
 RL_SCALARS = ("reward_mean", "reward_std", "response_len_mean", "kl", "clip_fraction", "entropy",
@@ -75,12 +75,14 @@ class Prompt:
     fields: dict = field(default_factory=dict)
 
 
-def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int) -> list[Prompt]:
+def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int,
+                 limit: str = "max_tokens") -> list[Prompt]:
     """The prompts of a JSONL file, tokenized (chat prompts with the generation prompt).
 
     Raises:
         ValueError: a missing file, a bad line, or a prompt so long that prompt plus
-            ``max_new_tokens`` exceeds ``max_tokens + 1`` (named by file and line).
+            ``max_new_tokens`` exceeds ``max_tokens + 1`` (named by file and line; ``limit``
+            names what ``max_tokens`` is).
     """
     out = []
     try:
@@ -110,12 +112,20 @@ def load_prompts(path: str, tokenizer, *, max_new_tokens: int, max_tokens: int) 
                 raise ValueError(f"{where}: the prompt is empty")
             if len(ids) + max_new_tokens > max_tokens + 1:
                 raise ValueError(f"{where}: a prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} "
-                                 f"exceeds max_tokens={max_tokens} + 1; raise `max_tokens` or shorten it")
+                                 f"exceeds {limit}={max_tokens} + 1; raise `max_tokens` or shorten it")
             fields = {k: v for k, v in rec.items() if k not in ("prompt", "messages")}
             out.append(Prompt(raw, ids, where, fields))
     if not out:
         raise ValueError(f"`prompts` {path}: no prompts")
     return out
+
+
+def prompt_limit(cfg: RLConfig, world_size: int) -> dict:
+    """:func:`load_prompts`' length arguments for ``cfg`` on ``world_size`` ranks: a rollout
+    fits ``max_tokens``, or with context parallelism the longest its shards hold."""
+    longest = cfg.longest(world_size)
+    what = "max_tokens" if longest == cfg.max_tokens else f"the longest split rollout (max_tokens={cfg.max_tokens} x shards)"
+    return {"max_new_tokens": cfg.max_new_tokens, "max_tokens": longest, "limit": what}
 
 
 def _stat_sum(values: Sequence[float]) -> list[float]:
@@ -200,8 +210,7 @@ class RLTrainer(Trainer):
         allow_tf32(self.device, cfg.tf32)
         allow_cudnn_attention(self.device, cfg.cudnn_attention)
         self.tok = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.prompts = load_prompts(cfg.prompts, self.tok, max_new_tokens=cfg.max_new_tokens,
-                                    max_tokens=cfg.max_tokens)
+        self.prompts = load_prompts(cfg.prompts, self.tok, **prompt_limit(cfg, world_size))
         self.rewards = load_rewards(cfg.reward)
         self.weights = cfg.reward_weights or (1.0,) * len(self.rewards)
         self.policy = load_pretrained(cfg.model_path)

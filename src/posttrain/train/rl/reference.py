@@ -35,7 +35,10 @@ def engine_logprobs(engine, model, sequences: Sequence[torch.Tensor], prompt_len
     shared with every rank. A collective: every rank passes the same sequences and gets every
     result. Returns them and this rank's microbatch count. The reference's log-probs, and the
     policy's own where an update is not on-policy."""
-    plan = plan_minibatch([len(s) - 1 for s in sequences], world_size=world_size, max_tokens=cfg.max_tokens,
+    every = [len(s) - 1 for s in sequences]
+    # forward only: a rollout longer than max_tokens (context parallelism's) runs whole (and the
+    # others pack up to its length)
+    plan = plan_minibatch(every, world_size=world_size, max_tokens=max(cfg.max_tokens, *every),
                           method=cfg.balance, cost=cost)
     mine = [m.sequence_ids for m in plan.microbatches_for(rank) if m.sequence_ids]
     busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
