@@ -288,6 +288,9 @@ def test_a_run_whose_longest_sequence_no_split_fits_is_refused_before_starting()
                                              r"max_tokens=48: it needs 5 ranks"):
             run_training(TrainConfig(steps=1, sequences=4, max_len=200, max_tokens=48, dim=32, num_layers=2,
                                      engine=EngineConfig("odc", context_parallel=cp)), world_size=2, quiet=True)
+    with pytest.raises(ValueError, match=r"context_parallel=3 shards a sequence over 3 ranks, but the run has 2"):
+        run_training(TrainConfig(steps=1, sequences=4, max_len=48, dim=32, num_layers=2,
+                                 engine=EngineConfig("odc", context_parallel=3)), world_size=2, quiet=True)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -7,6 +7,7 @@ that hangs instead of timing out, or segment files that other users could open o
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import time
 from unittest import mock
@@ -123,3 +124,29 @@ def test_back_to_back_barriers_with_alternating_tags_never_mismatch():
     the next tag and report a mismatch that did not happen (seen once in CI).
     """
     assert run_ranks(_barrier_storm_worker, 4, 20000) == [20000] * 4
+
+
+_SMALL_SHM = """
+import os, tempfile, torch.distributed as dist
+from posttrain.odc import ShmTransport
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+try:
+    ShmTransport.create(dist.group.WORLD, {"grads": 8 << 20})
+except RuntimeError as e:
+    print("ERR", e)
+print("LEFT", [f for f in os.listdir("/dev/shm") if f.startswith("posttrain")])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
+def test_a_dev_shm_too_small_is_one_clear_error_at_creation_not_a_crash_at_a_write():
+    """A segment larger than /dev/shm holds (a 1 MiB tmpfs in a mount namespace of its own) fails
+    when it is made, saying how much it needed and how much was free, and leaves no file."""
+    import subprocess
+    import sys
+
+    script = f"mount -t tmpfs -o size=1M tmpfs /dev/shm && exec {sys.executable} -c '{_SMALL_SHM}'"
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=120)
+    assert "ERR cannot reserve 8 MiB in /dev/shm for the ODC transport" in out.stdout, out.stdout + out.stderr
+    assert "MiB free there" in out.stdout and "LEFT []" in out.stdout, out.stdout

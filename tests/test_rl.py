@@ -562,6 +562,8 @@ def test_an_rl_run_with_split_rollouts_takes_the_unsplit_runs_steps(tmp_path, ti
         run_rl(replace(split, max_tokens=12), world_size=2, quiet=True)
     with pytest.raises(ValueError, match=r"plus max_new_tokens=16 exceeds max_tokens=24 \+ 1"):
         run_rl(replace(split, engine=EngineConfig("odc")), world_size=2, quiet=True)
+    with pytest.raises(ValueError, match=r"context_parallel=3 shards a rollout over 3 ranks, but the run has 2"):
+        run_rl(replace(split, engine=EngineConfig("odc", context_parallel=3)), world_size=2, quiet=True)
 
 
 def test_rl_context_parallel_takes_diff_micro_only():

@@ -38,7 +38,10 @@ if os.environ.get("PROFILE_STEP_OUT"):
             wall = time.perf_counter() - _state["t"]
             prof, _state["prof"] = _state["prof"], None
             prof.__exit__(None, None, None)
-            rank = os.environ.get("RANK", "0")
+            import torch.distributed as dist
+
+            initialized = dist.is_available() and dist.is_initialized()
+            rank = str(dist.get_rank()) if initialized else os.environ.get("RANK", "0")
             out = os.environ["PROFILE_STEP_OUT"] + ("" if rank == "0" else f".rank{rank}")
             avg = prof.key_averages()
             with open(out, "w") as f:

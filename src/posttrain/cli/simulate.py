@@ -234,6 +234,10 @@ class SimulateODC(DPSetting):
         balance: ODC's balancing method.
         fsdp_balance: FSDP's balancing method (FSDP needs equal microbatch counts).
         max_tokens: tokens per microbatch (default: the longest possible sequence).
+        context_parallel: also ODC whose plan splits the costliest sequences across ranks
+            (``auto``: 2 up to every rank, or a shard count; ``off``: not simulated); a shard runs
+            as its share of the sequence plus its keys' and values' exchange over the intra-node
+            link (every layer, forward and backward, 20 microseconds a collective).
         trace: Chrome trace JSON of both runs ('' for none).
         plot: timeline PNG of the first 16 ranks ('' for none).
     """
@@ -241,6 +245,7 @@ class SimulateODC(DPSetting):
     balance: str = field(default="diff_micro", metadata={"choices": _methods})
     fsdp_balance: Literal["round_robin", "local_sort", "same_micro"] = "same_micro"
     max_tokens: int | None = None
+    context_parallel: int | Literal["off", "auto"] = "off"
     trace: str = "out/sim_odc_trace.json"
     plot: str = "out/sim_odc.png"
 
@@ -325,6 +330,24 @@ def _write_json(data, path: str) -> None:
         print(f"wrote {path}")
 
 
+#: Seconds a key/value collective costs a GPU whatever its size (the exchange's latency term).
+CP_CALL_S = 20e-6
+
+
+def context_plan(lengths, o: SimulateODC, cluster, model, max_tokens: int):
+    """The plan of one simulated minibatch with context parallelism: :func:`posttrain.balance.plan_context`
+    in the simulator's units (seconds), the exchange priced at the preset model's key/value bytes
+    (bf16) over the intra-node link and :data:`CP_CALL_S` a collective, no margin (the simulator
+    has no prediction error to hedge)."""
+    from posttrain.balance import ExchangeCost, plan_context
+    from posttrain.sim.costs import MODEL_SHAPES
+
+    exchange = ExchangeCost.for_shape(MODEL_SHAPES[o.cost.cost_model], flops_per_byte=1.0 / cluster.intra_bandwidth,
+                                      dtype_bytes=2, flops_per_call=CP_CALL_S)
+    return plan_context(lengths, world_size=cluster.num_gpus, max_tokens=max_tokens, cost=model.sequence_cost,
+                        exchange=exchange, context_parallel=o.context_parallel)
+
+
 def _odc(o: SimulateODC) -> int:
     from posttrain.balance import plan_minibatch
     from posttrain.lab.plots import plot_dp_timelines
@@ -334,12 +357,17 @@ def _odc(o: SimulateODC) -> int:
     cluster, model, batches, longest = o.inputs()
     max_tokens = o.max_tokens or longest
     runs = []
+    trace = bool(o.trace or o.plot)
     for strategy, method in (("fsdp", o.fsdp_balance), ("odc", o.balance)):
         plans = [plan_minibatch(b, world_size=cluster.num_gpus, max_tokens=max_tokens, method=method,
                                 cost=model.sequence_cost) for b in batches]
-        trace = bool(o.trace or o.plot)
         res = simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, hsdp=o.cluster.hsdp, trace=trace)
         res.strategy = f"{res.strategy}+{method}"
+        runs.append(res)
+    if o.context_parallel != "off":
+        plans = [context_plan(b, o, cluster, model, max_tokens) for b in batches]
+        res = simulate_dp(plans, strategy="odc", model=model, cluster=cluster, hsdp=o.cluster.hsdp, trace=trace)
+        res.strategy = f"{res.strategy}+cp ({sum(len(p.split) for p in plans)} split)"
         runs.append(res)
     print(f"{o.cost.cost_model} on {cluster.num_gpus} GPUs ({cluster.num_nodes} nodes), {o.lengths.minibatches} "
           f"minibatches of {o.lengths.sequences_per_rank * cluster.num_gpus} sequences "
@@ -350,6 +378,9 @@ def _odc(o: SimulateODC) -> int:
         print(f"{r.strategy:28} {r.throughput:12,.0f} {r.time / len(r.minibatch_times):8.3f} "
               f"{min(u):6.2f}/{sum(u) / len(u):<6.2f} {r.bubble_fraction:7.2f}")
     print(f"speedup {runs[1].strategy} / {runs[0].strategy}: {runs[1].throughput / runs[0].throughput:.2f}")
+    if len(runs) > 2:
+        print(f"speedup {runs[2].strategy} / {runs[1].strategy}: {runs[2].throughput / runs[1].throughput:.2f} "
+              "(a prediction: context parallelism has not run on more than 2 ranks or on a GPU cluster)")
     if o.trace:
         write_chrome_trace({r.strategy: r.spans for r in runs}, o.trace)
         print(f"wrote {o.trace} (chrome://tracing or ui.perfetto.dev)")

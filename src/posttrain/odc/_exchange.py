@@ -23,6 +23,7 @@ within a fraction of a second: its own abort, its exit, or ``watch`` (the engine
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 
 import torch
@@ -115,11 +116,11 @@ class ShmRowExchange:
 
 def row_exchange(group: dist.ProcessGroup, *, watch: Callable[[], str | None] | None = None
                  ) -> ShmRowExchange | dist.ProcessGroup:
-    """The exchange a split sequence's ranks use: shared memory where they are all on this host
-    (:class:`ShmRowExchange`), else ``group`` itself (its collectives). A collective over
+    """The exchange a split sequence's ranks use: shared memory where they are all on this host,
+    an x86-64 one (:class:`ShmRowExchange`), else ``group`` itself (its collectives). A collective over
     ``group``'s members (one object all-gather, to compare hosts)."""
     hosts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, host_identity(), group=group)
-    if len(set(hosts)) != 1:
-        return group
+    if len(set(hosts)) != 1 or platform.machine() not in ("x86_64", "AMD64"):
+        return group  # (the shared-memory barrier relies on x86-64's store order)
     return ShmRowExchange(group, watch=watch)

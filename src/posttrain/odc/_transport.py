@@ -176,6 +176,14 @@ class ShmTransport:
             fd = os.open(own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, self.segment_bytes)
+                try:  # reserve the pages now: a /dev/shm too small fails here, not as SIGBUS at a write
+                    os.posix_fallocate(fd, 0, self.segment_bytes)
+                except OSError as e:
+                    free = os.statvfs(SHM_DIR)
+                    raise RuntimeError(
+                        f"cannot reserve {self.segment_bytes / 2**20:.0f} MiB in {SHM_DIR} for the ODC transport "
+                        f"({e.strerror}; {free.f_bavail * free.f_frsize / 2**20:.0f} MiB free there): give "
+                        f"{SHM_DIR} more room (e.g. docker --shm-size)") from None
             finally:
                 os.close(fd)
             self._segments: list[torch.Tensor] = [None] * self.world_size  # type: ignore[list-item]

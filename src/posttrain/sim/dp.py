@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.balance import Plan
+from posttrain.balance import ContextPlan, Plan
 from posttrain.spans import Span
 
 from ._engine import Engine, Link, Rendezvous
@@ -103,9 +103,33 @@ class DPResult:
         self.spans.extend(Span(s.rank, s.lane, s.name, s.start + offset, s.end + offset) for s in other.spans)
 
 
-def plan_lengths(plan: Plan) -> list[list[list[int]]]:
-    """rank -> microbatches -> sequence lengths of a balancing plan."""
-    return [[[plan.lengths[i] for i in mb.sequence_ids] for mb in mbs] for mbs in plan.ranks]
+def plan_lengths(plan: Plan | ContextPlan, cost: Callable[[float], float] | None = None) -> list[list[list[float]]]:
+    """rank -> microbatches -> sequence lengths of a balancing plan. A plan that splits sequences
+    across ranks (:func:`posttrain.balance.plan_context`; needs the plan's ``cost``) gives each
+    rank its shards first, each as a microbatch of one sequence of the *effective* length whose
+    cost is the shard's (its share of the sequence plus the exchange): the simulated layers then
+    charge a shard what the plan charged it. (A shard's per-layer exchanges, which keep its group
+    in step, are not simulated as rendezvous: the group starts together and its shards cost the
+    same.)"""
+    whole = [[[plan.lengths[i] for i in mb.sequence_ids] for mb in mbs] for mbs in plan.ranks]
+    if not isinstance(plan, ContextPlan):
+        return whole
+    if cost is None:
+        raise ValueError("a plan with split sequences needs the plan's cost to simulate its shards")
+    return [[[_effective_length(cost, sh.cost, plan.lengths[sh.sequence_id])] for sh in shards] + mine
+            for shards, mine in zip(plan.shards, whole)]
+
+
+def _effective_length(cost: Callable[[float], float], target: float, upper: float) -> float:
+    """The length whose ``cost`` is ``target`` (costs grow with length; bisection), at most
+    twice ``upper`` (a shard costs less than its sequence unless its exchange is dear)."""
+    lo, hi = 0.0, float(upper)
+    while cost(hi) < target and hi < 2 * upper:
+        hi *= 1.25
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cost(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def _ops(num_layers: int, overlap: bool) -> list[tuple[str, int]]:
@@ -294,20 +318,23 @@ def simulate_minibatch(microbatches: Sequence[Sequence[Sequence[int]]], *, strat
                     compute=compute, minibatch_times=[t], spans=spans)
 
 
-def simulate_dp(plans: Sequence[Plan], *, strategy: Strategy, model: SimModel, cluster: Cluster,
+def simulate_dp(plans: Sequence[Plan | ContextPlan], *, strategy: Strategy, model: SimModel, cluster: Cluster,
                 hsdp: bool = False, slowdown: Sequence[float] | None = None, trace: bool = False,
                 op_times: Mapping[str, float] | None = None, overlap: bool = True, jitter: float = 0.0,
                 seed: int = 0) -> DPResult:
     """Simulate consecutive minibatches, one balancing plan each (minibatches meet at the
     optimizer step, so they are simulated one after another). See :func:`simulate_minibatch`;
-    minibatch ``k`` draws its jitter with seed ``seed + k``."""
+    minibatch ``k`` draws its jitter with seed ``seed + k``. Plans with split sequences
+    (:func:`posttrain.balance.plan_context`, planned with ``model.sequence_cost``) run their shards
+    as :func:`plan_lengths` says; the tokens counted are the real ones."""
     if not plans:
         raise ValueError("no minibatches to simulate")
     total: DPResult | None = None
     for k, plan in enumerate(plans):
-        one = simulate_minibatch(plan_lengths(plan), strategy=strategy, model=model, cluster=cluster,
-                                 hsdp=hsdp, slowdown=slowdown, trace=trace, op_times=op_times,
+        one = simulate_minibatch(plan_lengths(plan, model.sequence_cost), strategy=strategy, model=model,
+                                 cluster=cluster, hsdp=hsdp, slowdown=slowdown, trace=trace, op_times=op_times,
                                  overlap=overlap, jitter=jitter, seed=seed + k)
+        one.tokens = sum(plan.lengths)
         if total is None:
             total = one
         else:

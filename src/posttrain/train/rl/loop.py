@@ -146,7 +146,7 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
     ``tokens``, ``clipped``, ``kl`` and ``entropy`` sums, this rank's ``microbatches``, the
     ``lr`` and the ``grad_norm`` before clipping."""
     lengths = [len(r) - 1 for r in rollouts]
-    shards = ()
+    shards, own_groups = (), None
     if cfg.engine.context_parallel == "off":
         plan = plan_minibatch(lengths, world_size=world_size, max_tokens=cfg.max_tokens, method=cfg.balance, cost=cost)
     else:
@@ -154,8 +154,8 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
                             exchange=exchange_cost(cfg, cost, local_world(world_size) == world_size),
                             context_parallel=cfg.engine.context_parallel, min_gain=MIN_SPLIT_GAIN)
         shards = plan.shards_for(rank)
-        if groups is None:
-            groups = SplitGroups(rank, engine.device, engine.peer_failure)
+        if groups is None:  # (made for this call, closed at its end)
+            groups = own_groups = SplitGroups(rank, engine.device, engine.peer_failure)
         groups.make(plan.groups)
     mine = [m for m in plan.microbatches_for(rank) if m.sequence_ids]
     busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
@@ -187,6 +187,8 @@ def update_minibatch(engine: DataParallelEngine, model: nn.Module, optimizer: to
             for k, v in st.items():
                 sums[k] += v
             (loss / mb.loss_divisor).backward()
+    if own_groups is not None:
+        own_groups.close()
     recipe = optimizer_step(optimizer, cfg.optim, step, cfg.steps, [engine.shards()], engine.device)
     keys = list(sums)
     return {**dict(zip(keys, _stat_sum([sums[k] for k in keys]))), "microbatches": float(len(mine) + len(shards)),

@@ -36,12 +36,20 @@ def engine_logprobs(engine, model, sequences: Sequence[torch.Tensor], prompt_len
     result. Returns them and this rank's microbatch count. The reference's log-probs, and the
     policy's own where an update is not on-policy."""
     every = [len(s) - 1 for s in sequences]
-    # forward only: a rollout longer than max_tokens (context parallelism's) runs whole (and the
-    # others pack up to its length)
-    plan = plan_minibatch(every, world_size=world_size, max_tokens=max(cfg.max_tokens, *every),
-                          method=cfg.balance, cost=cost)
-    mine = [m.sequence_ids for m in plan.microbatches_for(rank) if m.sequence_ids]
-    busiest = max(len([m for m in mbs if m.sequence_ids]) for mbs in plan.ranks)
+    # forward only: a rollout longer than max_tokens (context parallelism's) runs whole, alone in
+    # its microbatch (the longest first, each to the rank with the fewest so far); the rest are
+    # packed and balanced as usual
+    long = sorted((i for i, n in enumerate(every) if n > cfg.max_tokens), key=lambda i: -every[i])
+    rest = [i for i, n in enumerate(every) if n <= cfg.max_tokens]
+    per_rank: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
+    if rest:
+        plan = plan_minibatch([every[i] for i in rest], world_size=world_size, max_tokens=cfg.max_tokens,
+                              method=cfg.balance, cost=cost)
+        per_rank = [[tuple(rest[j] for j in m.sequence_ids) for m in mbs if m.sequence_ids] for mbs in plan.ranks]
+    for i in long:
+        min(per_rank, key=len).append((i,))
+    mine = per_rank[rank]
+    busiest = max(len(m) for m in per_rank)
     out: dict[int, list[float]] = {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="no rank ran a backward")  # forward only, by design

@@ -162,12 +162,12 @@ class TrainData:
 def check_split_reach(cfg: TrainConfig, world_size: int) -> None:
     """Refuse a run whose longest sequence no allowed split fits into shards of ``max_tokens``
     (context parallelism over at most the world's ranks, or its fixed shard count)."""
+    cp = cfg.engine.context_parallel
+    if cp not in ("off", "auto") and int(cp) > world_size:
+        raise ValueError(f"context_parallel={cp} shards a sequence over {cp} ranks, but the run has {world_size}")
     if cfg.longest <= cfg.max_tokens:
         return
-    cp = cfg.engine.context_parallel
     k = world_size if cp == "auto" else int(cp)
-    if k > world_size:
-        raise ValueError(f"context_parallel={cp} shards a sequence over {k} ranks, but the run has {world_size}")
     if max(shard_lengths(cfg.longest, k)) > cfg.max_tokens:
         need = -(-cfg.longest // cfg.max_tokens)
         while max(shard_lengths(cfg.longest, need)) > cfg.max_tokens:
