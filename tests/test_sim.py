@@ -149,6 +149,35 @@ def test_simulate_dp_runs_balancing_plans_and_diff_micro_beats_same_micro_under_
     assert tp["odc"] > 1.05 * tp["fsdp"]
 
 
+def test_a_plan_with_split_sequences_simulates_its_shards_at_the_plans_cost():
+    """One sequence costlier than the rest together on 2 ranks: split, each rank runs a shard
+    first, as a microbatch whose simulated cost is the shard's planned cost (its half plus the
+    exchange); the simulated minibatch is shorter than the whole-sequence plan's, the tokens are
+    the real ones, and an exchange dearer than the split's gain leaves the sequence whole."""
+    from posttrain.balance import ExchangeCost, plan_context
+    from posttrain.sim.dp import plan_lengths
+
+    model = SimModel(num_layers=2, layer_cost=LayerCost(linear=1e-5, quadratic=1e-7), layer_param_bytes=0,
+                     layer_grad_bytes=0)
+    cluster = Cluster(num_gpus=2, gpus_per_node=2, intra_bandwidth=1e12, inter_bandwidth=1e12)
+    lengths = [4000, 300, 200, 100]
+    whole = plan_minibatch(lengths, world_size=2, max_tokens=4096, method="diff_micro", cost=model.sequence_cost)
+    ex = ExchangeCost(per_token=1e-6)
+    split = plan_context(lengths, world_size=2, max_tokens=4096, cost=model.sequence_cost, exchange=ex)
+    assert list(split.split) == [0]
+    mbs = plan_lengths(split, model.sequence_cost)
+    for r in range(2):  # the shard first, at its planned cost
+        assert model.sequence_cost(mbs[r][0][0]) == pytest.approx(model.sequence_cost(4000) / 2 + ex(4000, 2), rel=1e-9)
+    a = simulate_dp([whole], strategy="odc", model=model, cluster=cluster)
+    b = simulate_dp([split], strategy="odc", model=model, cluster=cluster)
+    assert a.tokens == b.tokens == sum(lengths) and b.time < 0.75 * a.time
+    dear = plan_context(lengths, world_size=2, max_tokens=4096, cost=model.sequence_cost,
+                        exchange=ExchangeCost(fixed=model.sequence_cost(4000)))
+    assert not dear.split
+    with pytest.raises(ValueError, match="needs the plan's cost"):
+        plan_lengths(split)
+
+
 def test_pipeline_1f1b_bubble_and_memory_curve_are_the_textbook_ones():
     p, m = 4, 8
     res = simulate_pipeline("1f1b", num_ranks=p, num_microbatches=m, workload=PipelineWorkload(activation_bytes=3.0))

@@ -19,6 +19,10 @@ def test_simulate_odc_prints_both_and_writes_trace_and_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fsdp+same_micro" in out and "odc+diff_micro" in out and "speedup" in out
     assert json.loads(trace.read_text())["traceEvents"] and png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["simulate", "odc", "--world-size", "8", "--sequences-per-rank", "1", "--minibatches", "1",
+                 "--cost-model", "1.5b", "--context-parallel", "auto", "--trace", "", "--plot", ""]) == 0
+    out = capsys.readouterr().out
+    assert "odc+cp (" in out and "split)" in out and "a prediction" in out
 
 
 def test_simulate_pipeline_and_the_paper_table(tmp_path, capsys):
