@@ -416,3 +416,21 @@ def test_a_context_plan_places_every_token_once_and_never_predicts_worse_than_wh
     whole = plan_context(lengths, world_size=world, max_tokens=4096, cost=cost, context_parallel="off")
     assert plan.step_time() <= whole.step_time() * (1 + 1e-9)
     assert plan.step_time() >= sum(cost(n) for n in lengths) / world * (1 - 1e-9)  # the even bound
+
+
+def test_the_plan_splits_tied_sequences_and_splits_a_sequence_further_where_its_shards_bound_the_step():
+    """Two sequences tie for the busiest rank on 8 ranks: splitting either alone lowers nothing,
+    so without a margin the plan takes one that leaves fewer ranks at the top, then the other;
+    and once halves bound the step it splits them further: the step ends near the even share
+    (a search that only took splits lowering the step, into 2 and never again, stopped at the
+    whole sequences here)."""
+    from posttrain.balance import plan_context
+    from posttrain.balance.context import auto_shard_counts
+
+    lengths = [4000, 4000] + [100] * 6
+    plan = plan_context(lengths, world_size=8, max_tokens=8192)
+    even = sum(lengths) / 8
+    assert set(plan.split) == {0, 1} and min(plan.split.values()) >= 3, plan.split
+    assert plan.step_time() <= 1.15 * even, (plan.step_time(), even)
+    assert not plan_context(lengths, world_size=8, max_tokens=8192, min_gain=0.05).split  # a margin: no plateau moves
+    assert auto_shard_counts(8) == [2, 3, 4, 6, 8] and auto_shard_counts(2) == [2]

@@ -187,6 +187,20 @@ def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int
     return parts1, groups1, loads1
 
 
+def auto_shard_counts(world_size: int) -> list[int]:
+    """The shard counts ``auto`` tries on ``world_size`` ranks: every count up to 4, then steps of
+    about 1.5x (6, 8, 12, 16, 24, ...) and the world size: a split's shard count needs to be
+    about right, not exact, and trying every count costs the plan ``world_size`` times more at
+    scale."""
+    out, k = {k for k in (2, 3, 4) if k <= world_size}, 4
+    while k < world_size:
+        k = 6 * k // 4 if k % 4 == 0 else 4 * k // 3
+        out.add(min(k, world_size))
+    if world_size >= 2:
+        out.add(world_size)
+    return sorted(out)
+
+
 def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, cost: CostModel | None = None,
                  exchange: ExchangeCost | None = None, context_parallel: str | int = "auto",
                  min_gain: float = 0.0) -> ContextPlan:
@@ -199,8 +213,8 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
         max_tokens: most tokens in one microbatch or shard.
         cost: cost model ``length -> float`` (default: tokens).
         exchange: what moving a split sequence's keys and values costs (default: nothing).
-        context_parallel: ``off``, ``auto`` (2 to ``world_size`` shards per sequence, chosen
-            where it gains) or an integer ``K`` (``K`` shards).
+        context_parallel: ``off``, ``auto`` (2 to ``world_size`` shards per sequence,
+            :func:`auto_shard_counts`, chosen where it gains) or an integer ``K`` (``K`` shards).
         min_gain: the least fraction of the predicted step a split must save to be taken (the
             predictions' error: a split that gains less may lose).
 
@@ -221,7 +235,7 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
     lengths = tuple(int(n) for n in lengths)
     costs = [float(cost(n)) for n in lengths]
     ks = ([] if context_parallel == "off" else
-          list(range(2, world_size + 1)) if context_parallel == "auto" else [int(context_parallel)])
+          auto_shard_counts(world_size) if context_parallel == "auto" else [int(context_parallel)])
 
     def fits(n: int, k: int) -> bool:
         return n >= 2 * k and max(shard_lengths(n, k)) <= max_tokens
@@ -238,28 +252,34 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
 
     def evaluate(trial: dict[int, int]):
         parts, groups, loads = _assign(lengths, costs, trial, world_size, cost, exchange)
-        return max(loads), parts, groups
+        top = max(loads)
+        return top, parts, groups, sum(1 for x in loads if x >= top * (1 - 1e-9))
 
-    best_step, parts, groups = evaluate(split)
+    best_step, parts, groups, at_top = evaluate(split)
     # the costliest sequences first; a sequence cheaper than a rank's even share cannot bound the step
     even = sum(costs) / world_size
+    # (a sequence already split may be split further: into 2 first, then more where its shards
+    # become the busiest ranks' load)
     candidates = [i for i in sorted(range(len(lengths)), key=lambda i: -costs[i])
-                  if i not in split and costs[i] > even / 2][: 2 * world_size]
+                  if i in split or costs[i] > even / 2][: 2 * world_size]
     improved = True
     while improved and ks:
         improved = False
         trial_best = None
         for i in candidates:
-            if i in split:
-                continue
             for k in ks:
-                if not fits(lengths[i], k):
+                if k <= split.get(i, 1) or not fits(lengths[i], k):
                     continue
                 got = evaluate({**split, i: k})
-                if got[0] < best_step * (1 - max(min_gain, 1e-9)) and (trial_best is None or got[0] < trial_best[0][0]):
+                # a split that lowers the busiest rank by the margin, or, without a margin, one
+                # that keeps it and has fewer ranks at it (ranks tied at the top need a split
+                # each before the step falls: one at a time, none alone would lower it)
+                better = got[0] < best_step * (1 - max(min_gain, 1e-9)) or \
+                    (min_gain == 0 and got[0] <= best_step * (1 + 1e-12) and got[3] < at_top)
+                if better and (trial_best is None or (got[0], got[3]) < (trial_best[0][0], trial_best[0][3])):
                     trial_best = (got, i, k)
         if trial_best is not None:
-            (best_step, parts, groups), i, k = trial_best
+            (best_step, parts, groups, at_top), i, k = trial_best
             split[i] = k
             improved = True
     shards: list[list[Shard]] = [[] for _ in range(world_size)]
