@@ -19,6 +19,10 @@
 #                                                          minutes on an H100 with checkpointing off;
 #                                                          TRL_CHECKPOINTING=on for the second half
 #                                                          (slower: TRL took 7 s a step)
+#   bash scripts/gpu-verify.sh profile                 (d) one posttrain step profiled (flat ODC, world size 1,
+#                                                          the TRL comparison's model and records: operators
+#                                                          by self GPU and CPU time, scripts/profile_step/),
+#                                                          about 1.5 minutes with the model made
 #   bash scripts/gpu-verify.sh --dry-run [tests|measure]   here, on the CPU: the plan, the tests (a) would
 #                                                          run and the time expected from the last recorded
 #                                                          durations (scripts/gpu-durations.txt)
@@ -30,7 +34,8 @@
 #                  scripts/gpu-durations.txt so that the next run is planned from them
 #   doctor.txt     (b) the doctor's log; gpu-report.md its report; bench_*.txt the CPU benchmarks
 #   trl_sft.txt    (c) the comparison's table and losses; trl_sft.json its figures; trl_profile.txt
-#                  the profile of TRL's last step
+#                  the profile of TRL's last warm-up step
+#   prof_odc.txt   (d) the profile of posttrain's step; profile.txt the run's log
 # Environment: OUT, PART_TIMEOUT (seconds for the part, default 460), TEST_TIMEOUT (per test, default
 #   120), WORKERS (pytest-xdist workers for (a), default 3; 0: one process), PROFILE (odc benchmarks'
 #   length profile, default long_tail), DOCTOR_ARGS, PY; for (c) TRL_VARIANTS (default
@@ -40,8 +45,8 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 PART=${1:-}
 case $PART in
-  tests|measure|trl) ;;
-  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]|trl" >&2; exit 2 ;;
+  tests|measure|trl|profile) ;;
+  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]|trl|profile" >&2; exit 2 ;;
 esac
 BENCHES=${2:-none}
 case $BENCHES in
@@ -61,6 +66,11 @@ if [ "$DRY" = 1 ]; then
   echo "gpu-verify (dry run) of part '$PART' on this machine; on the GPU machine it would:"
   if [ "$PART" = trl ]; then
     echo "  - run python -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile \$OUT/trl_profile.txt, cut at $PART_TIMEOUT s"
+    exit 0
+  fi
+  if [ "$PART" = profile ]; then
+    echo "  - make the TRL comparison's 1.1B model and records in ${TRL_DIR:-/tmp/trl_sft} (kept if there), then"
+    echo "    PROFILE_STEP=3 PROFILE_STEP_OUT=\$OUT/prof_odc.txt posttrain train --dp odc --world-size 1 ... --steps 5"
     exit 0
   fi
   echo "  - install .whl/*.whl into /tmp/site ($(ls .whl/*.whl 2>/dev/null | wc -l) wheels here; make them with scripts/gpu_wheels.py)"
@@ -104,6 +114,12 @@ for line in open(sys.argv[1]):
 for test, s in sorted(total.items()):
     print(f"{s:.1f} {test}")
 EOF
+elif [ "$PART" = profile ]; then
+  D=${TRL_DIR:-/tmp/trl_sft}
+  timeout "$PART_TIMEOUT" bash -c "$PY -c \"from posttrain.lab.bench.trl_sft import prepare; prepare('$D', '1b', 256, 4096, device='cuda')\" && \
+    PROFILE_STEP=3 PROFILE_STEP_OUT=$OUT/prof_odc.txt PYTHONPATH=$PWD/scripts/profile_step:\$PYTHONPATH $PY -m posttrain train \
+    --data $D/train.jsonl --model-path $D/model --dp odc --world-size 1 --device cuda --precision bf16 --sequences 16 \
+    --max-tokens 4096 --steps 5 --lr 1e-4 --max-grad-norm 1.0 --balance diff_micro --seed 0" 2>&1 | tee "$OUT/profile.txt" || rc=$?
 elif [ "$PART" = trl ]; then
   timeout "$PART_TIMEOUT" $PY -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile "$OUT/trl_profile.txt" \
     --out "$OUT/trl_sft.json" 2>&1 | tee "$OUT/trl_sft.txt" || rc=$?
