@@ -25,8 +25,7 @@ class RLCommand:
             prompts (random weights answer nothing right, so nothing learns: for trying the command).
     """
 
-    run: RLConfig = field(default_factory=RLConfig,
-                          metadata={"exclude": ("engine.context_parallel",)})  # (not in the RL update yet)
+    run: RLConfig = field(default_factory=RLConfig)
     world_size: int | None = None
     plot: str | None = None
     task_dir: str = "out/chat"
