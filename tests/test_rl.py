@@ -297,18 +297,26 @@ def test_on_policy_old_logprobs_come_from_the_updates_own_forward(tiny_model):
         policy_loss(model, [Rollout(seqs[0], 4, 1.0, olds[0]), Rollout(seqs[1], 5, 1.0, None)])
 
 
+def _task_with_reward(tmp_path, monkeypatch, records: int, expression: str) -> tuple[str, str]:
+    """``records`` chat-task prompts in a JSONL file and a reward function returning ``expression``
+    (of ``prompt`` and ``response``), importable: their ``prompts`` and ``reward`` arguments."""
+    from posttrain.data.tasks import chat_task_records
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(records, seed=3)))
+    (tmp_path / "task_reward.py").write_text(f"def reward(prompt, response):\n    return {expression}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return str(prompts), "task_reward:reward"
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_equal_reward_groups_are_skipped_or_trained_as_asked(tmp_path, tiny_model, monkeypatch, skip):
     """A reward every response earns equally: every group has zero advantage. Skipped (the
     default), nothing is updated; trained, the KL term is (TRL's choice). Both count them."""
     from posttrain.cli import build_parser
-    from posttrain.data.tasks import chat_task_records
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(4, seed=3)))
-    (tmp_path / "flat_reward.py").write_text("def reward(prompt, response):\n    return 1.0\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="flat_reward:reward",
+    prompts, reward = _task_with_reward(tmp_path, monkeypatch, 4, "1.0")
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=prompts, reward=reward,
                    samples_per_prompt=2, prompts_per_step=2, max_new_tokens=4, steps=1, max_tokens=128, kl_coef=0.1,
                    skip_equal_reward_groups=skip)
     row = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"][0]
@@ -538,13 +546,9 @@ def test_an_rl_run_with_split_rollouts_takes_the_unsplit_runs_steps(tmp_path, ti
     the update splits each such rollout across both ranks, and every step's figures equal the run
     whose microbatches hold them whole (the same samples, the same updates); a prompt that no
     split fits is refused, naming the limit."""
-    from posttrain.data.tasks import chat_task_records
     from posttrain.train.rl import prompt_limit
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(8, seed=3)))
-    (tmp_path / "text_reward.py").write_text("def reward(prompt, response):\n    return float(sum(map(ord, response)) % 7)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = RLConfig(model_path=tiny_model("llama"), prompts=str(prompts), reward="text_reward:reward",
+    prompts, reward = _task_with_reward(tmp_path, monkeypatch, 8, "float(sum(map(ord, response)) % 7)")
+    cfg = RLConfig(model_path=tiny_model("llama"), prompts=prompts, reward=reward,
                    samples_per_prompt=2, prompts_per_step=2, max_new_tokens=16, steps=2, max_tokens=128, kl_coef=0.05,
                    seed=1)
     want = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]

@@ -5,8 +5,8 @@
     print(plan.summary())
     for mb in plan.microbatches_for(rank): ...
 
-See [Note: balancing methods] in ``plan.py``; sequences split across ranks (context parallelism,
-planning only so far): [Note: splitting a sequence] in ``context.py``.
+See [Note: balancing methods] in ``plan.py``; sequences split across ranks (context parallelism:
+planned here, run by the trainers): [Note: splitting a sequence] in ``context.py``.
 """
 
 from .context import ContextPlan, ExchangeCost, Shard, plan_context, shard_lengths, zigzag
@@ -20,7 +20,7 @@ from .cost import (
                    fit_least_squares,
                    measure_step_times,
 )
-from .packing import PackedMicrobatch, pack_sequences, pack_share
+from .packing import PackedMicrobatch, pack_sequences, pack_share, shard_positions
 from .partition import balanced_partition, greedy, karmarkar_karp, refine, round_robin, spread
 from .plan import METHODS, Microbatch, Plan, plan_minibatch
 
@@ -50,6 +50,7 @@ __all__ = [
                    "refine",
                    "round_robin",
                    "shard_lengths",
+                   "shard_positions",
                    "spread",
                    "zigzag",
 ]

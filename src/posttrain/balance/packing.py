@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedMicrobatch", "pack_sequences", "pack_share", "shard_lengths", "zigzag"]
+__all__ = ["PackedMicrobatch", "pack_sequences", "pack_share", "shard_lengths", "shard_positions", "zigzag"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,7 @@ def pack_sequences(sequences: Sequence[torch.Tensor],
         index, k = shard
         if not 0 <= index < k:
             raise ValueError(f"shard {index} of {k} does not exist")
-        (a0, a1), (b0, b1) = zigzag(inputs[0].numel(), k)[index]
-        positions = torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
+        positions = shard_positions(inputs[0].numel(), index, k)
         inputs[0], targets[0] = inputs[0][positions], targets[0][positions]
     return PackedMicrobatch(
         inputs=torch.cat(inputs).unsqueeze(0),
@@ -119,6 +118,13 @@ def zigzag(n: int, k: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     for c in range(2 * k):
         bounds.append(bounds[-1] + base + (1 if c < extra else 0))
     return [((bounds[i], bounds[i + 1]), (bounds[2 * k - 1 - i], bounds[2 * k - i])) for i in range(k)]
+
+
+def shard_positions(n: int, index: int, k: int) -> torch.Tensor:
+    """The positions (int64, ascending) of shard ``index`` of ``k`` of a sequence of ``n`` tokens
+    (:func:`zigzag`'s two chunks)."""
+    (a0, a1), (b0, b1) = zigzag(n, k)[index]
+    return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
 
 
 def shard_lengths(n: int, k: int) -> list[int]:

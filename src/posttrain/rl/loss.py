@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from posttrain.balance import shard_lengths, zigzag
+from posttrain.balance import shard_lengths, shard_positions
 from posttrain.models.split_attention import SplitShard
 
 __all__ = ["LOSS_AGGS", "Rollout", "clipped_surrogate", "loss_units", "policy_loss", "shard_policy_loss", "shard_units",
@@ -173,12 +173,7 @@ def shard_units(rollout: Rollout, index: int, num_shards: int, agg: str) -> int:
     first shard, the sample (the ``seq-mean`` aggregations)."""
     if agg != "token-mean":
         return int(index == 0)
-    return int((_shard_positions(len(rollout) - 1, index, num_shards) >= rollout.prompt_len - 1).sum())
-
-
-def _shard_positions(n: int, index: int, num_shards: int) -> torch.Tensor:
-    (a0, a1), (b0, b1) = zigzag(n, num_shards)[index]
-    return torch.cat([torch.arange(a0, a1), torch.arange(b0, b1)])
+    return int((shard_positions(len(rollout) - 1, index, num_shards) >= rollout.prompt_len - 1).sum())
 
 
 def shard_policy_loss(model, rollout: Rollout, index: int, num_shards: int, group, *, clip_eps: float = 0.2,
@@ -194,8 +189,8 @@ def shard_policy_loss(model, rollout: Rollout, index: int, num_shards: int, grou
         raise ValueError(f"loss_agg={agg!r} is not one of {', '.join(LOSS_AGGS)}")
     device = device or torch.device("cpu")
     n, first = len(rollout) - 1, rollout.prompt_len - 1  # inputs are input_ids[:-1]; targets shift by one
-    positions = _shard_positions(n, index, num_shards)
-    keys = torch.cat([_shard_positions(n, i, num_shards) for i in range(num_shards)])
+    positions = shard_positions(n, index, num_shards)
+    keys = torch.cat([shard_positions(n, i, num_shards) for i in range(num_shards)])
     local = torch.nonzero(positions >= first).flatten()  # the shard's rows whose targets are response tokens
     at = positions[local] - first  # their index among the response's tokens
     k = rollout.response_len

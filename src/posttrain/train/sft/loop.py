@@ -39,7 +39,7 @@ from posttrain.balance import (
     plan_context,
     plan_minibatch,
     shard_lengths,
-    zigzag,
+    shard_positions,
 )
 from posttrain.device import (
     allow_cudnn_attention,
@@ -199,7 +199,7 @@ def shard_loss(model: nn.Module, sample: Sample | torch.Tensor, shard: Shard, gr
         inputs, targets, positions = (t.to(device, non_blocking=True) for t in (inputs, targets, positions))
         weights = None if weights is None else weights.to(device, non_blocking=True)
     n, k = len(s) - 1, shard.num_shards  # (every rank knows the whole split: nothing to exchange per layer)
-    key_positions = torch.cat([torch.arange(a, b) for pair in zigzag(n, k) for a, b in pair]).to(positions.device)
+    key_positions = torch.cat([shard_positions(n, i, k) for i in range(k)]).to(positions.device)
     logits = model(inputs, document_lengths=packed.document_lengths,
                    split=SplitShard(positions, group, shard_lengths(n, k), key_positions))
     return token_loss_sum(logits, targets, weights)
