@@ -304,9 +304,10 @@ def _task_with_reward(tmp_path, monkeypatch, records: int, expression: str) -> t
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in chat_task_records(records, seed=3)))
-    (tmp_path / "task_reward.py").write_text(f"def reward(prompt, response):\n    return {expression}\n")
+    module = "reward_" + "".join(c if c.isalnum() else "_" for c in tmp_path.name)  # (one per test: imports are cached)
+    (tmp_path / f"{module}.py").write_text(f"def reward(prompt, response):\n    return {expression}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    return str(prompts), "task_reward:reward"
+    return str(prompts), f"{module}:reward"
 
 
 @pytest.mark.parametrize("skip", [True, False])
