@@ -7,6 +7,8 @@ A failure pinpoints a benchmark's wiring or its results, not a speed.
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
@@ -308,26 +310,38 @@ def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):
 
 def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     """Whole GRPO steps by stopwatch with the phases beside them, for posttrain's sampler and
-    ``generate``, batched and per prompt, and two engines, and TRL's GRPOTrainer on the same model, prompts and reward; every
-    step rate set against posttrain's batched flat-ODC run."""
+    ``generate``, batched and per prompt, and two engines, and TRL's GRPOTrainer on the same model,
+    prompts and reward, all taking turns a step at a time in long-lived processes; every step rate
+    set against posttrain's batched flat-ODC run, with an interval over rounds."""
     out = tmp_path / "e2e.json"
-    proc = run_cli("bench", "rl-e2e", "--settings", "readme", "--sft-steps", "5", "--steps", "3", "--warmup", "1",
-                   "--rounds", "1", "--trl-threads", "2", "--work-dir", str(tmp_path / "w"), "--json", str(out),
+    proc = run_cli("bench", "rl-e2e", "--settings", "readme", "--sft-steps", "5", "--steps", "2", "--warmup", "1",
+                   "--rounds", "2", "--trl-threads", "2", "--work-dir", str(tmp_path / "w"), "--json", str(out),
                    timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())["settings"]["readme"]
     names = set(got["step_s"])
     assert names == {"odc+diff_micro (batched)", "odc+diff_micro (batched, generate)",
-                     "odc+diff_micro (per prompt, generate)", "fsdp+same_micro (batched)", "trl (1 process)"}
-    assert got["rate_over"]["odc+diff_micro (batched)"][0] == 1.0
+                     "odc+diff_micro (per prompt, generate)", "fsdp+same_micro (batched)",
+                     "trl (1 process, 2 threads)"}
+    assert got["trl"] == "trl (1 process, 2 threads)"
+    assert got["rate_over"]["odc+diff_micro (batched)"] == [1.0, 1.0, 1.0]
+    for name, (ratio, lo, hi) in got["rate_over"].items():  # the interval holds the ratio; the rounds bound both
+        assert lo <= ratio <= hi and got["round_range"][name][0] <= lo and hi <= got["round_range"][name][1], name
+    # the rate is the step seconds' ratio: TRL's summed seconds over posttrain's
+    trl_rate = got["step_s"]["trl (1 process, 2 threads)"] / got["step_s"]["odc+diff_micro (batched)"]
+    assert got["rate_over"]["trl (1 process, 2 threads)"][0] == pytest.approx(trl_rate, rel=1e-9)
     assert all(v > 0 for v in got["step_s"].values())
     for name, ph in got["phases"].items():  # posttrain's phases fit inside its step
-        assert ph["rollout_s"] > 0 and ph["update_s"] > 0
-        assert ph["rollout_s"] + ph["update_s"] + ph["reference_s"] <= got["step_s"][name] * 1.05, (name, ph)
+        assert ph["rollout_s"] > 0
+        assert ph["rollout_s"] + ph["update_s"] + ph["reference_s"] <= got["step_s"][name] * 1.001, (name, ph)
     lines = proc.stdout.splitlines()
-    assert any(ln.strip().startswith("trl (1 process)") for ln in lines)
+    assert any(ln.strip().startswith("trl (1 process, 2 threads)") for ln in lines)
+    assert any("round 2/2:" in ln for ln in lines)
+    assert any("against TRL's faster process" in ln for ln in lines)
     rc = run_cli("bench", "rl-e2e", "--settings", "huge")
     assert rc.returncode == 2 and "settings=huge: choose from readme, long" in rc.stderr
+    rc = run_cli("bench", "rl-e2e", "--trl-threads", "2,2")
+    assert rc.returncode == 2 and "different thread counts" in rc.stderr
 
 
 def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(run_cli, tmp_path):
@@ -353,3 +367,51 @@ def test_results_calls_a_commit_dirty_only_for_changes_it_did_not_write():
     assert _dirty([" M README.md", " M src/posttrain/train/sft/loop.py"])
     assert _dirty(["R  docs/a.md -> src/b.py"])
     assert not _dirty([])
+
+
+def _one_step_then_exit(go, done, *args):
+    go.recv()
+    done.send(0.25)
+    go.recv()
+    os._exit(3)
+
+
+def _fails(go, done, *args):
+    go.recv()
+    raise ValueError("no model at /nowhere")
+
+
+def _steps_forever(go, done, *args):
+    while True:
+        go.recv()
+        done.send(0.5)
+
+
+def test_trl_turns_report_a_dead_or_failing_trl_process_in_one_line(monkeypatch):
+    """The TRL process of ``bench rl-e2e``'s turns: a step's seconds come back; a process that
+    died or raised is one error naming it; closing the posttrain side ends a process that waits."""
+    from posttrain.lab.bench import rl_e2e
+
+    def turns(fn):
+        monkeypatch.setattr(rl_e2e, "_trl_turns", fn)  # (the fork inherits it)
+        return rl_e2e.TRLTurns(2, "model", "prompts.jsonl", rl_e2e.SETTINGS["readme"], 10, "/tmp", 1)
+
+    t = turns(_one_step_then_exit)
+    try:
+        assert t.step() == 0.25
+        with pytest.raises(RuntimeError, match=r"^trl \(1 process, 2 threads\): its process ended \(exit code "):
+            t.step()
+    finally:
+        t.close()
+    assert t.proc.exitcode == 3
+    t = turns(_fails)
+    try:
+        with pytest.raises(RuntimeError, match="trl \\(1 process, 2 threads\\) failed:(.|\n)*no model at /nowhere"):
+            t.step()
+    finally:
+        t.close()
+    t = turns(_steps_forever)
+    assert t.step() == 0.5 and t.step() == 0.5
+    began = time.perf_counter()
+    t.close()  # (the pipe's end shows in the process: it exits without being killed)
+    assert t.proc.exitcode == 1 and time.perf_counter() - began < 20

@@ -14,17 +14,25 @@ with the phases beside it, for
 - TRL's ``GRPOTrainer`` (``trl`` installed; ``--no-trl`` leaves it out) on the same model, prompts,
   reward and sampling, matched to the run: 64 completions per optimizer step, one iteration (the
   update on-policy), the same clipping, token-mean loss, no KL term, learning rate and schedule,
-  fp32, ``transformers``' ``generate``, no vLLM. It runs as one process with 2 threads (its
-  ``accelerate`` launch across CPU processes is not set up here); the same process with 1 thread is
-  timed too and the faster of the two counts as TRL's.
+  fp32, ``transformers``' ``generate``, no vLLM. It runs as one process (its ``accelerate`` launch
+  across CPU processes is not set up here), once with 2 threads and once with 1; the faster of the
+  two counts as TRL's.
 
 Settings: ``readme`` (the README's: the chat task's model post-trained as the README's SFT command
 does, 8 prompts x 8 samples, 8 new tokens, temperature 1.5) and ``long`` (the chat task's untrained
 model, which often runs to the limit: up to 256 new tokens, where the update and the balance weigh
 more; it earns no reward, so posttrain trains the equal-reward groups there, as TRL always does,
-instead of skipping them and updating nothing). Variants run as their own runs, interleaved over
-``rounds`` with the order rotated; a run's figure is its median step after ``warmup`` steps; ratios
-are medians of per-round ratios with their range.
+instead of skipping them and updating nothing).
+
+How it times: as the demo does (:mod:`.stepwise`). Timing each variant as its own run put the
+machine's moods between them: TRL's own step moved by a quarter between two days, and per-round
+ratios of whole runs scattered over 0.99-1.71. So every variant lives for the whole setting in
+long-lived processes (posttrain's four in the same 2 rank processes, each TRL process in its own,
+told by rank 0 through a pipe when to run its next step) and they take turns a step at a time, the
+order rotated by one at every step, after ``warmup`` steps of each that are not counted; only one
+variant runs at any moment. A variant's figure is its mean step over every counted step; a ratio
+is the two variants' summed seconds, with the 5th-95th percentile of the same ratio over the
+rounds drawn with replacement, and the rounds' own range beside it.
 
 What differs between the two per step, besides speed: posttrain leaves groups whose rewards are
 all equal out of the update (``skip_equal_reward_groups``, on by default); TRL trains them with zero
@@ -42,19 +50,23 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, replace
+
+import torch.distributed as dist
 
 from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
 from posttrain.train.core import OptimConfig
-from posttrain.train.rl import RLConfig, run_rl
+from posttrain.train.rl import RLConfig
 
 from .split import write_result
 
-__all__ = ["SETTINGS", "VARIANTS", "RLE2EBench", "trl_worker"]
+__all__ = ["SETTINGS", "VARIANTS", "RLE2EBench", "TRLTurns", "turns_worker"]
 
 #: name -> (model: "sft" or "random", prompts a step, samples a prompt, new tokens, temperature, skip equal-reward
 #: groups). The untrained model earns no reward at all: posttrain would skip every group and update nothing,
@@ -65,6 +77,11 @@ VARIANTS = (("odc", "diff_micro", "step", "posttrain"), ("odc", "diff_micro", "s
             ("odc", "diff_micro", "prompt", "generate"), ("fsdp", "same_micro", "step", "posttrain"))
 #: The README's RL recipe.
 OPTIM = OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=4, max_grad_norm=1.0)
+#: How long rank 0 waits for one TRL step before calling its process stuck.
+TRL_STEP_LIMIT_S = 900.0
+#: The posttrain side's ends of every TRL process's pipes made in this process (a TRL process forked
+#: later closes them too, or the end of a pipe it inherited would never show)
+_OURS: list = []
 
 
 def _name(variant: tuple[str, str, str, str]) -> str:
@@ -72,27 +89,89 @@ def _name(variant: tuple[str, str, str, str]) -> str:
     return f"{dp}+{balance} ({'batched' if batch == 'step' else 'per prompt'}{', generate' * (sampler == 'generate')})"
 
 
-def _median_step(rows: list[dict], warmup: int) -> dict[str, float]:
-    steady = rows[warmup:]
-    med = {k: statistics.median(r[k] or 0.0 for r in steady) for k in ("wall_s", "rollout_s", "update_s", "reference_s")}
-    med["other_s"] = max(0.0, med["wall_s"] - med["rollout_s"] - med["update_s"] - med["reference_s"])
-    return med
+def _trl_name(threads: int) -> str:
+    return f"trl (1 process, {threads} thread{'s' * (threads != 1)})"
 
 
-def trl_worker(rank: int, world_size: int, model: str, prompts: str, setting: tuple, steps: int, threads: int,
-               out_dir: str, warmup_steps: int = OPTIM.warmup_steps) -> list[float]:
-    """TRL's GRPO on the run's model, prompts and reward (one process): each step's wall time (from
-    one step's end to the next's, the first step's from the training's start)."""
+class TRLTurns:
+    """TRL's ``GRPOTrainer`` in a process of its own that runs one step each time it is told to.
+
+    Made in the bench's parent before the posttrain ranks are forked: the ranks inherit the ends
+    that tell (``go``) and hear (``done``); the TRL process keeps the other two, which the parent
+    closes, so a TRL process that dies shows as the end of its pipe on rank 0 (one line), and
+    ranks that die end the TRL process the same way."""
+
+    def __init__(self, threads: int, model: str, prompts: str, setting: tuple, steps: int, out_dir: str,
+                 warmup_steps: int) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        self.name = _trl_name(threads)
+        go_r, self.go = ctx.Pipe(duplex=False)
+        self.done, done_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_trl_turns_main, daemon=True,
+                                args=(go_r, done_w, [*_OURS, self.go, self.done], threads, model, prompts, setting, steps,
+                                      out_dir, warmup_steps))
+        self.proc.start()
+        go_r.close()
+        done_w.close()
+        _OURS.extend((self.go, self.done))
+
+    def step(self) -> float:
+        """Tell TRL to run its next step; the step's seconds (on rank 0 of the posttrain job)."""
+        try:
+            self.go.send(1)
+            if not self.done.poll(TRL_STEP_LIMIT_S):
+                raise RuntimeError(f"{self.name}: no step ended within {TRL_STEP_LIMIT_S:.0f} s")
+            got = self.done.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise RuntimeError(f"{self.name}: its process ended (exit code {self.proc.exitcode}) "
+                               "before the step's end") from None
+        if isinstance(got, str):
+            raise RuntimeError(f"{self.name} failed:\n{got}")
+        return got
+
+    def close(self) -> None:
+        """Close this side's ends and end the process (it exits by itself after its last step)."""
+        for end in (self.go, self.done):
+            end.close()
+            if end in _OURS:
+                _OURS.remove(end)
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def _trl_turns_main(go, done, theirs, threads: int, model: str, prompts: str, setting: tuple, steps: int,
+                    out_dir: str, warmup_steps: int) -> None:
+    for end in theirs:  # (the posttrain side's ends, inherited by the fork)
+        end.close()
+    try:
+        _trl_turns(go, done, threads, model, prompts, setting, steps, out_dir, warmup_steps)
+    except EOFError:  # the posttrain side ended: nothing to report to
+        os._exit(1)
+    except BaseException:
+        try:
+            done.send(traceback.format_exc())
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+def _trl_turns(go, done, threads: int, model: str, prompts: str, setting: tuple, steps: int, out_dir: str,
+               warmup_steps: int) -> None:
+    """TRL's GRPO on the run's model, prompts and reward, one step per message on ``go``; each
+    step's seconds (from the message to the step's end: its data, sampling, update) sent on ``done``."""
     import torch
-    import torch.distributed as dist
 
-    if dist.is_initialized():  # (TRL and accelerate run their own single process)
-        dist.destroy_process_group()
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(var, None)
     torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.rl import load_reward
@@ -108,16 +187,16 @@ def trl_worker(rank: int, world_size: int, model: str, prompts: str, setting: tu
     def reverse_digits(prompts, completions, **kwargs):
         return [reward(p, c[0]["content"] if isinstance(c, list) else c) for p, c in zip(prompts, completions)]
 
-    times: list[float] = []
-
-    class Stopwatch(TrainerCallback):
+    class Turns(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            self.last = time.perf_counter()
+            go.recv()
+            self.began = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            times.append(now - self.last)
-            self.last = now
+            done.send(time.perf_counter() - self.began)
+            if state.global_step < state.max_steps:
+                go.recv()
+                self.began = time.perf_counter()
 
     cfg = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=prompts_per_step * samples, num_generations=samples,
@@ -127,12 +206,72 @@ def trl_worker(rank: int, world_size: int, model: str, prompts: str, setting: tu
         scale_rewards="group", max_steps=steps, logging_strategy="no", save_strategy="no", report_to="none", use_cpu=True,
         bf16=False, seed=0, disable_tqdm=True, log_completions=False, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=reverse_digits, args=cfg, train_dataset=Dataset.from_list(records),
-                          callbacks=[Stopwatch()])
-    from transformers.trainer_callback import PrinterCallback
-
+                          callbacks=[Turns()])
     trainer.remove_callback(PrinterCallback)  # (its end-of-training dict of metrics; the table is ours)
     trainer.train()
-    return times
+
+
+def turns_worker(rank: int, world_size: int, cfgs: dict[str, RLConfig], trl: list[TRLTurns], warmup: int,
+                 batches: int, rounds: int, progress: bool = False) -> dict | None:
+    """One rank of the stepwise rounds: every posttrain variant of ``cfgs`` built in this process
+    and every TRL process of ``trl`` take turns a step at a time (the order rotated by one at every
+    step), after ``warmup`` steps of each that are not counted. Rank 0 returns ``{name: [{"round",
+    "wall_s", and posttrain's phases}]}``."""
+    from posttrain.train.rl.loop import RLTrainer
+
+    trainers: dict[str, RLTrainer] = {}
+    try:
+        for name, cfg in cfgs.items():
+            trainers[name] = RLTrainer(cfg, rank, world_size)
+        turns = {**{name: ("posttrain", t) for name, t in trainers.items()}, **{p.name: ("trl", p) for p in trl}}
+        names = list(turns)
+        steps: dict[str, list] = {name: [] for name in names}
+
+        def turn(name: str, step: int) -> dict:
+            kind, who = turns[name]
+            if kind == "trl":
+                wall = who.step() if rank == 0 else 0.0
+                dist.barrier()  # (every rank waits here while TRL runs: the next step starts together)
+                return {"wall_s": wall}
+            who._ended = None  # (its stopwatch from this step's start, not from its previous turn)
+            row = who.train_step(step)
+            return {k: row[k] or 0.0 for k in ("wall_s", "rollout_s", "reference_s", "update_s")}
+
+        for step in range(warmup):
+            for name in names:
+                turn(name, step)
+        k = 0
+        for r in range(rounds):
+            for b in range(batches):
+                step = warmup + r * batches + b
+                for name in names[k % len(names):] + names[:k % len(names)]:
+                    steps[name].append({"round": r, **turn(name, step)})
+                k += 1
+            if progress and rank == 0:
+                print(f"  round {r + 1}/{rounds}: " + ", ".join(
+                    f"{name} {statistics.fmean(s['wall_s'] for s in steps[name] if s['round'] == r):.3f}"
+                    for name in names) + " s a step", flush=True)
+        return steps if rank == 0 else None
+    finally:
+        for t in trainers.values():
+            t.close()
+
+
+def pooled_steps(steps: dict[str, list], num: str, den: str, *, draws: int = 2000,
+                 seed: int = 0) -> tuple[float, float, float]:
+    """``num``'s seconds over ``den``'s, summed over every counted step, with the 5th and 95th
+    percentile of the same ratio over the rounds drawn with replacement (``draws`` times): above 1,
+    ``den`` is faster."""
+    rounds = sorted({s["round"] for s in steps[den]})
+    sums = {n: {r: sum(s["wall_s"] for s in steps[n] if s["round"] == r) for r in rounds} for n in (num, den)}
+    rng = random.Random(seed)
+    got = []
+    for _ in range(draws):
+        pick = [rng.choice(rounds) for _ in rounds]
+        got.append(sum(sums[num][r] for r in pick) / sum(sums[den][r] for r in pick))
+    got.sort()
+    whole = sum(sums[num].values()) / sum(sums[den].values())
+    return whole, got[int(0.05 * (draws - 1))], got[int(0.95 * (draws - 1))]
 
 
 @dataclass(frozen=True)
@@ -141,18 +280,18 @@ class RLE2EBench:
 
     Attributes:
         settings: ``readme`` and/or ``long`` (see the module docstring).
-        steps: GRPO steps a run.
-        warmup: the first steps of a run not counted (the figure: the median of the rest).
-        rounds: interleaved rounds.
+        steps: counted steps of each variant a round.
+        warmup: steps of each variant before the rounds, not counted.
+        rounds: rounds of turns (the interval of a ratio draws rounds with replacement).
         sft_steps: steps of the README's SFT run that makes the ``readme`` setting's model.
         no_trl: leave TRL out.
-        trl_threads: the thread counts TRL's one process is timed with (the faster counts).
+        trl_threads: TRL's processes, one per thread count, each taking turns (the faster counts).
         work_dir: where the chat task's model and prompts are made ('' : a temporary folder).
         json: results file ('' for none).
     """
 
     settings: tuple[str, ...] = ("readme", "long")
-    steps: int = 12
+    steps: int = 10
     warmup: int = 2
     rounds: int = 5
     sft_steps: int = 400
@@ -165,12 +304,13 @@ class RLE2EBench:
         bad = [s for s in self.settings if s not in SETTINGS]
         if bad or not self.settings:
             raise ValueError(f"settings={','.join(self.settings)}: choose from {', '.join(SETTINGS)}")
-        if self.rounds < 1 or self.sft_steps < 1:
-            raise ValueError(f"rounds={self.rounds} and sft_steps={self.sft_steps} must be at least 1")
-        if not self.trl_threads or min(self.trl_threads) < 1:
-            raise ValueError(f"trl_threads={self.trl_threads}: one or more thread counts of at least 1")
-        if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"warmup={self.warmup} must be at least 0 and below steps={self.steps}")
+        if self.rounds < 1 or self.steps < 1 or self.sft_steps < 1:
+            raise ValueError(f"rounds={self.rounds}, steps={self.steps} and sft_steps={self.sft_steps} must be at "
+                             "least 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be at least 0")
+        if not self.trl_threads or min(self.trl_threads) < 1 or len(set(self.trl_threads)) < len(self.trl_threads):
+            raise ValueError(f"trl_threads={self.trl_threads}: one or more different thread counts of at least 1")
         if not self.no_trl:
             try:
                 import trl  # noqa: F401
@@ -202,70 +342,70 @@ class RLE2EBench:
     def _run(self, root: str, log) -> dict:
         models = self._models(root, log)
         result: dict = {"settings": {}}
+        total = self.warmup + self.rounds * self.steps
+        optim = replace(OPTIM, warmup_steps=min(OPTIM.warmup_steps, total // 2))
         for setting in self.settings:
             spec = SETTINGS[setting]
             kind, prompts_per_step, samples, new_tokens, temperature, skip = spec
             model = models[kind]
             log(f"\n{setting}: {prompts_per_step} prompts x {samples} samples a step, up to {new_tokens} new tokens, "
                 f"temperature {temperature}, the chat task's {'post-trained' if kind == 'sft' else 'untrained'} model; "
-                f"{self.steps} steps a run (median of the last {self.steps - self.warmup}), {self.rounds} rounds",
-                flush=True)
-            names = [_name(v) for v in VARIANTS] + ([] if self.no_trl else ["trl (1 process)"])
-            rounds: list[dict] = []
-            for k in range(self.rounds):
-                got: dict[str, dict] = {}
-                jobs = [*VARIANTS, None] if not self.no_trl else list(VARIANTS)
-                for job in jobs[k % len(jobs):] + jobs[:k % len(jobs)]:
-                    if job is None:
-                        best = None
-                        for threads in self.trl_threads:
-                            times = run_ranks(trl_worker, 1, model, models["prompts"], spec, self.steps, threads,
-                                              os.path.join(root, "trl"), min(OPTIM.warmup_steps, self.steps // 2),
-                                              timeout_s=3600)[0]
-                            wall = statistics.median(times[self.warmup:])
-                            if best is None or wall < best["wall_s"]:
-                                best = {"wall_s": wall, "threads": threads}
-                        got["trl (1 process)"] = best
-                        log(f"  round {k + 1}/{self.rounds}  {'trl (1 process)':36} {best['wall_s']:.3f} s a step "
-                            f"({best['threads']} threads)", flush=True)
-                        continue
-                    dp, balance, batch, sampler = job
-                    cfg = RLConfig(model_path=model, prompts=models["prompts"], samples_per_prompt=samples,
-                                   prompts_per_step=prompts_per_step, max_new_tokens=new_tokens, steps=self.steps,
-                                   temperature=temperature, engine=EngineConfig(dp), balance=balance,
-                                   optim=replace(OPTIM, warmup_steps=min(OPTIM.warmup_steps, self.steps // 2)),
-                                   generate_batch=batch, sampler=sampler, skip_equal_reward_groups=skip,
-                                   progress=False)
-                    rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
-                    got[_name(job)] = _median_step(rows, self.warmup)
-                    log(f"  round {k + 1}/{self.rounds}  {_name(job):36} {got[_name(job)]['wall_s']:.3f} s a step",
-                        flush=True)
-                rounds.append(got)
-            result["settings"][setting] = self._report(setting, names, rounds, log)
+                f"every variant in long-lived processes, taking turns a step at a time: {self.warmup} warm-up steps "
+                f"each, then {self.rounds} rounds of {self.steps} counted steps each", flush=True)
+            cfgs = {_name(v): RLConfig(model_path=model, prompts=models["prompts"], samples_per_prompt=samples,
+                                       prompts_per_step=prompts_per_step, max_new_tokens=new_tokens, steps=total,
+                                       temperature=temperature, engine=EngineConfig(v[0]), balance=v[1], optim=optim,
+                                       generate_batch=v[2], sampler=v[3], skip_equal_reward_groups=skip,
+                                       progress=False, device="cpu")
+                    for v in VARIANTS}
+            trl: list[TRLTurns] = []
+            try:
+                if not self.no_trl:
+                    for threads in self.trl_threads:
+                        trl.append(TRLTurns(threads, model, models["prompts"], spec, total,
+                                            os.path.join(root, f"trl{threads}"), optim.warmup_steps))
+                steps = run_ranks(turns_worker, 2, cfgs, trl, self.warmup, self.steps, self.rounds, True,
+                                  timeout_s=7200)[0]
+            finally:
+                for p in trl:
+                    p.close()
+            result["settings"][setting] = self._report(setting, steps, log)
         write_result(result, self.json or None, log)
         return result
 
-    def _report(self, setting: str, names: list[str], rounds: list[dict], log) -> dict:
+    def _report(self, setting: str, steps: dict[str, list], log) -> dict:
+        names = list(steps)
         ref = names[0]
-        med = {n: statistics.median(r[n]["wall_s"] for r in rounds) for n in names}
-        vs = {n: [r[ref]["wall_s"] and r[n]["wall_s"] / r[ref]["wall_s"] for r in rounds] for n in names}
-        log(f"\n{setting}: seconds a whole GRPO step (median of {len(rounds)} rounds), and {ref}'s step rate over each's")
-        log(f"  {'':36} {'step s':>7} {'rollout':>8} {'reference':>10} {'update':>7} {'other':>6} {'rate of ' + ref[:4]:>12} "
-            f"{'(rounds)':>11}")
-        out: dict = {"step_s": med, "rate_over": {}, "phases": {}}
+        mean = {n: statistics.fmean(s["wall_s"] for s in steps[n]) for n in names}
+        trls = [n for n in names if n.startswith("trl")]
+        fastest = min(trls, key=mean.__getitem__) if trls else None
+        rounds = sorted({s["round"] for s in steps[ref]})
+        out: dict = {"step_s": mean, "rate_over": {}, "round_range": {}, "phases": {}, "trl": fastest}
+        log(f"\n{setting}: seconds a whole GRPO step (mean of every counted step), and {ref}'s step rate over each's "
+            f"(5-95% over {len(rounds)} rounds drawn with replacement; and the rounds' own range)")
+        log(f"  {'':40} {'step s':>7} {'rollout':>8} {'reference':>10} {'update':>7} {'other':>6} "
+            f"{'rate of ' + ref[:4]:>12} {'(5-95%)':>11} {'(rounds)':>11}")
         for n in names:
-            ratio = statistics.median(vs[n])
-            out["rate_over"][n] = [ratio, min(vs[n]), max(vs[n])]
-            if "rollout_s" in rounds[0][n]:
-                ph = {k: statistics.median(r[n][k] for r in rounds) for k in ("rollout_s", "reference_s", "update_s",
-                                                                                   "other_s")}
+            ratio = pooled_steps(steps, n, ref)
+            per_round = [sum(s["wall_s"] for s in steps[n] if s["round"] == r)
+                         / sum(s["wall_s"] for s in steps[ref] if s["round"] == r) for r in rounds]
+            out["rate_over"][n] = list(ratio)
+            out["round_range"][n] = [min(per_round), max(per_round)]
+            if "rollout_s" in steps[n][0]:
+                ph = {k: statistics.fmean(s[k] for s in steps[n]) for k in ("rollout_s", "reference_s", "update_s")}
+                ph["other_s"] = max(0.0, mean[n] - sum(ph.values()))
                 out["phases"][n] = ph
                 phases = (f"{ph['rollout_s']:8.3f} {ph['reference_s']:10.3f} {ph['update_s']:7.3f} "
                           f"{ph['other_s']:6.3f}")
             else:
                 phases = f"{'':8} {'':10} {'':7} {'':6}"
-            log(f"  {n:36} {med[n]:7.3f} {phases} {ratio:11.2f}x {min(vs[n]):5.2f}-{max(vs[n]):<5.2f}")
-        log("  (rate of odc: a step of that variant over odc+diff_micro (batched)'s, per round; above 1: posttrain is "
-            "faster; phases are medians of posttrain's own rows: rollout includes loading the weights into the "
-            "rollout copy and the rewards)")
+            log(f"  {n:40} {mean[n]:7.3f} {phases} {ratio[0]:11.2f}x {ratio[1]:5.2f}-{ratio[2]:<5.2f} "
+                f"{min(per_round):5.2f}-{max(per_round):<5.2f}")
+        log(f"  (rate of {ref[:4]}: a variant's seconds over {ref}'s, summed over the same rounds; above 1: {ref} is "
+            "faster; phases: means of posttrain's own rows, rollout including loading the weights into the rollout "
+            "copy and the rewards)")
+        if fastest is not None:
+            r = out["rate_over"][fastest]
+            log(f"  posttrain ({ref}) against TRL's faster process ({fastest}): {r[0]:.2f}x TRL's step rate "
+                f"({r[1]:.2f}-{r[2]:.2f})")
         return out
