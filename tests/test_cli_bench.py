@@ -315,7 +315,7 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     set against posttrain's batched flat-ODC run, with an interval over rounds."""
     out = tmp_path / "e2e.json"
     proc = run_cli("bench", "rl-e2e", "--settings", "readme", "--sft-steps", "5", "--steps", "2", "--warmup", "1",
-                   "--rounds", "2", "--trl-threads", "2", "--work-dir", str(tmp_path / "w"), "--json", str(out),
+                   "--rounds", "2", "--trl", "1x2", "--work-dir", str(tmp_path / "w"), "--json", str(out),
                    timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())["settings"]["readme"]
@@ -340,8 +340,12 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     assert any("against TRL's faster process" in ln for ln in lines)
     rc = run_cli("bench", "rl-e2e", "--settings", "huge")
     assert rc.returncode == 2 and "settings=huge: choose from readme, long" in rc.stderr
-    rc = run_cli("bench", "rl-e2e", "--trl-threads", "2,2")
-    assert rc.returncode == 2 and "different thread counts" in rc.stderr
+    rc = run_cli("bench", "rl-e2e", "--trl", "2x1,2x1")
+    assert rc.returncode == 2 and "one or more different launches" in rc.stderr
+    rc = run_cli("bench", "rl-e2e", "--trl", "2")
+    assert rc.returncode == 2 and "trl=2: each launch is PROCESSESxTHREADS" in rc.stderr
+    rc = run_cli("bench", "rl-e2e", "--trl", "3x1")
+    assert rc.returncode == 2 and "3 processes cannot share the 64 completions" in rc.stderr
 
 
 def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(run_cli, tmp_path):
@@ -387,26 +391,35 @@ def _steps_forever(go, done, *args):
         done.send(0.5)
 
 
+def _second_exits(go, done, *args):
+    while True:
+        go.recv()
+        if os.environ["RANK"] == "1":
+            os._exit(4)
+        done.send(float(os.environ["WORLD_SIZE"]))
+
+
 def test_trl_turns_report_a_dead_or_failing_trl_process_in_one_line(monkeypatch):
-    """The TRL process of ``bench rl-e2e``'s turns: a step's seconds come back; a process that
+    """The TRL processes of ``bench rl-e2e``'s turns: a step's seconds come back; a process that
     died or raised is one error naming it; closing the posttrain side ends a process that waits."""
     from posttrain.lab.bench import rl_e2e
 
-    def turns(fn):
+    def turns(fn, processes=1):
         monkeypatch.setattr(rl_e2e, "_trl_turns", fn)  # (the fork inherits it)
-        return rl_e2e.TRLTurns(2, "model", "prompts.jsonl", rl_e2e.SETTINGS["readme"], 10, "/tmp", 1)
+        return rl_e2e.TRLTurns(processes, 2, "model", "prompts.jsonl", rl_e2e.SETTINGS["readme"], 10, "/tmp", 1)
 
     t = turns(_one_step_then_exit)
     try:
         assert t.step() == 0.25
-        with pytest.raises(RuntimeError, match=r"^trl \(1 process, 2 threads\): its process ended \(exit code "):
+        with pytest.raises(RuntimeError, match=r"^trl \(1 process, 2 threads\): its process 0 ended \(exit code 3\)"):
             t.step()
     finally:
         t.close()
-    assert t.proc.exitcode == 3
+    assert t.procs[0].exitcode == 3
     t = turns(_fails)
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)trl \(1 process, 2 threads\) failed:.*no model at /nowhere"):
+        with pytest.raises(RuntimeError,
+                           match=r"(?s)trl \(1 process, 2 threads\) failed in its process 0:.*no model at /nowhere"):
             t.step()
     finally:
         t.close()
@@ -414,4 +427,10 @@ def test_trl_turns_report_a_dead_or_failing_trl_process_in_one_line(monkeypatch)
     assert t.step() == 0.5 and t.step() == 0.5
     began = time.perf_counter()
     t.close()  # (the pipe's end shows in the process: it exits without being killed)
-    assert t.proc.exitcode == 1 and time.perf_counter() - began < 20
+    assert t.procs[0].exitcode == 1 and time.perf_counter() - began < 20
+    t = turns(_second_exits, processes=2)  # (its processes see the group's environment)
+    try:
+        with pytest.raises(RuntimeError, match=r"^trl \(2 processes, 2 threads each\): its process 1 ended \(exit code 4\)"):
+            t.step()
+    finally:
+        t.close()

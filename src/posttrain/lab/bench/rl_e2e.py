@@ -14,9 +14,9 @@ with the phases beside it, for
 - TRL's ``GRPOTrainer`` (``trl`` installed; ``--no-trl`` leaves it out) on the same model, prompts,
   reward and sampling, matched to the run: 64 completions per optimizer step, one iteration (the
   update on-policy), the same clipping, token-mean loss, no KL term, learning rate and schedule,
-  fp32, ``transformers``' ``generate``, no vLLM. It runs as one process (its ``accelerate`` launch
-  across CPU processes is not set up here), once with 2 threads and once with 1; the faster of the
-  two counts as TRL's.
+  fp32, ``transformers``' ``generate``, no vLLM. It runs as ``accelerate`` launches it on CPUs:
+  by default as one process with 2 threads and as 2 data-parallel processes over gloo with 1 thread
+  each (32 completions each); the faster of the two counts as TRL's.
 
 Settings: ``readme`` (the README's: the chat task's model post-trained as the README's SFT command
 does, 8 prompts x 8 samples, 8 new tokens, temperature 1.5) and ``long`` (the chat task's untrained
@@ -89,64 +89,105 @@ def _name(variant: tuple[str, str, str, str]) -> str:
     return f"{dp}+{balance} ({'batched' if batch == 'step' else 'per prompt'}{', generate' * (sampler == 'generate')})"
 
 
-def _trl_name(threads: int) -> str:
-    return f"trl (1 process, {threads} thread{'s' * (threads != 1)})"
+def _trl_name(processes: int, threads: int) -> str:
+    each = " each" if processes > 1 else ""
+    return f"trl ({processes} process{'es' * (processes > 1)}, {threads} thread{'s' * (threads != 1)}{each})"
+
+
+def parse_launch(text: str) -> tuple[int, int]:
+    """``"PxT"`` (TRL's processes and threads per process) as ``(P, T)``."""
+    try:
+        p, t = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"trl={text}: each launch is PROCESSESxTHREADS, e.g. 2x1") from None
+    if p < 1 or t < 1:
+        raise ValueError(f"trl={text}: processes and threads must be at least 1")
+    return p, t
 
 
 class TRLTurns:
-    """TRL's ``GRPOTrainer`` in a process of its own that runs one step each time it is told to.
+    """TRL's ``GRPOTrainer`` in processes of its own (``processes`` of them, data parallel over
+    gloo as ``accelerate`` launches it on CPUs, each with ``threads`` threads) that run one step each
+    time they are told to.
 
     Made in the bench's parent before the posttrain ranks are forked: the ranks inherit the ends
-    that tell (``go``) and hear (``done``); the TRL process keeps the other two, which the parent
+    that tell (``go``) and hear (``done``); the TRL processes keep the other two, which the parent
     closes, so a TRL process that dies shows as the end of its pipe on rank 0 (one line), and
-    ranks that die end the TRL process the same way."""
+    ranks that die end the TRL processes the same way."""
 
-    def __init__(self, threads: int, model: str, prompts: str, setting: tuple, steps: int, out_dir: str,
-                 warmup_steps: int) -> None:
+    def __init__(self, processes: int, threads: int, model: str, prompts: str, setting: tuple, steps: int,
+                 out_dir: str, warmup_steps: int) -> None:
         import multiprocessing as mp
+        import socket
 
         ctx = mp.get_context("fork")
-        self.name = _trl_name(threads)
-        go_r, self.go = ctx.Pipe(duplex=False)
-        self.done, done_w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_trl_turns_main, daemon=True,
-                                args=(go_r, done_w, [*_OURS, self.go, self.done], threads, model, prompts, setting, steps,
-                                      out_dir, warmup_steps))
-        self.proc.start()
-        go_r.close()
-        done_w.close()
-        _OURS.extend((self.go, self.done))
+        self.name = _trl_name(processes, threads)
+        with socket.socket() as s:  # (a free port for their process group)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.go, self.done, self.procs = [], [], []
+        for rank in range(processes):
+            go_r, go = ctx.Pipe(duplex=False)
+            done, done_w = ctx.Pipe(duplex=False)
+            env = {"RANK": str(rank), "WORLD_SIZE": str(processes), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": str(threads)} if processes > 1 else {}
+            proc = ctx.Process(target=_trl_turns_main, daemon=True,
+                               args=(go_r, done_w, [*_OURS, go, done], env, threads, model, prompts, setting, steps,
+                                     out_dir, warmup_steps))
+            proc.start()
+            go_r.close()
+            done_w.close()
+            _OURS.extend((go, done))
+            self.go.append(go)
+            self.done.append(done)
+            self.procs.append(proc)
 
     def step(self) -> float:
-        """Tell TRL to run its next step; the step's seconds (on rank 0 of the posttrain job)."""
-        try:
-            self.go.send(1)
-            if not self.done.poll(TRL_STEP_LIMIT_S):
-                raise RuntimeError(f"{self.name}: no step ended within {TRL_STEP_LIMIT_S:.0f} s")
-            got = self.done.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            raise RuntimeError(f"{self.name}: its process ended (exit code {self.proc.exitcode}) "
-                               "before the step's end") from None
-        if isinstance(got, str):
-            raise RuntimeError(f"{self.name} failed:\n{got}")
-        return got
+        """Tell TRL to run its next step; the step's seconds (the slowest process's; on rank 0 of
+        the posttrain job)."""
+        got = []
+        for k, go in enumerate(self.go):
+            try:
+                go.send(1)
+            except (BrokenPipeError, ConnectionResetError):
+                raise self._ended(k) from None
+        for k, done in enumerate(self.done):
+            try:
+                if not done.poll(TRL_STEP_LIMIT_S):
+                    raise RuntimeError(f"{self.name}: no step ended within {TRL_STEP_LIMIT_S:.0f} s")
+                got.append(done.recv())
+            except (EOFError, ConnectionResetError):
+                raise self._ended(k) from None
+            if isinstance(got[-1], str):
+                raise RuntimeError(f"{self.name} failed in its process {k}:\n{got[-1]}")
+        return max(got)
+
+    def _ended(self, k: int) -> RuntimeError:
+        self.procs[k].join(timeout=1)
+        return RuntimeError(f"{self.name}: its process {k} ended (exit code {self.procs[k].exitcode}) before the "
+                            "step's end")
 
     def close(self) -> None:
-        """Close this side's ends and end the process (it exits by itself after its last step)."""
-        for end in (self.go, self.done):
+        """Close this side's ends and end the processes (they exit by themselves after their last step)."""
+        for end in (*self.go, *self.done):
             end.close()
             if end in _OURS:
                 _OURS.remove(end)
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
-def _trl_turns_main(go, done, theirs, threads: int, model: str, prompts: str, setting: tuple, steps: int,
+def _trl_turns_main(go, done, theirs, env: dict, threads: int, model: str, prompts: str, setting: tuple, steps: int,
                     out_dir: str, warmup_steps: int) -> None:
     for end in theirs:  # (the posttrain side's ends, inherited by the fork)
         end.close()
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+    os.environ.update(env)  # (accelerate's launch on CPUs: a gloo group of the TRL processes)
     try:
         _trl_turns(go, done, threads, model, prompts, setting, steps, out_dir, warmup_steps)
     except EOFError:  # the posttrain side ended: nothing to report to
@@ -166,8 +207,6 @@ def _trl_turns(go, done, threads: int, model: str, prompts: str, setting: tuple,
     step's seconds (from the message to the step's end: its data, sampling, update) sent on ``done``."""
     import torch
 
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(var, None)
     torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -198,8 +237,10 @@ def _trl_turns(go, done, threads: int, model: str, prompts: str, setting: tuple,
                 go.recv()
                 self.began = time.perf_counter()
 
-    cfg = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=prompts_per_step * samples, num_generations=samples,
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = GRPOConfig(  # (64 completions an optimizer step over all of its processes, as posttrain's)
+        output_dir=out_dir, per_device_train_batch_size=prompts_per_step * samples // processes,
+        num_generations=samples,
         gradient_accumulation_steps=1, max_completion_length=new_tokens, temperature=temperature, top_p=1.0, top_k=0,
         learning_rate=OPTIM.lr, lr_scheduler_type="cosine", warmup_steps=warmup_steps,
         max_grad_norm=OPTIM.max_grad_norm, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo",
@@ -285,7 +326,8 @@ class RLE2EBench:
         rounds: rounds of turns (the interval of a ratio draws rounds with replacement).
         sft_steps: steps of the README's SFT run that makes the ``readme`` setting's model.
         no_trl: leave TRL out.
-        trl_threads: TRL's processes, one per thread count, each taking turns (the faster counts).
+        trl: TRL's launches, each ``PROCESSESxTHREADS`` (threads per process), each taking turns; the
+            fastest counts as TRL's.
         work_dir: where the chat task's model and prompts are made ('' : a temporary folder).
         json: results file ('' for none).
     """
@@ -296,7 +338,7 @@ class RLE2EBench:
     rounds: int = 5
     sft_steps: int = 400
     no_trl: bool = False
-    trl_threads: tuple[int, ...] = (2, 1)
+    trl: tuple[str, ...] = ("1x2", "2x1")
     work_dir: str = ""
     json: str = "out/bench_rl_e2e.json"
 
@@ -309,8 +351,14 @@ class RLE2EBench:
                              "least 1")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be at least 0")
-        if not self.trl_threads or min(self.trl_threads) < 1 or len(set(self.trl_threads)) < len(self.trl_threads):
-            raise ValueError(f"trl_threads={self.trl_threads}: one or more different thread counts of at least 1")
+        launches = [parse_launch(t) for t in self.trl]
+        if not launches or len(set(launches)) < len(launches):
+            raise ValueError(f"trl={','.join(self.trl)}: one or more different launches, each PROCESSESxTHREADS")
+        for p, _ in launches:
+            for s in self.settings:
+                if SETTINGS[s][1] * SETTINGS[s][2] % p:
+                    raise ValueError(f"trl={p}x..: {p} processes cannot share the {SETTINGS[s][1] * SETTINGS[s][2]} "
+                                     "completions of a step evenly")
         if not self.no_trl:
             try:
                 import trl  # noqa: F401
@@ -361,9 +409,10 @@ class RLE2EBench:
             trl: list[TRLTurns] = []
             try:
                 if not self.no_trl:
-                    for threads in self.trl_threads:
-                        trl.append(TRLTurns(threads, model, models["prompts"], spec, total,
-                                            os.path.join(root, f"trl{threads}"), optim.warmup_steps))
+                    for launch in self.trl:
+                        p, t = parse_launch(launch)
+                        trl.append(TRLTurns(p, t, model, models["prompts"], spec, total,
+                                            os.path.join(root, f"trl{p}x{t}"), optim.warmup_steps))
                 steps = run_ranks(turns_worker, 2, cfgs, trl, self.warmup, self.steps, self.rounds, True,
                                   timeout_s=7200)[0]
             finally:
