@@ -337,7 +337,7 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     lines = proc.stdout.splitlines()
     assert any(ln.strip().startswith("trl (1 process, 2 threads)") for ln in lines)
     assert any("round 2/2:" in ln for ln in lines)
-    assert any("against TRL's faster process" in ln for ln in lines)
+    assert any("against TRL's faster launch" in ln for ln in lines)
     rc = run_cli("bench", "rl-e2e", "--settings", "huge")
     assert rc.returncode == 2 and "settings=huge: choose from readme, long" in rc.stderr
     rc = run_cli("bench", "rl-e2e", "--trl", "2x1,2x1")

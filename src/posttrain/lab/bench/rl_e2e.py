@@ -455,6 +455,6 @@ class RLE2EBench:
             "copy and the rewards)")
         if fastest is not None:
             r = out["rate_over"][fastest]
-            log(f"  posttrain ({ref}) against TRL's faster process ({fastest}): {r[0]:.2f}x TRL's step rate "
+            log(f"  posttrain ({ref}) against TRL's faster launch ({fastest}): {r[0]:.2f}x TRL's step rate "
                 f"({r[1]:.2f}-{r[2]:.2f})")
         return out
