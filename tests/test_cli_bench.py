@@ -322,7 +322,12 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     names = set(got["step_s"])
     assert names == {"odc+diff_micro (batched)", "odc+diff_micro (batched, generate)",
                      "odc+diff_micro (per prompt, generate)", "fsdp+same_micro (batched)",
-                     "trl (1 process, 2 threads)"}
+                     "odc+diff_micro (batched, every group)", "trl (1 process, 2 threads)"}
+    # every posttrain variant counts its equal-reward groups; the every-group one is set against TRL too
+    assert set(got["equal_groups"]) == names - {"trl (1 process, 2 threads)"}
+    assert all(0 <= v <= 8 for v in got["equal_groups"].values())
+    lo, hi = got["rate_over_trl_every_group"][1:]
+    assert lo <= got["rate_over_trl_every_group"][0] <= hi
     assert got["trl"] == "trl (1 process, 2 threads)"
     assert got["rate_over"]["odc+diff_micro (batched)"] == [1.0, 1.0, 1.0]
     for name, (ratio, lo, hi) in got["rate_over"].items():  # the interval holds the ratio; the rounds bound both

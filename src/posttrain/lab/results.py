@@ -87,7 +87,8 @@ SECTIONS: tuple[Section, ...] = (
             "Whole GRPO steps by stopwatch (`wall_s`), with the phases of posttrain's own rows, at the README's "
             "setting and at 256-token responses: under flat ODC+diff_micro, posttrain's sampler batched, "
             "transformers' generate batched and one generate call per prompt (the split of the sampling's gain); "
-            "FSDP2+same_micro with the defaults; and TRL's GRPOTrainer matched to the run (one process with 2 threads "
+            "FSDP2+same_micro with the defaults; at the README's setting ODC once more training every group (what "
+            "skipping equal-reward groups gains); and TRL's GRPOTrainer matched to the run (one process with 2 threads "
             "and 2 processes with 1 each; the faster counts); every variant in long-lived processes, taking turns a step "
             "at a time, 5 rounds of 10 counted steps; see docs/rl.md.", 15),
     Section("transport", "The shared-memory transport against gloo", ("bench", "transport"),

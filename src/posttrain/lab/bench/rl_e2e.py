@@ -10,7 +10,9 @@ with the phases beside it, for
   ``transformers``' ``generate`` (``sampler`` generate); one ``generate`` call per prompt (as
   posttrain sampled before batching); and ``fsdp+same_micro`` with the defaults: all on 2 CPU
   processes, as the README's RL command runs. The first three split the sampling's gain: the
-  decoding loop (batched generate over batched), batching (per prompt over batched generate);
+  decoding loop (batched generate over batched), batching (per prompt over batched generate).
+  Where the setting skips groups whose samples all earned the same reward (posttrain's default),
+  ``odc+diff_micro`` once more training every group, as TRL does: what skipping gains;
 - TRL's ``GRPOTrainer`` (``trl`` installed; ``--no-trl`` leaves it out) on the same model, prompts,
   reward and sampling, matched to the run: 64 completions per optimizer step, one iteration (the
   update on-policy), the same clipping, token-mean loss, no KL term, learning rate and schedule,
@@ -72,9 +74,11 @@ __all__ = ["SETTINGS", "VARIANTS", "RLE2EBench", "TRLTurns", "turns_worker"]
 #: groups). The untrained model earns no reward at all: posttrain would skip every group and update nothing,
 #: so the long setting trains them, as TRL does, to time the same work.
 SETTINGS = {"readme": ("sft", 8, 8, 8, 1.5, True), "long": ("random", 8, 8, 256, 1.5, False)}
-#: (engine, balancing method, generate_batch, sampler)
-VARIANTS = (("odc", "diff_micro", "step", "posttrain"), ("odc", "diff_micro", "step", "generate"),
-            ("odc", "diff_micro", "prompt", "generate"), ("fsdp", "same_micro", "step", "posttrain"))
+#: (engine, balancing method, generate_batch, sampler, train every group): the last one only where the
+#: setting skips equal-reward groups (it splits off what skipping them gains: TRL trains every group)
+VARIANTS = (("odc", "diff_micro", "step", "posttrain", False), ("odc", "diff_micro", "step", "generate", False),
+            ("odc", "diff_micro", "prompt", "generate", False), ("fsdp", "same_micro", "step", "posttrain", False),
+            ("odc", "diff_micro", "step", "posttrain", True))
 #: The README's RL recipe.
 OPTIM = OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=4, max_grad_norm=1.0)
 #: How long rank 0 waits for one TRL step before calling its process stuck.
@@ -84,9 +88,10 @@ TRL_STEP_LIMIT_S = 900.0
 _OURS: list = []
 
 
-def _name(variant: tuple[str, str, str, str]) -> str:
-    dp, balance, batch, sampler = variant
-    return f"{dp}+{balance} ({'batched' if batch == 'step' else 'per prompt'}{', generate' * (sampler == 'generate')})"
+def _name(variant: tuple[str, str, str, str, bool]) -> str:
+    dp, balance, batch, sampler, every = variant
+    return (f"{dp}+{balance} ({'batched' if batch == 'step' else 'per prompt'}{', generate' * (sampler == 'generate')}"
+            f"{', every group' * every})")
 
 
 def _trl_name(processes: int, threads: int) -> str:
@@ -276,7 +281,8 @@ def turns_worker(rank: int, world_size: int, cfgs: dict[str, RLConfig], trl: lis
                 return {"wall_s": wall}
             who._ended = None  # (its stopwatch from this step's start, not from its previous turn)
             row = who.train_step(step)
-            return {k: row[k] or 0.0 for k in ("wall_s", "rollout_s", "reference_s", "update_s")}
+            return {**{k: row[k] or 0.0 for k in ("wall_s", "rollout_s", "reference_s", "update_s")},
+                    "equal_groups": row["zero_advantage_groups"]}
 
         for step in range(warmup):
             for name in names:
@@ -403,9 +409,9 @@ class RLE2EBench:
             cfgs = {_name(v): RLConfig(model_path=model, prompts=models["prompts"], samples_per_prompt=samples,
                                        prompts_per_step=prompts_per_step, max_new_tokens=new_tokens, steps=total,
                                        temperature=temperature, engine=EngineConfig(v[0]), balance=v[1], optim=optim,
-                                       generate_batch=v[2], sampler=v[3], skip_equal_reward_groups=skip,
+                                       generate_batch=v[2], sampler=v[3], skip_equal_reward_groups=skip and not v[4],
                                        progress=False, device="cpu")
-                    for v in VARIANTS}
+                    for v in VARIANTS if skip or not v[4]}
             trl: list[TRLTurns] = []
             try:
                 if not self.no_trl:
@@ -421,6 +427,10 @@ class RLE2EBench:
             result["settings"][setting] = self._report(setting, steps, log)
         write_result(result, self.json or None, log)
         return result
+
+    @staticmethod
+    def _skips(setting: str) -> bool:
+        return SETTINGS[setting][5]
 
     def _report(self, setting: str, steps: dict[str, list], log) -> dict:
         names = list(steps)
@@ -444,6 +454,7 @@ class RLE2EBench:
                 ph = {k: statistics.fmean(s[k] for s in steps[n]) for k in ("rollout_s", "reference_s", "update_s")}
                 ph["other_s"] = max(0.0, mean[n] - sum(ph.values()))
                 out["phases"][n] = ph
+                out.setdefault("equal_groups", {})[n] = statistics.fmean(s["equal_groups"] for s in steps[n])
                 phases = (f"{ph['rollout_s']:8.3f} {ph['reference_s']:10.3f} {ph['update_s']:7.3f} "
                           f"{ph['other_s']:6.3f}")
             else:
@@ -453,8 +464,17 @@ class RLE2EBench:
         log(f"  (rate of {ref[:4]}: a variant's seconds over {ref}'s, summed over the same rounds; above 1: {ref} is "
             "faster; phases: means of posttrain's own rows, rollout including loading the weights into the rollout "
             "copy and the rewards)")
+        if out.get("equal_groups"):
+            log("  groups whose samples all earned the same reward, a step (mean): " + ", ".join(
+                f"{n} {v:.1f}" for n, v in out["equal_groups"].items()) + " (skipped: "
+                f"{'none' if not self._skips(setting) else 'by every variant but the every-group one'})")
         if fastest is not None:
             r = out["rate_over"][fastest]
             log(f"  posttrain ({ref}) against TRL's faster launch ({fastest}): {r[0]:.2f}x TRL's step rate "
                 f"({r[1]:.2f}-{r[2]:.2f})")
+            every = [n for n in names if n.endswith(", every group)")]
+            if every:  # (the same, training every group as TRL does: what skipping equal-reward groups leaves out)
+                r = out["rate_over_trl_every_group"] = list(pooled_steps(steps, fastest, every[0]))
+                log(f"  posttrain training every group as TRL does ({every[0]}): {r[0]:.2f}x TRL's step rate "
+                    f"({r[1]:.2f}-{r[2]:.2f})")
         return out
