@@ -90,7 +90,7 @@ SECTIONS: tuple[Section, ...] = (
             "FSDP2+same_micro with the defaults; at the README's setting ODC once more training every group (what "
             "skipping equal-reward groups gains); and TRL's GRPOTrainer matched to the run (one process with 2 threads "
             "and 2 processes with 1 each; the faster counts); every variant in long-lived processes, taking turns a step "
-            "at a time, 5 rounds of 10 counted steps; see docs/rl.md.", 15),
+            "at a time in an order drawn afresh each step, 10 rounds of 5 counted steps; see docs/rl.md.", 15),
     Section("transport", "The shared-memory transport against gloo", ("bench", "transport"),
             "Bandwidth of ODC's one-sided gather and scatter-accumulate against gloo's all-gather and "
             "reduce-scatter on the same 2 processes; ratios are gloo time over shared-memory time.", 1),

@@ -2,7 +2,7 @@
 
 ``posttrain bench rl`` times the update phase alone on replayed rollouts. This one times what a
 user waits for: every phase of a GRPO step (loading the policy's weights into the rollout copy,
-sampling, rewards, the reference, the update, the metrics) by stopwatch (the rows' ``wall_s``),
+sampling, rewards, the reference, the update) by stopwatch (the rows' ``wall_s``),
 with the phases beside it, for
 
 - ``odc+diff_micro``, every prompt of a step in one batch with posttrain's own decoding loop
@@ -29,12 +29,15 @@ instead of skipping them and updating nothing).
 How it times: as the demo does (:mod:`.stepwise`). Timing each variant as its own run put the
 machine's moods between them: TRL's own step moved by a quarter between two days, and per-round
 ratios of whole runs scattered over 0.99-1.71. So every variant lives for the whole setting in
-long-lived processes (posttrain's four in the same 2 rank processes, each TRL process in its own,
-told by rank 0 through a pipe when to run its next step) and they take turns a step at a time, the
-order rotated by one at every step, after ``warmup`` steps of each that are not counted; only one
-variant runs at any moment. A variant's figure is its mean step over every counted step; a ratio
-is the two variants' summed seconds, with the 5th-95th percentile of the same ratio over the
-rounds drawn with replacement, and the rounds' own range beside it.
+long-lived processes (posttrain's in the same 2 rank processes, each TRL launch in its own,
+told by rank 0 through a pipe when to run its next step) and they take turns a step at a time, in
+an order drawn afresh at every step (so that no variant always follows the same one), after
+``warmup`` steps of each that are not counted; only one variant runs at any moment, and TRL's
+start-up and end of training run outside the timed steps. A variant's figure is its mean step
+over every counted step; a ratio is the two variants' summed seconds, with the 5th-95th
+percentile of the same ratio over the rounds drawn with replacement, and the rounds' own range
+beside it. posttrain's stopwatch runs from a step's start to its update's end (its row's
+figures after it); TRL's from the message that starts the step to its ``on_step_end``.
 
 What differs between the two per step, besides speed: posttrain leaves groups whose rewards are
 all equal out of the update (``skip_equal_reward_groups``, on by default); TRL trains them with zero
@@ -117,8 +120,10 @@ class TRLTurns:
 
     Made in the bench's parent before the posttrain ranks are forked: the ranks inherit the ends
     that tell (``go``) and hear (``done``); the TRL processes keep the other two, which the parent
-    closes, so a TRL process that dies shows as the end of its pipe on rank 0 (one line), and
-    ranks that die end the TRL processes the same way."""
+    closes, so a TRL process that dies shows on rank 0 as the end of its pipe or its exit (one
+    error naming it). A TRL process says when it is ready to train (:meth:`ready`, before any step
+    is timed) and, after its last step, waits to be told to finish (:meth:`finish`, after every
+    timed step), so neither its start-up nor its end overlaps a timed step."""
 
     def __init__(self, processes: int, threads: int, model: str, prompts: str, setting: tuple, steps: int,
                  out_dir: str, warmup_steps: int) -> None:
@@ -148,25 +153,75 @@ class TRLTurns:
             self.done.append(done)
             self.procs.append(proc)
 
+    def _tell(self, message: str) -> None:
+        for k, go in enumerate(self.go):
+            try:
+                go.send(message)
+            except (BrokenPipeError, ConnectionResetError):
+                raise self._ended(k) from None
+
+    def _hear(self, limit_s: float) -> list:
+        """One message from every process; a process that ended without one, or sent a failure, is
+        an error naming it (a process that died is named before another's failure, which is often
+        the broken group it left)."""
+        from multiprocessing.connection import wait
+
+        got: dict[int, object] = {}
+        failed: dict[int, str] = {}
+        deadline = time.monotonic() + limit_s
+        while len(got) + len(failed) < len(self.procs):
+            pending = [k for k in range(len(self.procs)) if k not in got and k not in failed]
+            waits = {**{self.done[k]: k for k in pending}, **{self.procs[k].sentinel: k for k in pending}}
+            ready = wait(list(waits), timeout=max(0.0, deadline - time.monotonic()) if not failed else 2.0)
+            if not ready:
+                if failed:
+                    break
+                raise RuntimeError(f"{self.name}: no step ended within {limit_s:.0f} s")
+            for obj in ready:
+                k = waits[obj]
+                if k in got or k in failed:
+                    continue
+                if self.done[k].poll():
+                    try:
+                        msg = self.done[k].recv()
+                    except (EOFError, ConnectionResetError):
+                        raise self._ended(k) from None
+                    if isinstance(msg, str) and msg != "ready":
+                        failed[k] = msg
+                    else:
+                        got[k] = msg
+                elif obj is self.procs[k].sentinel:
+                    raise self._ended(k)
+        if failed:
+            k = min(failed)
+            raise RuntimeError(f"{self.name} failed in its process {k}:\n{failed[k]}")
+        return [got[k] for k in range(len(self.procs))]
+
+    def ready(self, limit_s: float = TRL_STEP_LIMIT_S) -> None:
+        """Wait until every process has loaded the model and data and is about to train."""
+        self._hear(limit_s)
+
     def step(self) -> float:
         """Tell TRL to run its next step; the step's seconds (the slowest process's; on rank 0 of
         the posttrain job)."""
-        got = []
-        for k, go in enumerate(self.go):
-            try:
-                go.send(1)
-            except (BrokenPipeError, ConnectionResetError):
-                raise self._ended(k) from None
-        for k, done in enumerate(self.done):
-            try:
-                if not done.poll(TRL_STEP_LIMIT_S):
-                    raise RuntimeError(f"{self.name}: no step ended within {TRL_STEP_LIMIT_S:.0f} s")
-                got.append(done.recv())
-            except (EOFError, ConnectionResetError):
-                raise self._ended(k) from None
-            if isinstance(got[-1], str):
-                raise RuntimeError(f"{self.name} failed in its process {k}:\n{got[-1]}")
-        return max(got)
+        self._tell("step")
+        return max(self._hear(TRL_STEP_LIMIT_S))
+
+    def finish(self, limit_s: float = 120.0) -> None:
+        """After its last step: tell every process to end and check that each ran exactly the steps
+        it was told to and ended cleanly."""
+        self._tell("finish")
+        for k, proc in enumerate(self.procs):
+            proc.join(timeout=limit_s)
+            if proc.exitcode != 0:
+                extra = ""
+                if self.done[k].poll():
+                    try:
+                        extra = f":\n{self.done[k].recv()}"
+                    except (EOFError, OSError):
+                        pass
+                raise RuntimeError(f"{self.name}: its process {k} did not end cleanly after its last step (exit code "
+                                   f"{proc.exitcode}){extra}")
 
     def _ended(self, k: int) -> RuntimeError:
         self.procs[k].join(timeout=1)
@@ -174,7 +229,8 @@ class TRLTurns:
                             "step's end")
 
     def close(self) -> None:
-        """Close this side's ends and end the processes (they exit by themselves after their last step)."""
+        """Close this side's ends and end the processes (a process waiting for its next message sees
+        the end of its pipe and exits; one still busy is killed after 30 s)."""
         for end in (*self.go, *self.done):
             end.close()
             if end in _OURS:
@@ -231,16 +287,25 @@ def _trl_turns(go, done, threads: int, model: str, prompts: str, setting: tuple,
     def reverse_digits(prompts, completions, **kwargs):
         return [reward(p, c[0]["content"] if isinstance(c, list) else c) for p, c in zip(prompts, completions)]
 
+    def told(expected: str) -> None:  # the next message: a step, or (after the last) the end
+        msg = go.recv()
+        if msg != expected:
+            raise RuntimeError(f"told to {msg} after {state_steps[0]} of {steps} steps")
+
+    state_steps = [0]
+
     class Turns(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            go.recv()
+            done.send("ready")
+            told("step")
             self.began = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             done.send(time.perf_counter() - self.began)
-            if state.global_step < state.max_steps:
-                go.recv()
-                self.began = time.perf_counter()
+            state_steps[0] = state.global_step
+            # (after the last step: wait for the end, so that TRL's end of training runs after every timed step)
+            told("step" if state.global_step < state.max_steps else "finish")
+            self.began = time.perf_counter()
 
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = GRPOConfig(  # (64 completions an optimizer step over all of its processes, as posttrain's)
@@ -255,14 +320,16 @@ def _trl_turns(go, done, threads: int, model: str, prompts: str, setting: tuple,
                           callbacks=[Turns()])
     trainer.remove_callback(PrinterCallback)  # (its end-of-training dict of metrics; the table is ours)
     trainer.train()
+    if state_steps[0] != steps:
+        raise RuntimeError(f"TRL ended after {state_steps[0]} of {steps} steps")
 
 
 def turns_worker(rank: int, world_size: int, cfgs: dict[str, RLConfig], trl: list[TRLTurns], warmup: int,
                  batches: int, rounds: int, progress: bool = False) -> dict | None:
     """One rank of the stepwise rounds: every posttrain variant of ``cfgs`` built in this process
-    and every TRL process of ``trl`` take turns a step at a time (the order rotated by one at every
-    step), after ``warmup`` steps of each that are not counted. Rank 0 returns ``{name: [{"round",
-    "wall_s", and posttrain's phases}]}``."""
+    and every TRL launch of ``trl`` take turns a step at a time (in an order drawn afresh at every
+    step, :func:`turn_order`), after ``warmup`` steps of each that are not counted. Rank 0 returns
+    ``{name: [{"round", "wall_s", and posttrain's phases}]}``."""
     from posttrain.train.rl.loop import RLTrainer
 
     trainers: dict[str, RLTrainer] = {}
@@ -284,16 +351,18 @@ def turns_worker(rank: int, world_size: int, cfgs: dict[str, RLConfig], trl: lis
             return {**{k: row[k] or 0.0 for k in ("wall_s", "rollout_s", "reference_s", "update_s")},
                     "equal_groups": row["zero_advantage_groups"]}
 
+        if rank == 0:
+            for p in trl:  # (loaded and about to train: nothing of its start-up overlaps a timed step)
+                p.ready()
+        dist.barrier()
         for step in range(warmup):
             for name in names:
                 turn(name, step)
-        k = 0
         for r in range(rounds):
             for b in range(batches):
                 step = warmup + r * batches + b
-                for name in names[k % len(names):] + names[:k % len(names)]:
+                for name in turn_order(names, step):
                     steps[name].append({"round": r, **turn(name, step)})
-                k += 1
             if progress and rank == 0:
                 print(f"  round {r + 1}/{rounds}: " + ", ".join(
                     f"{name} {statistics.fmean(s['wall_s'] for s in steps[name] if s['round'] == r):.3f}"
@@ -302,6 +371,13 @@ def turns_worker(rank: int, world_size: int, cfgs: dict[str, RLConfig], trl: lis
     finally:
         for t in trainers.values():
             t.close()
+
+
+def turn_order(names: list[str], step: int) -> list[str]:
+    """The order the variants take their turns at ``step``: a permutation drawn afresh (seeded by
+    the step), so that no variant always follows the same one (a fixed rotation would leave
+    whatever one step leaves behind, such as cold caches, on the same variant every time)."""
+    return random.Random(1_000_003 * step + len(names)).sample(names, len(names))
 
 
 def pooled_steps(steps: dict[str, list], num: str, den: str, *, draws: int = 2000,
@@ -339,9 +415,9 @@ class RLE2EBench:
     """
 
     settings: tuple[str, ...] = ("readme", "long")
-    steps: int = 10
+    steps: int = 5
     warmup: int = 2
-    rounds: int = 5
+    rounds: int = 10
     sft_steps: int = 400
     no_trl: bool = False
     trl: tuple[str, ...] = ("1x2", "2x1")
@@ -421,6 +497,8 @@ class RLE2EBench:
                                             os.path.join(root, f"trl{p}x{t}"), optim.warmup_steps))
                 steps = run_ranks(turns_worker, 2, cfgs, trl, self.warmup, self.steps, self.rounds, True,
                                   timeout_s=7200)[0]
+                for p in trl:  # (each ran exactly the steps it was told to, and ends cleanly)
+                    p.finish()
             finally:
                 for p in trl:
                     p.close()
@@ -443,7 +521,7 @@ class RLE2EBench:
         log(f"\n{setting}: seconds a whole GRPO step (mean of every counted step), and {ref}'s step rate over each's "
             f"(5-95% over {len(rounds)} rounds drawn with replacement; and the rounds' own range)")
         log(f"  {'':40} {'step s':>7} {'rollout':>8} {'reference':>10} {'update':>7} {'other':>6} "
-            f"{'rate of ' + ref[:4]:>12} {'(5-95%)':>11} {'(rounds)':>11}")
+            f"{'ratio':>12} {'(5-95%)':>11} {'(rounds)':>11}")
         for n in names:
             ratio = pooled_steps(steps, n, ref)
             per_round = [sum(s["wall_s"] for s in steps[n] if s["round"] == r)
@@ -461,7 +539,7 @@ class RLE2EBench:
                 phases = f"{'':8} {'':10} {'':7} {'':6}"
             log(f"  {n:40} {mean[n]:7.3f} {phases} {ratio[0]:11.2f}x {ratio[1]:5.2f}-{ratio[2]:<5.2f} "
                 f"{min(per_round):5.2f}-{max(per_round):<5.2f}")
-        log(f"  (rate of {ref[:4]}: a variant's seconds over {ref}'s, summed over the same rounds; above 1: {ref} is "
+        log(f"  (ratio: a variant's seconds over {ref}'s, summed over the same rounds; above 1: {ref} is "
             "faster; phases: means of posttrain's own rows, rollout including loading the weights into the rollout "
             "copy and the rewards)")
         if out.get("equal_groups"):
