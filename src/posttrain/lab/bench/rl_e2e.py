@@ -408,7 +408,7 @@ class RLE2EBench:
         rounds: rounds of turns (the interval of a ratio draws rounds with replacement).
         sft_steps: steps of the README's SFT run that makes the ``readme`` setting's model.
         no_trl: leave TRL out.
-        trl: TRL's launches, each ``PROCESSESxTHREADS`` (threads per process), each taking turns; the
+        trl: the launches of TRL to time, each ``PROCESSESxTHREADS`` (threads per process), each taking turns; the
             fastest counts as TRL's.
         work_dir: where the chat task's model and prompts are made ('' : a temporary folder).
         json: results file ('' for none).
