@@ -7,6 +7,8 @@ put the full parameters back.
 (CPU processes over gloo; on the ODC engine and its minibatch protocol: docs/odc.md.)
 """
 
+import gc
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -44,4 +46,7 @@ dcp.save(model.state_dict(), checkpoint_id="out/examples/odc-checkpoint")   # sh
 model.odc.close()                                     # full parameters back on the model (collective)
 if rank == 0:
     print(f"done: {sum(p.numel() for p in model.parameters())} parameters back on the model")
+# the sharded model's DTensors and the checkpoint's state hold the process group in reference cycles:
+# free them while the interpreter runs (left to its teardown, gloo sometimes aborts the process)
+gc.collect()
 dist.destroy_process_group()
