@@ -70,6 +70,7 @@ from posttrain.train.core import OptimConfig
 from posttrain.train.rl import RLConfig
 
 from .split import write_result
+from .stepwise import bootstrap_rate_ratio
 
 __all__ = ["SETTINGS", "VARIANTS", "RLE2EBench", "TRLTurns", "turns_worker"]
 
@@ -380,21 +381,15 @@ def turn_order(names: list[str], step: int) -> list[str]:
     return random.Random(1_000_003 * step + len(names)).sample(names, len(names))
 
 
-def pooled_steps(steps: dict[str, list], num: str, den: str, *, draws: int = 2000,
-                 seed: int = 0) -> tuple[float, float, float]:
-    """``num``'s seconds over ``den``'s, summed over every counted step, with the 5th and 95th
-    percentile of the same ratio over the rounds drawn with replacement (``draws`` times): above 1,
-    ``den`` is faster."""
-    rounds = sorted({s["round"] for s in steps[den]})
-    sums = {n: {r: sum(s["wall_s"] for s in steps[n] if s["round"] == r) for r in rounds} for n in (num, den)}
-    rng = random.Random(seed)
-    got = []
-    for _ in range(draws):
-        pick = [rng.choice(rounds) for _ in rounds]
-        got.append(sum(sums[num][r] for r in pick) / sum(sums[den][r] for r in pick))
-    got.sort()
-    whole = sum(sums[num].values()) / sum(sums[den].values())
-    return whole, got[int(0.05 * (draws - 1))], got[int(0.95 * (draws - 1))]
+def pooled_steps(steps: dict[str, list], num: str, den: str) -> tuple[float, float, float]:
+    """``num``'s seconds over ``den``'s, summed over every counted step (the same steps each), with
+    the 5th and 95th percentile over rounds drawn with replacement: above 1, ``den`` is faster."""
+    per_round = {n: {} for n in (num, den)}
+    for n in (num, den):
+        for s in steps[n]:
+            count, secs = per_round[n].get(s["round"], (0, 0.0))
+            per_round[n][s["round"]] = (count + 1, secs + s["wall_s"])
+    return bootstrap_rate_ratio(per_round[den], per_round[num])  # (den's steps a second over num's)
 
 
 @dataclass(frozen=True)
@@ -506,10 +501,6 @@ class RLE2EBench:
         write_result(result, self.json or None, log)
         return result
 
-    @staticmethod
-    def _skips(setting: str) -> bool:
-        return SETTINGS[setting][5]
-
     def _report(self, setting: str, steps: dict[str, list], log) -> dict:
         names = list(steps)
         ref = names[0]
@@ -545,7 +536,7 @@ class RLE2EBench:
         if out.get("equal_groups"):
             log("  groups whose samples all earned the same reward, a step (mean): " + ", ".join(
                 f"{n} {v:.1f}" for n, v in out["equal_groups"].items()) + " (skipped: "
-                f"{'none' if not self._skips(setting) else 'by every variant but the every-group one'})")
+                f"{'none' if not SETTINGS[setting][5] else 'by every variant but the every-group one'})")
         if fastest is not None:
             r = out["rate_over"][fastest]
             log(f"  posttrain ({ref}) against TRL's faster launch ({fastest}): {r[0]:.2f}x TRL's step rate "

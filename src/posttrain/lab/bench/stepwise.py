@@ -32,7 +32,7 @@ from posttrain.launch import run_ranks
 from posttrain.train.core import job_options
 from posttrain.train.sft import SFTTrainer, TrainConfig
 
-__all__ = ["pooled", "pooled_ratio", "round_summary", "stepwise_rounds", "stepwise_worker"]
+__all__ = ["bootstrap_rate_ratio", "pooled", "pooled_ratio", "round_summary", "stepwise_rounds", "stepwise_worker"]
 
 
 def stepwise_worker(rank: int, world_size: int, cfgs: dict[str, TrainConfig], batches: int, rounds: int,
@@ -134,12 +134,20 @@ def pooled_ratio(raw: dict, num: str, den: str, *, draws: int = 2000, seed: int 
     sums = {name: {r: (sum(s["tokens"] for s in steps if s["round"] == r),
                        sum(s["step_time_s"] for s in steps if s["round"] == r)) for r in rounds}
             for name, steps in raw["steps"].items() if name in (num, den)}
+    return bootstrap_rate_ratio(sums[num], sums[den], draws=draws, seed=seed)
+
+
+def bootstrap_rate_ratio(num: Mapping[int, tuple[float, float]], den: Mapping[int, tuple[float, float]], *,
+                         draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Two variants' rates, each ``{round: (amount, seconds)}`` pooled over rounds (the amounts over
+    the seconds): ``num``'s over ``den``'s over every round, and the 5th and 95th percentile of the
+    same ratio over the rounds drawn with replacement (``draws`` times)."""
+    rounds = sorted(num)
+
+    def ratio(pick: list[int]) -> float:
+        rate = [sum(x[r][0] for r in pick) / sum(x[r][1] for r in pick) for x in (num, den)]
+        return rate[0] / rate[1]
+
     rng = random.Random(seed)
-    got = []
-    for _ in range(draws):
-        pick = [rng.choice(rounds) for _ in rounds]
-        tp = {n: sum(sums[n][r][0] for r in pick) / sum(sums[n][r][1] for r in pick) for n in (num, den)}
-        got.append(tp[num] / tp[den])
-    got.sort()
-    whole = pooled(raw)
-    return whole[num] / whole[den], got[int(0.05 * (draws - 1))], got[int(0.95 * (draws - 1))]
+    got = sorted(ratio([rng.choice(rounds) for _ in rounds]) for _ in range(draws))
+    return ratio(rounds), got[int(0.05 * (draws - 1))], got[int(0.95 * (draws - 1))]
