@@ -17,8 +17,8 @@ from posttrain.odc import PeerFailedError, row_exchange
 
 from .config import RunConfig
 
-__all__ = ["FLOPS_PER_EXCHANGED_BYTE", "FLOPS_PER_EXCHANGE_CALL", "MIN_SPLIT_GAIN", "SplitGroups", "exchange_cost",
-           "group_failure"]
+__all__ = ["FLOPS_PER_EXCHANGED_BYTE", "FLOPS_PER_EXCHANGE_CALL", "MIN_SPLIT_GAIN", "SplitGroups", "check_shard_count",
+           "exchange_cost", "group_failure"]
 
 #: FLOPs a rank computes in the time it moves one byte of a split sequence's keys and values, and
 #: in the time one of a layer's two exchanges costs whatever its size, by the exchange: ``cpu``
@@ -36,6 +36,14 @@ FLOPS_PER_EXCHANGE_CALL = {"cpu": 0.0, "cpu-gloo": 8e7, "cuda": 2e10}
 #: the exchange's price is fitted to within about that (two runs of ``cp_exchange`` differ by about
 #: 2x in it), and on this machine a shard also costs a microbatch of its own the price leaves out.
 MIN_SPLIT_GAIN = 0.1
+
+
+def check_shard_count(cfg: RunConfig, world_size: int, what: str) -> None:
+    """Refuse a fixed shard count (``--context-parallel K``) above the run's ranks, in one line
+    naming ``what`` is split (a sequence, a rollout)."""
+    cp = cfg.engine.context_parallel
+    if cp not in ("off", "auto") and int(cp) > world_size:
+        raise ValueError(f"context_parallel={cp} shards a {what} over {cp} ranks, but the run has {world_size}")
 
 
 def exchange_cost(cfg: RunConfig, cost: FlopsCost, one_host: bool = True) -> ExchangeCost:

@@ -14,6 +14,7 @@ from posttrain.models.lora import check_model_targets
 from posttrain.rl import load_rewards
 from posttrain.text import count
 from posttrain.train.core import check_run, claim_outputs, launch, launch_world, placement
+from posttrain.train.core.context import check_shard_count
 
 from .config import RLConfig
 from .loop import load_prompts, prompt_limit, rl_worker
@@ -45,9 +46,7 @@ def _run_rl(cfg: RLConfig, world_size: int, lead: bool, say, meta: dict | None) 
         tok = AutoTokenizer.from_pretrained(cfg.model_path)
     except (OSError, ValueError) as e:
         raise ValueError(f"`model_path` {cfg.model_path}: no tokenizer transformers can load ({e})") from None
-    cp = cfg.engine.context_parallel
-    if cp not in ("off", "auto") and int(cp) > world_size:
-        raise ValueError(f"context_parallel={cp} shards a rollout over {cp} ranks, but the run has {world_size}")
+    check_shard_count(cfg, world_size, "rollout")
     prompts = load_prompts(cfg.prompts, tok, **prompt_limit(cfg, world_size))
     load_rewards(cfg.reward)
     if cfg.prompts_per_step < world_size:

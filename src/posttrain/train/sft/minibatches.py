@@ -11,6 +11,7 @@ import torch
 
 from posttrain.balance import shard_lengths
 from posttrain.data import load_tokenized, profile_lengths, synthetic_sequences
+from posttrain.train.core.context import check_shard_count
 
 from .config import SYNTHETIC_VOCAB, TrainConfig
 
@@ -162,11 +163,10 @@ class TrainData:
 def check_split_reach(cfg: TrainConfig, world_size: int) -> None:
     """Refuse a run whose longest sequence no allowed split fits into shards of ``max_tokens``
     (context parallelism over at most the world's ranks, or its fixed shard count)."""
-    cp = cfg.engine.context_parallel
-    if cp not in ("off", "auto") and int(cp) > world_size:
-        raise ValueError(f"context_parallel={cp} shards a sequence over {cp} ranks, but the run has {world_size}")
+    check_shard_count(cfg, world_size, "sequence")
     if cfg.longest <= cfg.max_tokens:
         return
+    cp = cfg.engine.context_parallel
     k = world_size if cp == "auto" else int(cp)
     if max(shard_lengths(cfg.longest, k)) > cfg.max_tokens:
         need = -(-cfg.longest // cfg.max_tokens)
