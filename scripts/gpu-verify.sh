@@ -10,15 +10,19 @@
 #                                                          two CPU benchmarks beside it on cores 4-15 and
 #                                                          the doctor on 0-3; with none (the default) the
 #                                                          doctor on every core
-#   bash scripts/gpu-verify.sh trl                     (c) posttrain against TRL's SFTTrainer on the GPU
+#   bash scripts/gpu-verify.sh trl [demo]              (c) posttrain against TRL's SFTTrainer on the GPU
 #                                                          (lab/bench/trl_sft.py: a 1.1B Llama, the same
-#                                                          records, order and update; TRL one record a
-#                                                          forward and 4 padding-free in one row,
-#                                                          posttrain flat ODC and FSDP2; 2 rounds of 8
-#                                                          steps; a profile of one TRL step). About 7
+#                                                          records, order and update; TRL padding-free, 4
+#                                                          records in one row, as its docs advise; posttrain
+#                                                          flat ODC and FSDP2; 2 rounds of 20 steps; the
+#                                                          ratios against TRL's padding-free mode); about 6
 #                                                          minutes on an H100 with checkpointing off;
-#                                                          TRL_CHECKPOINTING=on for the second half
-#                                                          (slower: TRL took 7 s a step)
+#                                                          TRL_CHECKPOINTING=on for the second half (slower).
+#                                                          With demo: the comparison on cores 0-3 and
+#                                                          posttrain demo (variants step by step) at 4 ranks
+#                                                          on cores 4-7 and 8 on 8-15, beside it: ODC's
+#                                                          mechanism against the calibrated simulator's
+#                                                          prediction at those ranks
 #   bash scripts/gpu-verify.sh profile                 (d) one posttrain step profiled (flat ODC, world size 1,
 #                                                          the TRL comparison's model and records: operators
 #                                                          by self GPU and CPU time, scripts/profile_step/),
@@ -34,24 +38,28 @@
 #                  scripts/gpu-durations.txt so that the next run is planned from them
 #   doctor.txt     (b) the doctor's log; gpu-report.md its report; bench_*.txt the CPU benchmarks
 #   trl_sft.txt    (c) the comparison's table and losses; trl_sft.json its figures; trl_profile.txt
-#                  the profile of TRL's last warm-up step
+#                  the profile of TRL's last warm-up step (with the variant trl); demo_w4.txt, demo_w8.txt
+#                  (and .json) the demos beside it
 #   prof_odc.txt   (d) the profile of posttrain's step; profile.txt the run's log
 # Environment: OUT, PART_TIMEOUT (seconds for the part, default 460), TEST_TIMEOUT (per test, default
 #   120), WORKERS (pytest-xdist workers for (a), default 3; 0: one process), PROFILE (odc benchmarks'
 #   length profile, default long_tail), DOCTOR_ARGS, PY; for (c) TRL_VARIANTS (default
-#   trl,trl-pf:4,odc,fsdp), TRL_ROUNDS (2), TRL_STEPS (8, 2 of them warm-up), TRL_CHECKPOINTING, TRL_DIR.
+#   trl-pf:4,odc,fsdp; add trl for one record a forward), TRL_ROUNDS (2), TRL_STEPS (20, 2 of them warm-up),
+#   TRL_CHECKPOINTING, TRL_DIR, DEMO_ROUNDS (5).
 set -u
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 PART=${1:-}
 case $PART in
   tests|measure|trl|profile) ;;
-  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]|trl|profile" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]|trl [demo]|profile" >&2; exit 2 ;;
 esac
 BENCHES=${2:-none}
-case $BENCHES in
-  odc|pipeline|none) ;;
-  *) echo "gpu-verify: the CPU benchmarks beside (b) are odc, pipeline or none, not '$BENCHES'" >&2; exit 2 ;;
+case $PART:$BENCHES in
+  measure:odc|measure:pipeline|*:none|trl:demo) ;;
+  measure:*) echo "gpu-verify: the CPU benchmarks beside (b) are odc, pipeline or none, not '$BENCHES'" >&2; exit 2 ;;
+  trl:*) echo "gpu-verify: what runs beside (c) is demo or none, not '$BENCHES'" >&2; exit 2 ;;
+  *) echo "gpu-verify: part '$PART' takes nothing after it, not '$BENCHES'" >&2; exit 2 ;;
 esac
 OUT=${OUT:-out/gpu}
 if [ -x .venv/bin/python ]; then PY=${PY:-.venv/bin/python}; else PY=${PY:-python3}; fi
@@ -61,10 +69,15 @@ WORKERS=${WORKERS:-3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 
-TRL_ARGS="--dir ${TRL_DIR:-/tmp/trl_sft} --variants ${TRL_VARIANTS:-trl,trl-pf:4,odc,fsdp} --rounds ${TRL_ROUNDS:-2} --steps ${TRL_STEPS:-8} --warmup 2 --timeout 150 --checkpointing ${TRL_CHECKPOINTING:-off}"
+TRL_ARGS="--dir ${TRL_DIR:-/tmp/trl_sft} --variants ${TRL_VARIANTS:-trl-pf:4,odc,fsdp} --rounds ${TRL_ROUNDS:-2} --steps ${TRL_STEPS:-20} --warmup 2 --timeout 150 --checkpointing ${TRL_CHECKPOINTING:-off}"
+DEMO="$PY -m posttrain demo --rounds ${DEMO_ROUNDS:-5} --plot ''"
 if [ "$DRY" = 1 ]; then
   echo "gpu-verify (dry run) of part '$PART' on this machine; on the GPU machine it would:"
   if [ "$PART" = trl ]; then
+    if [ "$BENCHES" = demo ]; then
+      echo "  - on cores 4-7 and 8-15, beside (c): $DEMO --world-size 4|8 --sequences 16|32 --json \$OUT/demo_w4|8.json"
+      echo "  - on cores 0-3:"
+    fi
     echo "  - run python -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile \$OUT/trl_profile.txt, cut at $PART_TIMEOUT s"
     exit 0
   fi
@@ -121,8 +134,18 @@ elif [ "$PART" = profile ]; then
     --data $D/train.jsonl --model-path $D/model --dp odc --world-size 1 --device cuda --precision bf16 --sequences 16 \
     --max-tokens 4096 --steps 5 --lr 1e-4 --max-grad-norm 1.0 --balance diff_micro --seed 0" 2>&1 | tee "$OUT/profile.txt" || rc=$?
 elif [ "$PART" = trl ]; then
-  timeout "$PART_TIMEOUT" $PY -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile "$OUT/trl_profile.txt" \
+  pin=""
+  if [ "$BENCHES" = demo ]; then
+    if [ "$cores" -lt 16 ]; then echo "gpu-verify: the demos beside (c) need 16 cores, this machine has $cores" >&2; exit 2; fi
+    pin="taskset -c 0-3"
+    taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 4 --sequences 16 --json $OUT/demo_w4.json" \
+      >"$OUT/demo_w4.txt" 2>&1 &
+    taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 8 --sequences 32 --json $OUT/demo_w8.json" \
+      >"$OUT/demo_w8.txt" 2>&1 &
+  fi
+  timeout "$PART_TIMEOUT" $pin $PY -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile "$OUT/trl_profile.txt" \
     --out "$OUT/trl_sft.json" 2>&1 | tee "$OUT/trl_sft.txt" || rc=$?
+  wait
 else
   if [ "$cores" -ge 16 ] && [ "$BENCHES" != none ]; then
     GPU_CORES=0-3

@@ -289,10 +289,12 @@ def compare(a) -> dict:
               "tokens_per_step": statistics.mean(tokens[s] for s in timed), "peak_tflops": a.peak_tflops,
               "matmul_tflops": measured, "variants": {}, "failed": failed}
     secs = {v: [sum(run["step_s"][s] for s in timed) for run in runs[v]] for v in variants}
+    base = baseline(variants)
+    result["baseline"] = base
     for v in variants:
         rates = [sum(tokens[s] for s in timed) / t for t in secs[v]]
         # against TRL round by round (the rounds interleave the variants): median and range
-        vs = ([b / t for t, b in zip(secs[v], secs["trl"])] if "trl" in secs else [])
+        vs = [b / t for t, b in zip(secs[v], secs[base])] if base else []
         peaks = [p for run in runs[v] for p in run["peak_memory_gib"][a.warmup:] if p is not None]
         result["variants"][v] = {
             "tokens_per_s": statistics.median(rates), "range": [min(rates), max(rates)],
@@ -302,13 +304,21 @@ def compare(a) -> dict:
     return result
 
 
+def baseline(variants: list[str]) -> str | None:
+    """The TRL variant the others are set against: ``trl`` where it ran, else the first TRL variant
+    listed (``trl:N`` or ``trl-pf:N``), else none."""
+    trl = [v for v in variants if v == "trl" or v.startswith(("trl:", "trl-pf:"))]
+    return "trl" if "trl" in trl else (trl[0] if trl else None)
+
+
 def report(res: dict) -> str:
-    base = res["variants"].get("trl")
+    name = res.get("baseline", "trl" if "trl" in res["variants"] else None)
+    base = res["variants"].get(name) if name else None
     lines = [f"{res['preset']} Llama, {res['sequences']} records a step ({res['tokens_per_step']:.0f} tokens), "
              f"{res['steps']} steps ({res['warmup']} warm-up), {res['rounds']} rounds, activation checkpointing "
              f"{res['checkpointing']} in both; bf16 matmul measured "
              + (f"{res['matmul_tflops']:.0f} TFLOP/s" if res["matmul_tflops"] else "n/a"), "",
-             "| variant | tokens/s (median) | range | vs TRL (rounds) | TFLOP/s | MFU (stated peak) "
+             f"| variant | tokens/s (median) | range | vs {name or 'TRL'} (rounds) | TFLOP/s | MFU (stated peak) "
              "| MFU (measured matmul) | peak GiB |", "|---|---|---|---|---|---|---|---|"]
     for v, r in res["variants"].items():
         vs = "n/a" if r["vs_trl"] is None else "{:.2f}x ({:.2f}-{:.2f})".format(*r["vs_trl"])
@@ -326,9 +336,9 @@ def report(res: dict) -> str:
         lines.append(f"{v}: FAILED ({err.splitlines()[0] if err else 'no output'}; the whole error is in the JSON)")
     if base:
         for v in names:
-            if v != "trl":
+            if v != name:
                 d = max(abs(x - y) / abs(y) for x, y in zip(res["variants"][v]["losses"], base["losses"]))
-                lines.append(f"{v}: largest relative difference of a loss from TRL's: {d:.2e}")
+                lines.append(f"{v}: largest relative difference of a loss from {name}'s: {d:.2e}")
     return "\n".join(lines)
 
 
