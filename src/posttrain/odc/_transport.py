@@ -57,6 +57,9 @@ _MSG_OFFSET = _HEADER_WORDS * 8
 _MSG_BYTES = 1024
 _HEADER_BYTES = 4096
 _ALIGN = 64
+#: The longest nap between a barrier's checks of its peers once it has spun 400 times (seconds): the
+#: wait ends up to this late after the last peer arrives.
+_NAP_MAX_S = 1e-3
 
 #: Bytes per lock stripe of an accumulator (1 MiB), counted from the start of the segment region.
 STRIPE_BYTES = 1 << 20
@@ -313,7 +316,7 @@ class ShmTransport:
             spins += 1
             if spins < 200:
                 continue
-            time.sleep(0 if spins < 400 else min(1e-3, 1e-5 * (spins - 400) + 1e-5))
+            time.sleep(0 if spins < 400 else min(_NAP_MAX_S, 1e-5 * (spins - 400) + 1e-5))
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + 0.2
