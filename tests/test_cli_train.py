@@ -18,12 +18,22 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     """A short demo: the four variants taking turns in one job (a progress line a round), a table
     with speedups and their intervals, the same final loss everywhere (the same updates), the three
     factors (pooled: they multiply to the total), the calibrated simulator's predictions at 8-64
-    GPUs labelled as such, a timeline PNG with a panel per variant."""
+    GPUs labelled as such, a timeline PNG with a panel per variant; in the JSON, each round's
+    shared-memory barriers a step: FSDP2 over gloo passes none, flat ODC's collective mode one or
+    more a layer, more than ODC's one-sided minibatch."""
+    import json
+
     from posttrain.lab.demo import PREDICT_AT, VARIANTS
 
     png = tmp_path / "t.png"
-    proc = run_cli("demo", "--rounds", "2", "--steps", "3", "--sequences", "8", "--max-len", "128", "--plot", str(png))
+    proc = run_cli("demo", "--rounds", "2", "--steps", "3", "--sequences", "8", "--max-len", "128", "--plot", str(png),
+                   "--json", str(tmp_path / "d.json"))
     assert proc.returncode == 0, proc.stderr
+    for r in json.loads((tmp_path / "d.json").read_text())["rounds"]:
+        assert r["FSDP2 + same_micro"]["barriers"] == 0
+        assert r["flat ODC collective"]["barriers"] > r["flat ODC + diff_micro"]["barriers"] > 0
+        for v in r.values():
+            assert 0 <= v["barrier_late_s"] <= v["barrier_wait_s"] + 1e-3
     lines = proc.stdout.splitlines()
     progress = [ln for ln in lines if ln.strip().startswith("round ")]
     assert [p.split(":")[0].strip() for p in progress] == ["round 1/2", "round 2/2"]

@@ -150,3 +150,35 @@ def test_a_dev_shm_too_small_is_one_clear_error_at_creation_not_a_crash_at_a_wri
                          capture_output=True, text=True, timeout=120)
     assert "ERR cannot reserve 8 MiB in /dev/shm for the ODC transport" in out.stdout, out.stdout + out.stderr
     assert "MiB free there" in out.stdout and "LEFT []" in out.stdout, out.stdout
+
+
+def _late_worker(rank, world_size, hold_s):
+    import torch.distributed as dist
+
+    from posttrain.odc import barrier_totals
+
+    t = ShmTransport.create(dist.group.WORLD, {"x": 64})
+    try:
+        t.barrier(1)
+        before = barrier_totals()
+        if rank == 1:
+            time.sleep(hold_s)  # rank 0 waits this long at the next barrier
+        t.barrier(2)
+        t.barrier(3)
+        after = barrier_totals()
+    finally:
+        t.close()
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_barrier_totals_split_a_wait_from_the_time_after_the_last_arrival():
+    """Rank 0 waits ~0.3 s for rank 1 at one barrier: its totals count 2 barriers, at least that wait,
+    and a time after rank 1's arrival far below it (the stamps are the peers' arrivals, not rank 0's
+    own: counting from its own arrival would make the two equal); rank 1, arriving last, waited little."""
+    hold = 0.3
+    waiter, late = run_ranks(_late_worker, 2, hold)
+    assert waiter["barriers"] == late["barriers"] == 2
+    assert waiter["wait_s"] >= hold * 0.9
+    assert 0 <= waiter["late_s"] < hold / 3, waiter
+    assert late["wait_s"] < hold / 3 and 0 <= late["late_s"] <= late["wait_s"] + 1e-3
+    assert waiter["unread"] + late["unread"] <= 2

@@ -26,7 +26,7 @@ from ._flat import FlatODC, FlatUnit
 from ._fsdp import ODC, enable
 from ._module import FlatODCModule, flat_shard
 from ._protocol import Minibatch
-from ._transport import BarrierMismatchError, PeerFailedError, ShmTransport
+from ._transport import BarrierMismatchError, PeerFailedError, ShmTransport, barrier_totals
 from .config import ODCConfig
 from .normalize import global_token_count
 
@@ -41,6 +41,7 @@ __all__ = [
     "PeerFailedError",
     "ShmRowExchange",
     "ShmTransport",
+    "barrier_totals",
     "enable",
     "flat_shard",
     "global_token_count",

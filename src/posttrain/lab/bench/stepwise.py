@@ -81,7 +81,9 @@ def round_summary(steps: list[dict]) -> dict:
     """One variant's figures over one round's steps (the fields ``summarize`` gives a run):
     tokens/s over the steps' own time, utilization and wait share averaged over ranks and steps,
     compute seconds a step (summed over ranks, and the busiest rank's), mean step time, the last
-    step's loss."""
+    step's loss; the shared-memory barriers a rank passed a step and the seconds a rank spent in
+    them, waiting in all (``barrier_wait_s``) and after the last peer had arrived
+    (``barrier_late_s``: :func:`posttrain.odc.barrier_totals`), averaged over ranks and steps."""
     times = [s["step_time_s"] for s in steps]
     ranks = [s["ranks"] for s in steps]
     return {
@@ -93,6 +95,8 @@ def round_summary(steps: list[dict]) -> dict:
         "busiest_compute_s": sum(max(r["compute_s"] for r in rows) for rows in ranks) / len(ranks),
         "step_time_s": sum(times) / len(times),
         "final_loss": steps[-1]["loss"],
+        **{k: sum(sum(r.get(k, 0.0) for r in rows) / len(rows) for rows in ranks) / len(ranks)
+           for k in ("barriers", "barrier_wait_s", "barrier_late_s")},
     }
 
 

@@ -55,6 +55,7 @@ from posttrain.dp import DataParallelEngine, build_engine
 from posttrain.models import build_model, load_pretrained, tied_names, token_loss_sum
 from posttrain.models.lora import add_lora, check_model_targets, write_model
 from posttrain.models.split_attention import SplitShard
+from posttrain.odc import barrier_totals
 from posttrain.spans import COMM_KINDS, Recorder
 from posttrain.train.core import Trainer
 from posttrain.train.core.context import MIN_SPLIT_GAIN, SplitGroups, exchange_cost, group_failure
@@ -304,6 +305,7 @@ class SFTTrainer(Trainer):
         units = loss_units(seqs, range(len(seqs)), cfg.loss_agg)
         dist.barrier()  # step start, outside any minibatch
         reset_peak_memory(self.device)
+        bar0 = barrier_totals()
         t0 = time.perf_counter()
         rec.clear()  # keep one step's spans: the timeline shows the last step
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -339,6 +341,7 @@ class SFTTrainer(Trainer):
             synchronize(self.device)  # once a step: the step's time includes its queued kernels
         rec.resolve()  # (device-timed spans: their kernels have run)
         busy = time.perf_counter() - t0
+        bar = {k: v - bar0[k] for k, v in barrier_totals().items()}
         peak = max_memory_allocated(self.device)  # this rank's, over the step (None on the CPU)
         peak_gib = None if peak is None else peak / 2**30
         comm = sum(rec.total(k) for k in COMM_KINDS)
@@ -346,7 +349,8 @@ class SFTTrainer(Trainer):
                "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
                "microbatches": len(mine) + len(shards),
                "rank_tokens": sum(m.num_tokens for m in mine) + sum(sh.num_tokens for sh in shards),
-               "peak_memory_gib": float("nan") if peak_gib is None else peak_gib}
+               "peak_memory_gib": float("nan") if peak_gib is None else peak_gib,
+               "barriers": bar["barriers"], "barrier_wait_s": bar["wait_s"], "barrier_late_s": bar["late_s"]}
         col = self._stats = gather_step_stats(own, world_size)
         step_time = float(col["busy_s"].max())
         # What a stopwatch sees: the time since the previous step ended (its metrics, checkpoint
@@ -372,14 +376,15 @@ class SFTTrainer(Trainer):
         return row
 
     #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
-    OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens", "peak_memory_gib")
+    OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens", "peak_memory_gib",
+                  "barriers", "barrier_wait_s", "barrier_late_s")
 
     def every_rank_rows(self, row: dict) -> list[dict]:
         """Every rank's row from the step's gathered stats (what each rank measured), without a
         gather of the rows; the step's wall time and rates are rank 0's."""
         col, out = self._stats, []
         for r in range(self.world_size):
-            own = {k: (int(col[k][r]) if k in ("microbatches", "rank_tokens") else float(col[k][r]))
+            own = {k: (int(col[k][r]) if k in ("microbatches", "rank_tokens", "barriers") else float(col[k][r]))
                    for k in self.OWN_FIELDS}
             if own["peak_memory_gib"] != own["peak_memory_gib"]:  # NaN: the CPU keeps no peak
                 own["peak_memory_gib"] = None
