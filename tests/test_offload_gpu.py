@@ -6,12 +6,15 @@ import math
 import pytest
 import torch
 
-from posttrain.lab.offload_gpu import docs_k, format_offload, measure_offload, offload_order
+from posttrain.lab.offload_gpu import docs_k, format_offload, format_selective, measure_offload, offload_order
 
 FIELDS = ("tokens", "step_s_none", "step_s_offload", "overhead", "base_bytes", "peak_bytes_none", "peak_bytes_offload",
           "act_bytes_none", "act_bytes_offload", "act_reduction", "saved_bytes_per_mb", "saved_per_token_layer_h",
           "saved_peak_mb_none", "saved_peak_mb_offload", "fb_s", "d2h_s", "h2d_s", "d2h_gbps", "h2d_gbps", "tflops",
-          "k_measured", "k_docs", "late_reloads", "grads_match", "grad_max_rel_diff")
+          "k_measured", "k_docs", "late_reloads", "grads_match", "grad_max_rel_diff", "f_s", "b_s", "fraction",
+          "predicted_overhead_full", "predicted_overhead_selective", "predicted_peak_mb", "offloaded_bytes_full",
+          "step_s_selective", "overhead_selective", "act_bytes_selective", "saved_peak_mb_selective",
+          "offloaded_bytes_selective")
 
 
 def test_offload_order_is_the_runners_full_offload():
@@ -50,6 +53,26 @@ def test_measure_offload_on_cpu_gives_equal_gradients_and_every_field():
     assert "equal" in lines[2] and "n/a" in lines[2]
 
 
+def test_selective_offload_at_a_share_moves_that_share_with_equal_gradients():
+    """``fraction`` given (on a GPU the planner picks it from the measured k; on the CPU copies are
+    cheap and full offload hides, so no share is picked): a third variant moves about half the
+    bytes of full offload, with the same gradients, holds more than full offload and less than none,
+    as the simulator predicts; the selective table has its row."""
+    (row,) = measure_offload("cpu", hidden=64, layers=2, tokens=(64,), microbatches=4, dtype=torch.float32, repeats=1,
+                             fraction=0.5)
+    assert row["grads_match"] and row["grad_max_rel_diff"] == 0.0 and row["late_reloads"] == 0
+    assert row["fraction"] == 0.5 and row["step_s_selective"] > 0
+    assert 0.35 < row["offloaded_bytes_selective"] / row["offloaded_bytes_full"] < 0.65
+    assert row["saved_peak_mb_offload"] < row["saved_peak_mb_selective"] < row["saved_peak_mb_none"]
+    assert row["saved_peak_mb_selective"] == pytest.approx(row["predicted_peak_mb"]["selective"], abs=0.2)
+    (plain,) = measure_offload("cpu", hidden=64, layers=1, tokens=(32,), microbatches=2, dtype=torch.float32, repeats=1)
+    assert plain["fraction"] == 1.0 and plain["step_s_selective"] is None  # the CPU's copies hide: full offload
+    lines = format_selective([row, plain])
+    assert len(lines) == 4 and "0.50" in lines[2] and "not run" in lines[3]
+    with pytest.raises(ValueError, match=r"fraction=0 must be in \(0, 1\]"):
+        measure_offload("cpu", hidden=64, layers=1, tokens=(32,), fraction=0)
+
+
 def test_full_offload_holds_fewer_microbatches_at_once():
     (row,) = measure_offload("cpu", hidden=64, layers=1, tokens=(32,), microbatches=4, dtype=torch.float32, repeats=1)
     assert row["grads_match"]
@@ -67,3 +90,10 @@ def test_measure_offload_on_cuda_small():
     assert r["act_bytes_offload"] <= r["act_bytes_none"]
     assert r["k_measured"] > 0 and r["k_docs"] > 0
     assert len(format_offload(rows)) == 3
+    # selective offload on the GPU's side stream: half of each microbatch out and back, the rest kept
+    (h,) = measure_offload("cuda", hidden=256, layers=1, tokens=(512,), microbatches=4, dtype=torch.bfloat16,
+                           repeats=2, fraction=0.5)
+    assert h["grads_match"], h["grad_max_rel_diff"]
+    assert h["late_reloads"] == 0 and 0.3 < h["offloaded_bytes_selective"] / h["offloaded_bytes_full"] < 0.7
+    assert h["act_bytes_selective"] <= h["act_bytes_none"]
+    assert len(format_selective([*rows, h])) == 4

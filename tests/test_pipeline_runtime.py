@@ -444,14 +444,15 @@ def test_cuda_store_offloads_on_a_side_stream_and_round_trips():
 
 # -- split backward: what only I needs is freed when I ends --------------------------------------
 
-def _one_process_zbv(monkeypatch=None, *, weight_split=True, walk=None, offload=0):
-    """zbv on one process (1 rank x 2 chunks: stages 0 and 1), 4 microbatches, two steps; the
-    runner, its step results and the parameter gradients."""
-    cfg = PipelineConfig(schedule="zbv", num_ranks=1, num_microbatches=4, num_layers=4, dim=32, seq_len=16, steps=1)
+def _one_process_zbv(monkeypatch=None, *, weight_split=True, walk=None, offload=0, fraction=1.0, schedule="zbv"):
+    """zbv (or ``schedule``) on one process (1 rank x 2 chunks: stages 0 and 1; gpipe: 1 chunk),
+    4 microbatches, two steps; the runner, its step results and the parameter gradients."""
+    cfg = PipelineConfig(schedule=schedule, num_ranks=1, num_microbatches=4, num_layers=4, dim=32, seq_len=16, steps=1,
+                         chunks=2 if schedule == "zbv" else 1)
     torch.manual_seed(0)
     stages = split_model(build_pipeline_model(cfg), cfg.num_stages)
     runner = PipelineRunner(dict(enumerate(stages)), cfg.build(), loss_fn=microbatch_loss,
-                            offload=OffloadPolicy(offload), weight_split=weight_split)
+                            offload=OffloadPolicy(offload, fraction=fraction), weight_split=weight_split)
     if walk is not None:
         monkeypatch.setattr(runner, "_weight_saved", walk)
     results = [runner.step(*step_batch(cfg, step)) for step in range(2)]
@@ -480,6 +481,35 @@ def test_split_backward_frees_what_only_i_needs_with_the_same_gradients():
         if offload:  # W's part goes out again between I and W
             assert any(a.kind == "OFFLOAD_W" for a in runner.order)
             assert last.offloaded_bytes > 0
+
+
+def test_selective_offload_within_a_chunk_moves_a_share_keeps_the_rest_and_the_gradients():
+    """OffloadPolicy(fraction=f): each offload moves the tensors saved first, about f of the
+    chunk-microbatch (whole storages), and the rest stays on the device: the same gradients bit
+    for bit (zbv's split backward: W's part goes out again at the same share), no late reload, the
+    bytes moved about f of full offload's, and a resident peak between none's and full's, near the
+    simulator's at that share."""
+    from posttrain.pipeline import add_offload, add_send_recv, simulate
+
+    for schedule, chunks in (("zbv", 2), ("gpipe", 1)):  # a split backward; every forward before any backward
+        _, none, ref = _one_process_zbv(offload=0, schedule=schedule)
+        _, full, _ = _one_process_zbv(offload=chunks, schedule=schedule)
+        for fraction in (0.3, 0.6):
+            runner, results, grads = _one_process_zbv(offload=chunks, fraction=fraction, schedule=schedule)
+            for n in ref:
+                torch.testing.assert_close(grads[n], ref[n], rtol=0, atol=0, msg=n)
+            last = results[-1]
+            assert last.late_reloads == 0
+            share = last.offloaded_bytes / full[-1].offloaded_bytes
+            assert abs(share - fraction) < 0.15, share
+            sched = runner.schedule
+            lowered = add_send_recv(add_offload(sched.actions, sched.layout, 4, OffloadPolicy(chunks)), sched.layout)
+            predicted = simulate(lowered, sched.layout, 4, weight_keep=last.weight_keep, offload_fraction=share).peak(0)
+            assert last.peak_units == pytest.approx(predicted, abs=0.2), (schedule, last.peak_units, predicted)
+            if schedule == "gpipe":  # 4 microbatches held at once without offload; fewer with it, more at a share
+                assert full[-1].peak_units < last.peak_units < none[-1].peak_units, (full[-1].peak_units, none[-1].peak_units)
+    with pytest.raises(ValueError, match=r"offload fraction=0 must be in \(0, 1\]"):
+        OffloadPolicy(1, fraction=0)
 
 
 def test_a_split_the_graph_walk_gets_wrong_is_caught_on_the_first_microbatch_and_stops(monkeypatch):

@@ -51,11 +51,11 @@ def _run(c: PipelineCommand) -> int:
     if cfg.dp_size > 1:
         print(f"{cfg.schedule}: {count(cfg.num_ranks, 'rank')} x {count(cfg.num_chunks, 'chunk')}, "
               f"{count(cfg.dp_size, 'data-parallel pipeline')} ({cfg.engine.label}, {cfg.balance}), offload "
-              f"{cfg.offload}; {count(cfg.steps, 'step')} on "
+              f"{_offload(cfg)}; {count(cfg.steps, 'step')} on "
               f"{placement(cfg.device_kind, cfg.num_ranks * cfg.dp_size)}", flush=True)
     else:
         print(f"{cfg.schedule}: {count(cfg.num_ranks, 'rank')} x {count(cfg.num_chunks, 'chunk')}, "
-              f"{count(cfg.num_microbatches, 'microbatch', 'microbatches')}, offload {cfg.offload}; "
+              f"{count(cfg.num_microbatches, 'microbatch', 'microbatches')}, offload {_offload(cfg)}; "
               f"{count(cfg.steps, 'step')} on {placement(cfg.device_kind, cfg.num_ranks)}", flush=True)
     results = run_pipeline(cfg)
     if not results:
@@ -81,7 +81,7 @@ def _run(c: PipelineCommand) -> int:
         print(f"wrote {c.calibration_out} (posttrain plan pipeline --calibrate {c.calibration_out} plans from it)")
     if c.plot and cfg.dp_size == 1:
         path = plot_pipeline(results, c.plot, title=f"{cfg.schedule}, {cfg.num_ranks} ranks x {cfg.num_chunks} "
-                             f"chunks, {cfg.num_microbatches} microbatches, offload {cfg.offload} (last step)")
+                             f"chunks, {cfg.num_microbatches} microbatches, offload {_offload(cfg)} (last step)")
         print(f"wrote {path}")
     return 0
 
@@ -89,3 +89,9 @@ def _run(c: PipelineCommand) -> int:
 def add_parser(sub) -> None:
     add_command(sub, "pipeline", PipelineCommand, _run, config_file=True,
                 help="pipeline-parallel training with activation offload, on CPU processes or GPUs")
+
+
+def _offload(cfg) -> str:
+    """The run's offload as the banner says it: ``full``, ``1`` (chunks), ``full (0.3 of each)``."""
+    share = cfg.offload != "none" and cfg.offload_fraction != 1
+    return cfg.offload + (f" ({cfg.offload_fraction:g} of each)" if share else "")

@@ -258,6 +258,9 @@ class SimulatePipeline:
         schedule: the schedule and its shape.
         workload: the costs of one chunk-microbatch.
         offload: none, full, or the number of chunks per rank to offload (the first ones).
+        offload_fraction: the share of each offloaded chunk-microbatch its copies move (selective
+            offload within a chunk; the rest stays resident), or auto: the largest multiple of 0.05
+            predicted to cost at most 2% of the step.
         plot: chart PNG ('' for none).
         paper_table: only print ours beside the PipeOffload paper's unit-cost table.
     """
@@ -265,6 +268,7 @@ class SimulatePipeline:
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
     workload: WorkloadOptions = field(default_factory=WorkloadOptions)
     offload: str = "none"
+    offload_fraction: str = "1"
     plot: str = "out/sim_pipeline.png"
     paper_table: bool = False
 
@@ -402,11 +406,29 @@ def _pipeline(o: SimulatePipeline) -> int:
 
     w, s = o.workload.build(), o.schedule
     chunks = OffloadPolicy.parse(o.offload, s.chunks or default_chunks(s.schedule)).chunks
-    res = simulate_pipeline(s.schedule, num_ranks=s.num_ranks, num_microbatches=s.num_microbatches,
-                            num_chunks=s.chunks, group_size=s.group_size, offload_chunks=chunks, workload=w)
+    run = {"num_ranks": s.num_ranks, "num_microbatches": s.num_microbatches, "num_chunks": s.chunks,
+           "group_size": s.group_size, "offload_chunks": chunks, "workload": w}
+    if o.offload_fraction == "auto":
+        from posttrain.sim.planner import plan_offload_fraction
+
+        if chunks == 0:
+            raise ValueError("--offload-fraction auto picks a share of the offloaded chunks: give --offload too")
+        res = plan_offload_fraction(s.schedule, **run)
+        if res is None:
+            print("--offload-fraction auto: even 5% of each chunk-microbatch costs more than 2% of the step; "
+                  "no offload")
+            res = simulate_pipeline(s.schedule, **{**run, "offload_chunks": 0})
+    else:
+        try:
+            fraction = float(o.offload_fraction)
+        except ValueError:
+            raise ValueError(f"--offload-fraction={o.offload_fraction!r} is not a number in (0, 1] or auto") from None
+        res = simulate_pipeline(s.schedule, offload_fraction=fraction, **run)
     ms = 1e3
+    share = "" if res.offload_fraction == 1 or not res.offload_chunks else f", {res.offload_fraction:.2f} of each"
     print(f"{s.schedule}: {count(s.num_ranks, 'rank')} x {count(res.num_chunks, 'chunk')}, "
-          f"{count(s.num_microbatches, 'microbatch', 'microbatches')}, offload {count(chunks, 'chunk')} per rank")
+          f"{count(s.num_microbatches, 'microbatch', 'microbatches')}, offload "
+          f"{count(res.offload_chunks, 'chunk')} per rank{share}")
     print(f"makespan {res.makespan * ms:.2f} ms (without offload {res.base_makespan * ms:.2f} ms, overhead "
           f"{res.overhead:+.1%}); bubble {res.bubble_fraction:.1%}")
     print(f"k = (D2H + H2D) / (F + I + W) = {w.k:.2f} "

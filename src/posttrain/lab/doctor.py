@@ -42,7 +42,8 @@ CHECKS = (
     "flat ODC's engine overhead: a ~110M-parameter Llama step in bf16, 2 ODC processes on one GPU against "
     "one unsharded process",
     "PipeOffload on one Llama-style stage (hidden 4096, 4k and 16k tokens, bf16): full offload's cost in "
-    "step time, the activation memory it frees, measured k beside the formula",
+    "step time, the activation memory it frees, measured k beside the formula; selective offload at the "
+    "share the planner picks for that k, its cost predicted and measured",
 )
 
 
@@ -233,10 +234,11 @@ def _step_section(log: Callable[[str], None]) -> list[str]:
 
 
 def _offload_section(log: Callable[[str], None]) -> list[str]:
-    from posttrain.lab.offload_gpu import format_offload, measure_offload
+    from posttrain.lab.offload_gpu import format_offload, format_selective, measure_offload
 
     rows = measure_offload(torch.device("cuda", 0), microbatches=8)
-    lines = format_offload(rows)
+    lines = [*format_offload(rows), "", "Selective offload at the share the planner picks for the measured k:", "",
+             *format_selective(rows)]
     for line in lines:
         log(line)
     return lines

@@ -177,11 +177,14 @@ def _deps(a: Action, layout: StageLayout, present: set[Action]) -> list[Action]:
 
 def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microbatches: int, *,
              durations: Durations = Durations(), not_before: Mapping[Action, float] | None = None,
-             weight_keep: float | Mapping[int, float] = 1.0) -> SimResult:
+             weight_keep: float | Mapping[int, float] = 1.0, offload_fraction: float = 1.0) -> SimResult:
     """Validate ``schedule`` and run it on a clock; ``not_before`` holds actions back to a given
     start (e.g. a repeated-block schedule at its block times: ``Schedule.block_times``);
     ``weight_keep``: the fraction of a chunk-microbatch a split backward keeps for ``W``, one for
-    every stage or per stage (see the module docstring).
+    every stage or per stage (see the module docstring); ``offload_fraction``: the share of an
+    offloaded chunk-microbatch its copies move (:class:`~posttrain.pipeline.OffloadPolicy`'s
+    ``fraction``): the rest stays resident from its ``F`` to its backward (the copies' durations
+    are the caller's, in ``durations``).
 
     Raises:
         ScheduleError: a missing, repeated or misplaced action, a dependency that runs later in
@@ -254,16 +257,21 @@ def simulate(schedule: dict[int, list[Action]], layout: StageLayout, num_microba
         split = Action(s, "I", j) in end
         w = keep[s] if split else 0.0
         before = end[Action(s, "I", j)] if split else end[Action(s, "B", j)]  # the whole chunk until then
+        f = offload_fraction
         if Action(s, "OFFLOAD", j) in end:
-            intervals.append((t0, end[Action(s, "OFFLOAD", j)], s, 1))
-            intervals.append((res.start[(rank, Action(s, "RELOAD", j))], before, s, 1))
+            intervals.append((t0, end[Action(s, "OFFLOAD", j)], s, f))
+            intervals.append((res.start[(rank, Action(s, "RELOAD", j))], before, s, f))
+            if f < 1:  # what a partial offload keeps on the device
+                intervals.append((t0, before, s, 1 - f))
         else:
             intervals.append((t0, before, s, 1))
         if w > 0:  # the part W needs, from the end of I to the end of W
             release = end[Action(s, "W", j)]
             if Action(s, "OFFLOAD_W", j) in end:
-                intervals.append((before, end[Action(s, "OFFLOAD_W", j)], s, w))
-                intervals.append((res.start[(rank, Action(s, "RELOAD_W", j))], release, s, w))
+                intervals.append((before, end[Action(s, "OFFLOAD_W", j)], s, w * f))
+                intervals.append((res.start[(rank, Action(s, "RELOAD_W", j))], release, s, w * f))
+                if f < 1:
+                    intervals.append((before, release, s, w * (1 - f)))
             else:
                 intervals.append((before, release, s, w))
     return res

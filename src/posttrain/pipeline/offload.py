@@ -158,6 +158,8 @@ class _Entry:
     aside: dict[int, torch.Tensor] = field(default_factory=dict)  # dropped by a verifying split, held to release
     aside_bytes: int = 0
     missed: bool = False  # W read a storage the split dropped
+    stay: dict[int, torch.Tensor] = field(default_factory=dict)  # kept on the device by a partial offload
+    moved: int = 0  # bytes of ``storages`` a partial offload moved (all of ``nbytes`` but ``stay``'s)
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,10 @@ class ActivationStore:
         if entry is None:
             raise RuntimeError(f"stage {s.key[0]} microbatch {s.key[1]}: saved activations were released "
                                f"before a backward that needs them")
+        if s.storage in entry.stay:  # kept on the device by a partial offload
+            flat = entry.stay[s.storage]
+            return torch.empty(0, dtype=s.dtype, device=flat.device).set_(
+                flat.untyped_storage(), s.offset, s.size, s.stride)
         if entry.state in ("host", "offloading"):
             self.late_reloads += 1
             self.reload(*s.key)
@@ -306,34 +312,49 @@ class ActivationStore:
 
     # -- transitions ------------------------------------------------------------------------
 
-    def offload(self, stage: int, microbatch: int) -> None:
-        """Start moving ``(stage, microbatch)`` to host memory (synchronous on CPU)."""
+    def offload(self, stage: int, microbatch: int, fraction: float = 1.0) -> None:
+        """Start moving ``(stage, microbatch)`` to host memory (synchronous on CPU).
+
+        ``fraction`` < 1: move only the storages saved first (the earliest layers' tensors) up to
+        about that share of the entry's bytes (each storage whole, taken while it brings the total
+        nearer the share), keeping the rest on the device; the reload brings the moved part back.
+        """
         entry = self._get(stage, microbatch, "offload")
         if entry.state != "device":
             raise RuntimeError(f"stage {stage} microbatch {microbatch}: offload in state {entry.state}")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"offload fraction={fraction} must be in (0, 1]")
+        moving, entry.stay, target, moved = {}, {}, fraction * entry.nbytes, 0
+        for k, flat in entry.storages.items():
+            if moved + flat.numel() / 2 <= target:
+                moving[k] = flat
+                moved += flat.numel()
+            else:
+                entry.stay[k] = flat
+        entry.moved = moved
         host = {}
         if self._async:
             self._stream.wait_stream(torch.accelerator.current_stream(self.device))
             with on_stream(self._stream):
-                for k, flat in entry.storages.items():
+                for k, flat in moving.items():
                     host[k] = self.pool.take(flat.numel())
                     host[k].copy_(flat, non_blocking=True)
                 entry.event = torch.Event(self.device)
                 entry.event.record(self._stream)
             # Free the device copy now: the allocator reuses its blocks only once the side stream
             # has passed this copy (record_stream), so nothing waits for the copy to finish.
-            for flat in entry.storages.values():
+            for flat in moving.values():
                 flat.record_stream(self._stream)
             entry.pending_free = []
             entry.state = "offloading"
         else:
-            for k, flat in entry.storages.items():
+            for k, flat in moving.items():
                 host[k] = self.pool.take(flat.numel())
                 host[k].copy_(flat)
             entry.state = "host"
-            self._account(stage, -entry.nbytes)
+            self._account(stage, -moved)
         entry.storages = host
-        self.offloaded_bytes += entry.nbytes
+        self.offloaded_bytes += moved
 
     def reload(self, stage: int, microbatch: int) -> None:
         """Start moving ``(stage, microbatch)`` back to the device (synchronous on CPU)."""
@@ -360,8 +381,9 @@ class ActivationStore:
                 dev[k] = host.clone()
                 self.pool.give(host)
             entry.state = "device"
-        entry.storages = dev
-        self._account(stage, entry.nbytes)
+        entry.storages = {**dev, **entry.stay}
+        entry.stay = {}
+        self._account(stage, entry.moved)
 
     def split(self, stage: int, microbatch: int, keep: set[int], *, verify: bool = False) -> None:
         """After ``I``: free every storage of ``(stage, microbatch)`` not in ``keep`` (storage keys
@@ -375,8 +397,16 @@ class ActivationStore:
             entry.event.synchronize()
             self._finish_offload(stage, entry)
         on_device = entry.state == "device"  # else on the host: an I that read none of it
+        if not on_device and entry.stay:  # what a partial offload kept: on the device, freed now
+            gone = [k for k in entry.stay if k not in keep]
+            freed_stay = sum(entry.stay.pop(k).numel() for k in gone)
+            entry.nbytes -= freed_stay
+            if freed_stay:
+                self._account(stage, -freed_stay)
         drop = [k for k in entry.storages if k not in keep]
         dropped = sum(entry.storages[k].numel() for k in drop)
+        if not on_device:
+            entry.moved -= dropped
         for k in drop:
             flat = entry.storages.pop(k)
             if not on_device:
@@ -414,8 +444,9 @@ class ActivationStore:
             if entry.state == "host":
                 for host in entry.storages.values():
                     self.pool.give(host)
-            if entry.aside_bytes:
-                self._account(stage, -entry.aside_bytes)
+            kept = sum(flat.numel() for flat in entry.stay.values())  # a partial offload's device part
+            if entry.aside_bytes or kept:
+                self._account(stage, -entry.aside_bytes - kept)
 
     def poll(self) -> None:
         """Account finished CUDA offloads (non-blocking; a no-op on CPU)."""
@@ -426,7 +457,7 @@ class ActivationStore:
     def _finish_offload(self, stage: int, entry: _Entry) -> None:
         entry.pending_free = []
         entry.state, entry.event = "host", None
-        self._account(stage, -entry.nbytes)
+        self._account(stage, -entry.moved)
 
     def _get(self, stage: int, microbatch: int, what: str) -> _Entry:
         entry = self._entries.get((stage, microbatch))

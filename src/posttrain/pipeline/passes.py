@@ -40,17 +40,23 @@ class OffloadPolicy:
             right after the forward, is never worth a round trip).
         weight: under a split backward, also offload what ``W`` keeps between ``I`` and ``W``
             (same chunks, same ``min_lifespan`` rule on the ``I``-to-``W`` gap).
+        fraction: the share of each offloaded chunk-microbatch's saved bytes that goes to host
+            memory (the tensors saved first; 1: all of it). Below 1 it is selective offload within
+            a chunk: the copies shrink with it, and the rest stays on the device.
     """
 
     chunks: int = 0
     min_lifespan: float = 0.0
     weight: bool = True
+    fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.chunks < 0:
             raise ValueError(f"offload chunks={self.chunks} must be non-negative")
         if self.min_lifespan < 0:
             raise ValueError(f"min_lifespan={self.min_lifespan} must be non-negative")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"offload fraction={self.fraction} must be in (0, 1]")
 
     @staticmethod
     def parse(text: str, num_chunks: int) -> OffloadPolicy:

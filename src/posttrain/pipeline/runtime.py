@@ -717,7 +717,7 @@ class PipelineRunner:
                                   f"did not find; this stage keeps all its saved activations until W", stacklevel=2)
             self.store.release(s, j)
         elif a.kind in ("OFFLOAD", "OFFLOAD_W"):
-            self.store.offload(s, j)
+            self.store.offload(s, j, self.policy.fraction)
         elif a.kind in ("RELOAD", "RELOAD_W"):
             self.store.reload(s, j)
         else:  # pragma: no cover - KINDS is closed

@@ -63,11 +63,13 @@ class PipelineWorkload:
         compute = self.forward_s + self.input_grad_s + self.weight_grad_s
         return 2 * self.copy_s / compute if compute > 0 else math.inf
 
-    def durations(self) -> Durations:
-        w_copy = self.copy_s * self.weight_keep
+    def durations(self, fraction: float = 1.0) -> Durations:
+        """The actions' durations; copies move ``fraction`` of a chunk-microbatch (selective
+        offload within a chunk)."""
+        copy = self.copy_s * fraction
+        w_copy = copy * self.weight_keep
         return Durations(F=self.forward_s, B=self.input_grad_s + self.weight_grad_s, I=self.input_grad_s,
-                         W=self.weight_grad_s, OFFLOAD=self.copy_s, RELOAD=self.copy_s, OFFLOAD_W=w_copy,
-                         RELOAD_W=w_copy)
+                         W=self.weight_grad_s, OFFLOAD=copy, RELOAD=copy, OFFLOAD_W=w_copy, RELOAD_W=w_copy)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class PipelineSimResult:
     base_makespan: float
     peaks: list[float]
     sim: SimResult
+    offload_fraction: float = 1.0
 
     @property
     def peak_bytes(self) -> float:
@@ -100,8 +103,8 @@ class PipelineSimResult:
     def offloaded_bytes(self) -> float:
         """Bytes a step copies to host memory, over all ranks (each comes back once)."""
         w = self.workload
-        return sum(w.activation_bytes if a.kind == "OFFLOAD" else w.activation_bytes * w.weight_keep
-                   for _, a in self.sim.start if a.kind in ("OFFLOAD", "OFFLOAD_W"))
+        return self.offload_fraction * sum(w.activation_bytes if a.kind == "OFFLOAD" else w.activation_bytes * w.weight_keep
+                                           for _, a in self.sim.start if a.kind in ("OFFLOAD", "OFFLOAD_W"))
 
     @property
     def overhead(self) -> float:
@@ -130,7 +133,7 @@ class PipelineSimResult:
 def simulate_pipeline(schedule: str, *, num_ranks: int, num_microbatches: int, num_chunks: int | None = None,
                       group_size: int | None = None, offload_chunks: int = 0,
                       workload: PipelineWorkload = PipelineWorkload(),
-                      min_lifespan: float | None = None) -> PipelineSimResult:
+                      min_lifespan: float | None = None, offload_fraction: float = 1.0) -> PipelineSimResult:
     """Simulate one step.
 
     Args:
@@ -139,18 +142,24 @@ def simulate_pipeline(schedule: str, *, num_ranks: int, num_microbatches: int, n
             :func:`posttrain.pipeline.default_chunks`).
         offload_chunks: offload each rank's first this many chunks (longest-lived first).
         min_lifespan: skip chunk-microbatches whose forward-to-backward gap is not longer
-            (default: one round trip, ``2 * copy time``: shorter cannot be hidden).
+            (default: one round trip of the copies, ``2 * offload_fraction * copy time``:
+            shorter cannot be hidden).
+        offload_fraction: the share of an offloaded chunk-microbatch that its copies move
+            (selective offload within a chunk; the rest stays resident).
     """
     sched = build_schedule(schedule, num_ranks=num_ranks, num_microbatches=num_microbatches,
                            num_chunks=num_chunks, group_size=group_size)
     if not 0 <= offload_chunks <= sched.layout.num_chunks:
         raise ValueError(f"offload_chunks={offload_chunks} must be between 0 and the {sched.layout.num_chunks} chunks "
                          "per rank")
-    d = workload.durations()
+    d = workload.durations(offload_fraction)
     base = simulate(sched.actions, sched.layout, num_microbatches, durations=d, weight_keep=workload.weight_keep)
-    policy = OffloadPolicy(offload_chunks, 2 * workload.copy_s if min_lifespan is None else min_lifespan)
+    policy = OffloadPolicy(offload_chunks, 2 * d.OFFLOAD if min_lifespan is None else min_lifespan,
+                           fraction=offload_fraction)
     lowered = add_offload(sched.actions, sched.layout, num_microbatches, policy, durations=d)
-    res = simulate(lowered, sched.layout, num_microbatches, durations=d, weight_keep=workload.weight_keep)
+    res = simulate(lowered, sched.layout, num_microbatches, durations=d, weight_keep=workload.weight_keep,
+                   offload_fraction=offload_fraction)
     return PipelineSimResult(schedule=schedule, num_ranks=num_ranks, num_chunks=sched.layout.num_chunks,
                              group_size=sched.group_size, offload_chunks=offload_chunks, workload=workload,
-                             makespan=res.makespan, base_makespan=base.makespan, peaks=res.peaks(), sim=res)
+                             makespan=res.makespan, base_makespan=base.makespan, peaks=res.peaks(), sim=res,
+                             offload_fraction=offload_fraction)

@@ -5,6 +5,8 @@
 - :func:`plan_pipeline`: every schedule, group size and offload count that fits a memory budget,
   ranked by simulated step time; :func:`recommend_pipeline` picks one: the least offload among
   those within 1% of the fastest that fits (no offload when something fits without it that fast).
+- :func:`plan_offload_fraction`: selective offload within a chunk where full offload cannot hide:
+  the largest share of each offloaded chunk-microbatch whose predicted cost stays within a bound.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from posttrain.balance import METHODS, plan_minibatch
-from posttrain.pipeline import ONE_CHUNK_SCHEDULES, SCHEDULES
+from posttrain.pipeline import ONE_CHUNK_SCHEDULES, SCHEDULES, build_schedule
 from posttrain.text import count
 
 from .cluster import Cluster
@@ -20,7 +22,7 @@ from .costs import SimModel
 from .dp import simulate_dp
 from .pipeline import PipelineSimResult, PipelineWorkload, simulate_pipeline
 
-__all__ = ["pipeline_candidates", "plan_odc", "plan_pipeline", "recommend_pipeline"]
+__all__ = ["pipeline_candidates", "plan_odc", "plan_offload_fraction", "plan_pipeline", "recommend_pipeline"]
 
 _FSDP_METHODS = ("round_robin", "local_sort", "same_micro")  # diff_micro needs ODC
 
@@ -142,3 +144,34 @@ def recommend_pipeline(fits: Sequence[PipelineSimResult], *, tolerance: float = 
     return best, (f"{need}; this offloads the least ({best.offloaded_bytes / 2**30:.2f} GiB to host memory per step, "
                   f"all ranks) of those within {tolerance:.0%} of the fastest that fits; predicted cost of its "
                   f"offload: {best.overhead:+.1%} step time over the same schedule without it")
+
+
+def plan_offload_fraction(schedule: str, *, num_ranks: int, num_microbatches: int, workload: PipelineWorkload,
+                          num_chunks: int | None = None, group_size: int | None = None,
+                          offload_chunks: int | None = None, max_overhead: float = 0.02, step: float = 0.05,
+                          min_lifespan: float | None = None) -> PipelineSimResult | None:
+    """Selective offload within a chunk: the largest share of each offloaded chunk-microbatch, a
+    multiple of ``step`` up to 1, whose simulated cost (step time over the same schedule without
+    offload, minus one) is at most ``max_overhead``; ``None`` where even ``step`` costs more.
+
+    With ``k = (D2H + H2D) / (F + B)`` above what the schedule can hide, full offload stretches
+    the step (the copy stream becomes the critical path); moving a share ``f`` of each
+    chunk-microbatch shrinks every copy by ``f`` and saves ``f`` of the memory offload would,
+    so the share that just hides is the most memory saved for (almost) nothing. ``offload_chunks``
+    defaults to every chunk; the rest as :func:`~posttrain.sim.pipeline.simulate_pipeline`.
+    """
+    if not 0 < step <= 1:
+        raise ValueError(f"step={step} must be in (0, 1]")
+    if max_overhead < 0:
+        raise ValueError(f"max_overhead={max_overhead} must be non-negative")
+    if offload_chunks is None:
+        offload_chunks = build_schedule(schedule, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                                        num_chunks=num_chunks, group_size=group_size).layout.num_chunks
+    best = None
+    for i in range(1, round(1 / step) + 1):
+        res = simulate_pipeline(schedule, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                                num_chunks=num_chunks, group_size=group_size, offload_chunks=offload_chunks,
+                                workload=workload, min_lifespan=min_lifespan, offload_fraction=min(1.0, i * step))
+        if res.overhead <= max_overhead:
+            best = res
+    return best

@@ -37,6 +37,9 @@ class PipelineConfig(LoraFields, RunConfig):
         group_size: group size of group_interleaved, group_interleaved_zb and interleaved_zb
             (default: the number of ranks); the other schedules take none.
         offload: none, full, or the number of chunks per rank to offload (the longest-lived first).
+        offload_fraction: the share of each offloaded chunk-microbatch's saved bytes that goes to
+            host memory (the tensors saved first; 1: all). Below 1, selective offload within a
+            chunk: the copies shrink with it, for where full offload cannot hide (docs/pipeline.md).
         no_weight_split: under a split backward (zb_h1, zbv, the _zb schedules), keep a
             chunk-microbatch's saved activations whole until W instead of freeing what only I
             needs when I ends (and offloading W's part on its own).
@@ -83,6 +86,7 @@ class PipelineConfig(LoraFields, RunConfig):
     num_microbatches: int = 4
     group_size: int | None = None
     offload: str = "none"
+    offload_fraction: float = 1.0
     no_weight_split: bool = False
     model: str = field(default="gpt", metadata={"choices": lambda: MODELS})
     dim: int = 64
@@ -139,6 +143,8 @@ class PipelineConfig(LoraFields, RunConfig):
             raise ValueError(f"num_layers={self.num_layers} cannot be cut into {self.num_stages} stages "
                              f"({self.num_ranks} ranks x {self.num_chunks} chunks): need at least one block each")
         OffloadPolicy.parse(self.offload, self.num_chunks)
+        if not 0 < self.offload_fraction <= 1:
+            raise ValueError(f"offload_fraction={self.offload_fraction} must be in (0, 1]")
         self._check_data()
         self.build()  # schedule errors (too few microbatches for it, a bad group size) surface here
 
@@ -207,7 +213,8 @@ class PipelineConfig(LoraFields, RunConfig):
                               num_chunks=self.num_chunks, group_size=self.group_size)
 
     def policy(self) -> OffloadPolicy:
-        return replace(OffloadPolicy.parse(self.offload, self.num_chunks), weight=not self.no_weight_split)
+        return replace(OffloadPolicy.parse(self.offload, self.num_chunks), weight=not self.no_weight_split,
+                       fraction=self.offload_fraction)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, dim=self.dim, num_layers=self.num_layers,

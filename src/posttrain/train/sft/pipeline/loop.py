@@ -88,7 +88,8 @@ def predicted_peaks(cfg: PipelineConfig, num_microbatches: int | None = None, *,
     m = num_microbatches or cfg.num_microbatches
     sched = cfg.build(m)
     lowered = add_offload(sched.actions, sched.layout, m, cfg.policy())
-    return simulate(add_send_recv(lowered, sched.layout), sched.layout, m, weight_keep=weight_keep).peaks()
+    return simulate(add_send_recv(lowered, sched.layout), sched.layout, m, weight_keep=weight_keep,
+                    offload_fraction=cfg.offload_fraction).peaks()
 
 
 class PipelineTrainer(Trainer):
