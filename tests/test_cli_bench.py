@@ -308,7 +308,7 @@ def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):
     assert rc == 2 and "--steps=1 must be at least 2" in err
 
 
-def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
+def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, cli, tmp_path):
     """Whole GRPO steps by stopwatch with the phases beside them, for posttrain's sampler and
     ``generate``, batched and per prompt, and two engines, and TRL's GRPOTrainer on the same model,
     prompts and reward, all taking turns a step at a time in long-lived processes; every step rate
@@ -345,14 +345,12 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, tmp_path):
     assert any(ln.strip().startswith("trl (1 process, 2 threads)") for ln in lines)
     assert any("round 2/2:" in ln for ln in lines)
     assert any("against TRL's faster launch" in ln for ln in lines)
-    rc = run_cli("bench", "rl-e2e", "--settings", "huge")
-    assert rc.returncode == 2 and "settings=huge: choose from readme, long" in rc.stderr
-    rc = run_cli("bench", "rl-e2e", "--trl", "2x1,2x1")
-    assert rc.returncode == 2 and "one or more different launches" in rc.stderr
-    rc = run_cli("bench", "rl-e2e", "--trl", "2")
-    assert rc.returncode == 2 and "trl=2: each launch is PROCESSESxTHREADS" in rc.stderr
-    rc = run_cli("bench", "rl-e2e", "--trl", "3x1")
-    assert rc.returncode == 2 and "3 processes cannot share the 64 completions" in rc.stderr
+    for args, says in ((("--settings", "huge"), "settings=huge: choose from readme, long"),
+                       (("--trl", "2x1,2x1"), "one or more different launches"),
+                       (("--trl", "2"), "trl=2: each launch is PROCESSESxTHREADS"),
+                       (("--trl", "3x1"), "3 processes cannot share the 64 completions")):
+        rc, _, err = cli("bench", "rl-e2e", *args)  # (refused before any work: in this process)
+        assert rc == 2 and says in err, (args, err)
 
 
 def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(run_cli, tmp_path):
