@@ -152,11 +152,16 @@ def test_a_dev_shm_too_small_is_one_clear_error_at_creation_not_a_crash_at_a_wri
     assert "MiB free there" in out.stdout and "LEFT []" in out.stdout, out.stdout
 
 
-def _late_worker(rank, world_size, hold_s):
+def _late_worker(rank, world_size, hold_s, nap_s):
+    import types
+
     import torch.distributed as dist
 
-    from posttrain.odc import barrier_totals
+    from posttrain.odc import _transport, barrier_totals
 
+    if nap_s:  # every nap of a waiting barrier this long: it wakes up to nap_s after the last arrival
+        _transport.time = types.SimpleNamespace(sleep=lambda s: time.sleep(nap_s if s else 0), monotonic=time.monotonic,
+                                                monotonic_ns=time.monotonic_ns)
     t = ShmTransport.create(dist.group.WORLD, {"x": 64})
     try:
         t.barrier(1)
@@ -174,11 +179,15 @@ def _late_worker(rank, world_size, hold_s):
 def test_barrier_totals_split_a_wait_from_the_time_after_the_last_arrival():
     """Rank 0 waits ~0.3 s for rank 1 at one barrier: its totals count 2 barriers, at least that wait,
     and a time after rank 1's arrival far below it (the stamps are the peers' arrivals, not rank 0's
-    own: counting from its own arrival would make the two equal); rank 1, arriving last, waited little."""
+    own: counting from its own arrival would make the two equal, and a stamp overwritten by rank 1's
+    next arrival, read as the last, would put it near 0 on the held barrier and hide a late wake-up);
+    rank 1, arriving last, waited little."""
     hold = 0.3
-    waiter, late = run_ranks(_late_worker, 2, hold)
+    waiter, late = run_ranks(_late_worker, 2, hold, 0.0)
     assert waiter["barriers"] == late["barriers"] == 2
     assert waiter["wait_s"] >= hold * 0.9
     assert 0 <= waiter["late_s"] < hold / 3, waiter
     assert late["wait_s"] < hold / 3 and 0 <= late["late_s"] <= late["wait_s"] + 1e-3
-    assert waiter["unread"] + late["unread"] <= 2
+    # naps of 0.1 s: rank 1 arrives 0.25 s in, the waiter wakes at about 0.3 s and leaves about 0.05 s late
+    waiter, _ = run_ranks(_late_worker, 2, 0.25, 0.1)
+    assert 0.01 < waiter["late_s"] < 0.2, waiter  # (counted from its own arrival: about 0.3; from no stamp: 0)

@@ -510,6 +510,9 @@ def test_selective_offload_within_a_chunk_moves_a_share_keeps_the_rest_and_the_g
                 assert full[-1].peak_units < last.peak_units < none[-1].peak_units, (full[-1].peak_units, none[-1].peak_units)
     with pytest.raises(ValueError, match=r"offload fraction=0 must be in \(0, 1\]"):
         OffloadPolicy(1, fraction=0)
+    with pytest.raises(ValueError, match="offload_fraction=0.5 is a share of the offloaded chunks, and offload=none "
+                                         "offloads none"):
+        PipelineConfig(offload_fraction=0.5)
 
 
 def test_a_split_the_graph_walk_gets_wrong_is_caught_on_the_first_microbatch_and_stops(monkeypatch):
@@ -587,5 +590,70 @@ def test_a_verifying_split_counts_what_it_keeps_aside_until_the_release():
     assert store.resident[0] == whole and store.kept[(0, 0)] == 0  # kept aside: still on the device
     loss.backward()  # reads what the split dropped: noted, and still exact
     assert store.missed(0, 0)
+    store.release(0, 0)
+    assert store.resident[0] == 0 and store.held() == []
+
+
+def test_store_partial_offload_keeps_the_rest_through_every_transition():
+    """``offload(fraction)`` moves a prefix of the save order and keeps the rest on the device, with
+    exact resident bytes after every transition: a backward without a reload reads the kept
+    tensors in place and reloads the moved part late (gradients exact); a release while on the
+    host frees the kept part; a verifying split on the host holds the kept storages it drops aside
+    (a read of one is noted, not fatal); a reload restores the save order for the next offload."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 64))
+    x = torch.randn(32, 64)
+
+    def forward(store):
+        with store.hooks(0, 0):
+            return mlp(x).square().mean()
+
+    plain = ActivationStore(mlp.parameters())
+    forward(plain).backward()
+    plain.release(0, 0)
+    ref = [p.grad.clone() for p in mlp.parameters()]
+
+    store = ActivationStore(mlp.parameters())
+    mlp.zero_grad()
+    loss = forward(store)
+    entry = store._entries[(0, 0)]
+    order, total = list(entry.storages), entry.nbytes
+    store.offload(0, 0, 0.5)
+    moved = store.offloaded_bytes
+    assert 0 < moved < total and abs(moved / total - 0.5) < 0.3
+    assert list(entry.storages) == order[:len(entry.storages)]  # a prefix of the save order went out
+    assert store.resident[0] == total - moved
+    loss.backward()  # no reload: the kept part read in place, the moved part reloaded late
+    assert store.late_reloads == 1
+    store.release(0, 0)
+    assert store.resident[0] == 0 and store.held() == []
+    for p, g in zip(mlp.parameters(), ref):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+    loss = forward(store)  # released while on the host
+    store.offload(0, 0, 0.5)
+    store.release(0, 0)
+    assert store.resident[0] == 0
+
+    loss = forward(store)  # a verifying split on the host that drops everything: kept storages held aside
+    store.offload(0, 0, 0.5)
+    store.split(0, 0, set(), verify=True)
+    assert store.resident[0] == total - moved  # (held aside: still resident)
+    with pytest.raises(RuntimeError, match="freed after the input-gradient pass"):
+        loss.backward()  # the moved part was dropped for good (not resident): its read fails...
+    assert store.missed(0, 0)  # ...after the kept part's read was noted
+    store.release(0, 0)
+    assert store.resident[0] == 0
+
+    loss = forward(store)  # offload, reload: the save order back, so a second offload moves the same prefix
+    order = list(store._entries[(0, 0)].storages)
+    store.offload(0, 0, 0.5)
+    first = set(store._entries[(0, 0)].storages)
+    store.reload(0, 0)
+    assert list(store._entries[(0, 0)].storages) == order
+    store.offload(0, 0, 0.5)
+    assert set(store._entries[(0, 0)].storages) == first
+    store.reload(0, 0)
+    loss.backward()
     store.release(0, 0)
     assert store.resident[0] == 0 and store.held() == []

@@ -423,6 +423,9 @@ def _pipeline(o: SimulatePipeline) -> int:
             fraction = float(o.offload_fraction)
         except ValueError:
             raise ValueError(f"--offload-fraction={o.offload_fraction!r} is not a number in (0, 1] or auto") from None
+        if fraction != 1 and chunks == 0:
+            raise ValueError(f"--offload-fraction={o.offload_fraction} is a share of the offloaded chunks, and "
+                             f"--offload={o.offload} offloads none: give --offload too")
         res = simulate_pipeline(s.schedule, offload_fraction=fraction, **run)
     ms = 1e3
     share = "" if res.offload_fraction == 1 or not res.offload_chunks else f", {res.offload_fraction:.2f} of each"

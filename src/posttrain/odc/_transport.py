@@ -49,7 +49,10 @@ NAME_PREFIX = "posttrain-odc"
 # Header layout (int64 words), then a message area for abort reasons. The barrier word holds
 # ``generation << _TAG_BITS | tag`` so that a peer reads both in one aligned 8-byte load: written
 # as two words, a reader could pair the previous generation with the next barrier's tag.
-_PID, _BARRIER, _ABORT, _MSG_LEN, _ARRIVED = range(5)  # _ARRIVED: monotonic ns of the latest barrier arrival
+# _ARRIVED + (generation & 1): monotonic ns of the arrival at a barrier of that parity. Two words: a
+# peer's stamp for generation g is overwritten only at g + 2, which it cannot reach before this rank
+# has left g and arrived at g + 1, so a rank leaving g always reads its peers' stamps of g.
+_PID, _BARRIER, _ABORT, _MSG_LEN, _ARRIVED = range(5)
 _TAG_BITS = 8
 _VALUES = 8  # words 8.._HEADER_WORDS-1: small integers published for peers
 _HEADER_WORDS = 16
@@ -61,19 +64,18 @@ _ALIGN = 64
 #: wait ends up to this late after the last peer arrives.
 _NAP_MAX_S = 1e-3
 #: Every barrier this process passed, over all its transports: [barriers, nanoseconds waited,
-#: nanoseconds left after the last peer had arrived, barriers whose last arrival could not be read].
-_TOTALS = [0, 0, 0, 0]
+#: nanoseconds left after the last peer had arrived].
+_TOTALS = [0, 0, 0]
 
 
 def barrier_totals() -> dict[str, float]:
     """What this process's barriers cost so far, over all its transports: ``barriers`` passed,
-    seconds waited in them (``wait_s``), seconds between the last peer's arrival and leaving
-    (``late_s``: a barrier's reaction time, mostly the naps of a long wait; its arrival stamps
-    come from the host's monotonic clock, shared by its processes), and ``unread`` barriers whose
-    last arrival had been overwritten by the peer's next one before it was read (not in
-    ``late_s``). Differences of two calls give a step's share."""
-    n, waited, late, unread = _TOTALS
-    return {"barriers": n, "wait_s": waited / 1e9, "late_s": late / 1e9, "unread": unread}
+    seconds waited in them (``wait_s``), and seconds between the last peer's arrival and leaving
+    (``late_s``: a barrier's reaction time, mostly the naps of a long wait; the arrival stamps
+    come from the host's monotonic clock, shared by its processes). Differences of two calls give
+    a step's share."""
+    n, waited, late = _TOTALS
+    return {"barriers": n, "wait_s": waited / 1e9, "late_s": late / 1e9}
 
 #: Bytes per lock stripe of an accumulator (1 MiB), counted from the start of the segment region.
 STRIPE_BYTES = 1 << 20
@@ -304,7 +306,7 @@ class ShmTransport:
         self._gen += 1
         gen = self._gen
         arrived = time.monotonic_ns()
-        self._headers[self.rank][_ARRIVED] = arrived  # (stored before the generation: seen with it)
+        self._headers[self.rank][_ARRIVED + (gen & 1)] = arrived  # (stored before the generation: seen with it)
         self._headers[self.rank][_BARRIER] = gen << _TAG_BITS | tag
         pending = [r for r in range(self.world_size) if r != self.rank]
         start = time.monotonic()
@@ -328,7 +330,6 @@ class ShmTransport:
                     )
             pending = still
             if not pending:
-                self._count(gen, arrived)
                 break
             spins += 1
             if spins < 200:
@@ -350,26 +351,17 @@ class ShmTransport:
                         f"ranks {[self.global_ranks[r] for r in pending]} did not reach the "
                         f"barrier within timeout_s={self.timeout_s:g}s"
                     )
+        self._count(gen, arrived)
 
     def _count(self, gen: int, arrived: int) -> None:
         """Add a passed barrier to :func:`barrier_totals`: the wait, and the time since the last
-        arrival where every peer's stamp still belongs to this generation."""
+        arrival (the peers' stamps of this generation: see ``_ARRIVED``)."""
         left = time.monotonic_ns()
-        last = arrived
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            h = self._headers[r]
-            stamp = int(h[_ARRIVED])
-            if int(h[_BARRIER]) >> _TAG_BITS != gen:  # the peer is at its next barrier already
-                _TOTALS[3] += 1
-                last = None
-                break
-            last = max(last, stamp)
+        last = max([arrived] + [int(self._headers[r][_ARRIVED + (gen & 1)])
+                                for r in range(self.world_size) if r != self.rank])
         _TOTALS[0] += 1
         _TOTALS[1] += left - arrived
-        if last is not None:
-            _TOTALS[2] += max(0, left - last)
+        _TOTALS[2] += max(0, left - last)
 
     def abort(self, message: str) -> None:
         """Tell peers this rank failed; their barriers raise :class:`PeerFailedError`."""

@@ -315,9 +315,10 @@ class ActivationStore:
     def offload(self, stage: int, microbatch: int, fraction: float = 1.0) -> None:
         """Start moving ``(stage, microbatch)`` to host memory (synchronous on CPU).
 
-        ``fraction`` < 1: move only the storages saved first (the earliest layers' tensors) up to
-        about that share of the entry's bytes (each storage whole, taken while it brings the total
-        nearer the share), keeping the rest on the device; the reload brings the moved part back.
+        ``fraction`` < 1: move only the storages saved first (the earliest layers' tensors), in
+        save order while each brings the total nearer that share of the entry's bytes (whole
+        storages: the share moved is near ``fraction``, not exactly it), keeping the rest on the
+        device; the reload brings the moved part back.
         """
         entry = self._get(stage, microbatch, "offload")
         if entry.state != "device":
@@ -326,10 +327,10 @@ class ActivationStore:
             raise ValueError(f"offload fraction={fraction} must be in (0, 1]")
         moving, entry.stay, target, moved = {}, {}, fraction * entry.nbytes, 0
         for k, flat in entry.storages.items():
-            if moved + flat.numel() / 2 <= target:
+            if not entry.stay and moved + flat.numel() / 2 <= target:
                 moving[k] = flat
                 moved += flat.numel()
-            else:
+            else:  # (the first that does not fit ends the prefix)
                 entry.stay[k] = flat
         entry.moved = moved
         host = {}
@@ -381,7 +382,7 @@ class ActivationStore:
                 dev[k] = host.clone()
                 self.pool.give(host)
             entry.state = "device"
-        entry.storages = {**dev, **entry.stay}
+        entry.storages = {**dev, **entry.stay}  # (a prefix moved, the rest kept: the save order again)
         entry.stay = {}
         self._account(stage, entry.moved)
 
@@ -397,10 +398,17 @@ class ActivationStore:
             entry.event.synchronize()
             self._finish_offload(stage, entry)
         on_device = entry.state == "device"  # else on the host: an I that read none of it
-        if not on_device and entry.stay:  # what a partial offload kept: on the device, freed now
+        if not on_device and entry.stay:  # what a partial offload kept: on the device (I may have read it)
             gone = [k for k in entry.stay if k not in keep]
-            freed_stay = sum(entry.stay.pop(k).numel() for k in gone)
-            entry.nbytes -= freed_stay
+            freed_stay = 0
+            for k in gone:
+                flat = entry.stay.pop(k)
+                if verify:  # held aside like a device storage, counted as resident until the release
+                    entry.aside[k] = flat
+                    entry.aside_bytes += flat.numel()
+                else:
+                    freed_stay += flat.numel()
+            entry.nbytes -= sum(entry.aside[k].numel() for k in gone if k in entry.aside) + freed_stay
             if freed_stay:
                 self._account(stage, -freed_stay)
         drop = [k for k in entry.storages if k not in keep]

@@ -158,7 +158,10 @@ def plan_offload_fraction(schedule: str, *, num_ranks: int, num_microbatches: in
     the step (the copy stream becomes the critical path); moving a share ``f`` of each
     chunk-microbatch shrinks every copy by ``f`` and saves ``f`` of the memory offload would,
     so the share that just hides is the most memory saved for (almost) nothing. ``offload_chunks``
-    defaults to every chunk; the rest as :func:`~posttrain.sim.pipeline.simulate_pipeline`.
+    defaults to every chunk; the rest as :func:`~posttrain.sim.pipeline.simulate_pipeline`, whose
+    default ``min_lifespan`` (one round trip of the copies at each share) lets a smaller share
+    offload chunk-microbatches with shorter lifespans too; give ``min_lifespan`` to hold that fixed
+    (0: every chunk-microbatch of the offloaded chunks, as the runtime's ``--offload`` does).
     """
     if not 0 < step <= 1:
         raise ValueError(f"step={step} must be in (0, 1]")

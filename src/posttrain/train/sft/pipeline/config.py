@@ -142,9 +142,12 @@ class PipelineConfig(LoraFields, RunConfig):
         if self.model_path is None and self.num_layers < self.num_stages:
             raise ValueError(f"num_layers={self.num_layers} cannot be cut into {self.num_stages} stages "
                              f"({self.num_ranks} ranks x {self.num_chunks} chunks): need at least one block each")
-        OffloadPolicy.parse(self.offload, self.num_chunks)
+        offloaded = OffloadPolicy.parse(self.offload, self.num_chunks).chunks
         if not 0 < self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction={self.offload_fraction} must be in (0, 1]")
+        if self.offload_fraction != 1 and not offloaded:
+            raise ValueError(f"offload_fraction={self.offload_fraction:g} is a share of the offloaded chunks, and "
+                             f"offload={self.offload} offloads none: give `offload` too")
         self._check_data()
         self.build()  # schedule errors (too few microbatches for it, a bad group size) surface here
 
