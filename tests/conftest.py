@@ -44,6 +44,19 @@ def cli(capsys):
     return run
 
 
+@pytest.fixture
+def cli_proc(cli):
+    """``cli_proc(*args)``: ``posttrain ARGS`` in this process, answered like :func:`run_cli` (a
+    completed process with ``returncode``, ``stdout``, ``stderr``): for commands whose output the
+    test reads and for which a fresh interpreter is not the point (it costs 3-4 s of imports)."""
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        rc, out, err = cli(*args)
+        return subprocess.CompletedProcess(["posttrain", *args], rc, out, err)
+
+    return run
+
+
 #: The fast tier: single-process tests of pure functions (schedules, balancing, simulation, data,
 #: layout), under a minute in all. Every other module, and a test marked ``full`` in these, is the
 #: full tier (multi-process parity, command-line runs, benchmarks). ``make test`` runs both.

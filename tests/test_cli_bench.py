@@ -13,9 +13,9 @@ import time
 import pytest
 
 
-def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(run_cli, tmp_path):
+def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(cli_proc, tmp_path):
     out = tmp_path / "b.json"
-    proc = run_cli("bench", "odc", "--steps", "2", "--sequences", "4", "--max-len", "64", "--dim", "32",
+    proc = cli_proc("bench", "odc", "--steps", "2", "--sequences", "4", "--max-len", "64", "--dim", "32",
                 "--layers", "1", "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
@@ -71,9 +71,9 @@ def test_the_sweep_estimate_fits_a_fixed_and_a_per_sequence_cost():
     assert "about 4 min in all (2 points x 2 rounds; the first point's time scaled" in one
 
 
-def test_bench_odc_sweep_reports_every_point_with_predictions(run_cli, tmp_path, cli):
+def test_bench_odc_sweep_reports_every_point_with_predictions(cli_proc, tmp_path, cli):
     out = tmp_path / "s.json"
-    proc = run_cli("bench", "odc", "--sweep", "--sequences-per-rank", "1,2", "--sweep-max-tokens", "64,128", "--steps",
+    proc = cli_proc("bench", "odc", "--sweep", "--sequences-per-rank", "1,2", "--sweep-max-tokens", "64,128", "--steps",
                 "2", "--max-len", "64", "--dim", "32", "--layers", "1", "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -115,9 +115,9 @@ def test_bench_odc_rounds_rotate_their_order_bounds_included(monkeypatch):
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])
-def test_odc_overhead_benchmark_reports_every_rank(run_cli, tmp_path, world_size):
+def test_odc_overhead_benchmark_reports_every_rank(cli_proc, tmp_path, world_size):
     out = tmp_path / "o.json"
-    proc = run_cli("bench", "overhead", "--dim", "32", "--world-size", world_size, "--repeats", "3", "--json", str(out))
+    proc = cli_proc("bench", "overhead", "--dim", "32", "--world-size", world_size, "--repeats", "3", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
     assert got["world_size"] == int(world_size) and len(got["ranks"]) == int(world_size)
@@ -131,9 +131,9 @@ def test_odc_overhead_benchmark_reports_every_rank(run_cli, tmp_path, world_size
         assert min(r["python_calls"].values()) > 0
 
 
-def test_bench_pipeline_tiny(run_cli, tmp_path, cli):
+def test_bench_pipeline_tiny(cli_proc, tmp_path, cli):
     out = tmp_path / "b.json"
-    proc = run_cli("bench", "pipeline", "--pp-sizes", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
+    proc = cli_proc("bench", "pipeline", "--pp-sizes", "2", "--dim", "32", "--layers", "4", "--seq-len", "32",
                 "--repeats", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
@@ -149,9 +149,9 @@ def test_bench_pipeline_tiny(run_cli, tmp_path, cli):
     assert rc == 2 and "--pp-sizes=1,2: a pipeline needs at least 2 ranks" in err
 
 
-def test_bench_transport_reports_both_ratios(run_cli, tmp_path, cli):
+def test_bench_transport_reports_both_ratios(cli_proc, tmp_path, cli):
     out = tmp_path / "t.json"
-    proc = run_cli("bench", "transport", "--sizes-mib", "0.25", "--iters", "2", "--json", str(out))
+    proc = cli_proc("bench", "transport", "--sizes-mib", "0.25", "--iters", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
     assert [r["shard_mib"] for r in got["rows"]] == [0.25] and got["iters"] == 2
@@ -163,9 +163,9 @@ def test_bench_transport_reports_both_ratios(run_cli, tmp_path, cli):
     assert rc == 2 and "--iters=0" in err
 
 
-def test_bench_balance_reports_every_method_and_the_targets(run_cli, tmp_path, cli):
+def test_bench_balance_reports_every_method_and_the_targets(cli_proc, tmp_path, cli):
     out = tmp_path / "b.json"
-    proc = run_cli("bench", "balance", "--world-sizes", "2,4", "--seeds", "1", "--profiles", "long_tail", "--json", str(out))
+    proc = cli_proc("bench", "balance", "--world-sizes", "2,4", "--seeds", "1", "--profiles", "long_tail", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
     assert {(r["world_size"], r["method"]) for r in got["rows"]} == {
@@ -353,9 +353,9 @@ def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, cli, tmp_path):
         assert rc == 2 and says in err, (args, err)
 
 
-def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(run_cli, tmp_path):
+def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(cli_proc, tmp_path):
     out = tmp_path / "b.json"
-    proc = run_cli("bench", "odc", "--steps", "2", "--sequences", "2", "--max-len", "64", "--dim", "32",
+    proc = cli_proc("bench", "odc", "--steps", "2", "--sequences", "2", "--max-len", "64", "--dim", "32",
                    "--layers", "1", "--repeats", "1", "--context-parallel", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
@@ -365,7 +365,7 @@ def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(run_cli, tmp_pat
     r = got["rounds"][0]
     assert m == pytest.approx(r["odc+cp"]["tokens_per_s"] / r["odc+diff_micro"]["tokens_per_s"])
     assert "split sequences: odc+cp / odc+diff_micro" in proc.stdout
-    bad = run_cli("bench", "odc", "--context-parallel", "2", "--sweep")
+    bad = cli_proc("bench", "odc", "--context-parallel", "2", "--sweep")
     assert bad.returncode != 0 and "not part of the sweep yet" in bad.stderr
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 
-def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_cli, tmp_path, cli):
+def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(cli_proc, tmp_path, cli):
     png, metrics = tmp_path / "p.png", tmp_path / "m.json"
-    proc = run_cli("pipeline", "--schedule", "group_interleaved", "--pp-size", "2", "--chunks", "2", "--group-size", "1",
+    proc = cli_proc("pipeline", "--schedule", "group_interleaved", "--pp-size", "2", "--chunks", "2", "--group-size", "1",
                 "--microbatches", "4", "--offload", "1", "--steps", "2", "--dim", "32", "--layers", "4",
                 "--seq-len", "32", "--plot", str(png), "--calibration-out", str(metrics))
     assert proc.returncode == 0, proc.stderr
@@ -24,10 +24,10 @@ def test_pipeline_reports_measured_and_predicted_peaks_and_draws_the_chart(run_c
     assert "host link: the median of the run's" in out and "recommended: " in out
 
 
-def test_split_backward_frees_what_only_i_needs_and_the_report_says_what_w_kept(run_cli):
+def test_split_backward_frees_what_only_i_needs_and_the_report_says_what_w_kept(cli_proc):
     peaks = {}
     for extra in ([], ["--no-weight-split"]):
-        proc = run_cli("pipeline", "--schedule", "zbv", "--pp-size", "2", "--microbatches", "4", "--offload", "full",
+        proc = cli_proc("pipeline", "--schedule", "zbv", "--pp-size", "2", "--microbatches", "4", "--offload", "full",
                        "--steps", "2", "--dim", "32", "--seq-len", "32", "--plot", "", *extra)
         assert proc.returncode == 0, proc.stderr
         rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
