@@ -510,8 +510,8 @@ def test_selective_offload_within_a_chunk_moves_a_share_keeps_the_rest_and_the_g
                 assert full[-1].peak_units < last.peak_units < none[-1].peak_units, (full[-1].peak_units, none[-1].peak_units)
     with pytest.raises(ValueError, match=r"offload fraction=0 must be in \(0, 1\]"):
         OffloadPolicy(1, fraction=0)
-    with pytest.raises(ValueError, match="offload_fraction=0.5 is a share of the offloaded chunks, and offload=none "
-                                         "offloads none"):
+    with pytest.raises(ValueError, match=r"offload_fraction=0\.5 is a share of the offloaded chunks, and offload=none "
+                                         r"offloads none"):
         PipelineConfig(offload_fraction=0.5)
 
 
