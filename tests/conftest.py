@@ -48,7 +48,9 @@ def cli(capsys):
 def cli_proc(cli):
     """``cli_proc(*args)``: ``posttrain ARGS`` in this process, answered like :func:`run_cli` (a
     completed process with ``returncode``, ``stdout``, ``stderr``): for commands whose output the
-    test reads and for which a fresh interpreter is not the point (it costs 3-4 s of imports)."""
+    test reads and for which a fresh interpreter is not the point (it costs 3-4 s of imports).
+    Only what this process prints is captured: lines a rank process prints (a trainer's step
+    lines) are not, so a test that reads those takes :func:`run_cli`."""
 
     def run(*args: str) -> subprocess.CompletedProcess:
         rc, out, err = cli(*args)
