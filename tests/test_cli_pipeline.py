@@ -38,6 +38,15 @@ def test_split_backward_frees_what_only_i_needs_and_the_report_says_what_w_kept(
     assert all(a < b for a, b in zip(peaks[False], peaks[True])), peaks
 
 
+def test_pipeline_runs_a_share_of_each_offloaded_chunk_and_says_so(cli_proc):
+    proc = cli_proc("pipeline", "--schedule", "gpipe", "--pp-size", "2", "--microbatches", "4", "--offload", "full",
+                    "--offload-fraction", "0.5", "--steps", "1", "--dim", "32", "--seq-len", "32", "--plot", "")
+    assert proc.returncode == 0, proc.stderr
+    assert "offload full (0.5 of each)" in proc.stdout.splitlines()[0]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert len(rows) == 2 and all(float(r[5]) > 0 for r in rows)  # some bytes went to host memory on each rank
+
+
 def test_pipeline_bad_input_is_a_clear_error(cli, capsys):
     rc, _, err = cli("pipeline", "--schedule", "interleaved_1f1b", "--pp-size", "4", "--chunks", "2", "--microbatches", "2")
     assert rc == 2 and "needs at least 4 microbatches" in err and "Traceback" not in err

@@ -235,7 +235,7 @@ def _measure_one(device: torch.device, hidden: int, layers: int, tokens: int, mi
     host_bytes_per_s = 2 * saved_bytes / (d2h_s + h2d_s) if d2h_s + h2d_s > 0 else float("nan")
     plan = (predict_offload(microbatches, f_s, b_s, saved_bytes, host_bytes_per_s, fraction=fraction)
             if host_bytes_per_s > 0 else None)
-    pick = fraction if fraction is not None else None if plan is None else plan["fraction"]
+    pick = fraction if plan is None else plan["fraction"]  # (the given share, or the planner's)
     # the variants: none, full, and (where it is neither) the planner's share
     fractions = [0.0, 1.0] + ([pick] if pick is not None and 0 < pick < 1 else [])
 

@@ -309,7 +309,7 @@ class ShmTransport:
         self._headers[self.rank][_ARRIVED + (gen & 1)] = arrived  # (stored before the generation: seen with it)
         self._headers[self.rank][_BARRIER] = gen << _TAG_BITS | tag
         pending = [r for r in range(self.world_size) if r != self.rank]
-        start = time.monotonic()
+        start = arrived / 1e9  # (time.monotonic's clock)
         next_check = start + 0.2
         spins = 0
         while pending:
@@ -357,8 +357,7 @@ class ShmTransport:
         """Add a passed barrier to :func:`barrier_totals`: the wait, and the time since the last
         arrival (the peers' stamps of this generation: see ``_ARRIVED``)."""
         left = time.monotonic_ns()
-        last = max([arrived] + [int(self._headers[r][_ARRIVED + (gen & 1)])
-                                for r in range(self.world_size) if r != self.rank])
+        last = max(arrived, *(int(self._headers[r][_ARRIVED + (gen & 1)]) for r in range(self.world_size)))
         _TOTALS[0] += 1
         _TOTALS[1] += left - arrived
         _TOTALS[2] += max(0, left - last)

@@ -399,16 +399,15 @@ class ActivationStore:
             self._finish_offload(stage, entry)
         on_device = entry.state == "device"  # else on the host: an I that read none of it
         if not on_device and entry.stay:  # what a partial offload kept: on the device (I may have read it)
-            gone = [k for k in entry.stay if k not in keep]
             freed_stay = 0
-            for k in gone:
+            for k in [k for k in entry.stay if k not in keep]:
                 flat = entry.stay.pop(k)
+                entry.nbytes -= flat.numel()
                 if verify:  # held aside like a device storage, counted as resident until the release
                     entry.aside[k] = flat
                     entry.aside_bytes += flat.numel()
                 else:
                     freed_stay += flat.numel()
-            entry.nbytes -= sum(entry.aside[k].numel() for k in gone if k in entry.aside) + freed_stay
             if freed_stay:
                 self._account(stage, -freed_stay)
         drop = [k for k in entry.storages if k not in keep]

@@ -95,7 +95,7 @@ def round_summary(steps: list[dict]) -> dict:
         "busiest_compute_s": sum(max(r["compute_s"] for r in rows) for rows in ranks) / len(ranks),
         "step_time_s": sum(times) / len(times),
         "final_loss": steps[-1]["loss"],
-        **{k: sum(sum(r.get(k, 0.0) for r in rows) / len(rows) for rows in ranks) / len(ranks)
+        **{k: sum(sum(r[k] for r in rows) / len(rows) for rows in ranks) / len(ranks)
            for k in ("barriers", "barrier_wait_s", "barrier_late_s")},
     }
 

@@ -312,7 +312,7 @@ def baseline(variants: list[str]) -> str | None:
 
 
 def report(res: dict) -> str:
-    name = res.get("baseline", "trl" if "trl" in res["variants"] else None)
+    name = baseline(list(res["variants"]))
     base = res["variants"].get(name) if name else None
     lines = [f"{res['preset']} Llama, {res['sequences']} records a step ({res['tokens_per_step']:.0f} tokens), "
              f"{res['steps']} steps ({res['warmup']} warm-up), {res['rounds']} rounds, activation checkpointing "
