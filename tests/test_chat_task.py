@@ -15,6 +15,8 @@ from posttrain.train.core import OptimConfig
 from posttrain.train.rl import RLConfig, run_rl
 from posttrain.train.sft import TrainConfig, run_training
 
+pytestmark = pytest.mark.xdist_group("chat_task")  # one worker builds the 36-second fixture once
+
 
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):

@@ -92,6 +92,7 @@ def _flip(path):
     (lambda d: os.remove(d / "__1_0.distcp"), "__1_0.distcp is missing"),
     (lambda d: open(d / ".metadata", "w").close(), ".metadata does not match its checksum"),
 ], ids=["bit-flip", "truncated", "missing", "empty-metadata"])
+@pytest.mark.xdist_group("trained_checkpoint")  # (one worker, one `trained`)
 def test_a_damaged_checkpoint_is_named_in_one_line_before_anything_loads(trained, tmp_path, cli, damage, named):
     src, args = trained
     ck = tmp_path / "ck"
@@ -108,6 +109,7 @@ def test_a_damaged_checkpoint_is_named_in_one_line_before_anything_loads(trained
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.xdist_group("trained_checkpoint")
 def test_a_checkpoint_without_checksums_still_needs_its_index(trained, tmp_path, cli):
     """Checkpoints written before checksums load as before; an empty index is still one line."""
     src, args = trained
