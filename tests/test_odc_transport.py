@@ -84,7 +84,8 @@ def _file_mode_worker(rank, world_size):
     with mock.patch.object(os, "unlink", recording_unlink):
         t = ShmTransport.create(dist.group.WORLD, {"x": 64})
     t.barrier(1)  # every rank has returned from create(), so every name is unlinked
-    left = [f for f in os.listdir("/dev/shm") if f.startswith("posttrain-odc")]
+    left = [p for p in t.paths if os.path.exists(p)]  # (this job's names: another test worker may be creating its own)
+    assert all(p.startswith("/dev/shm/posttrain-odc-") for p in t.paths)
     t.region(1 - rank, "x", torch.uint8)[rank] = 7  # mapped memory still usable after unlink
     t.barrier(2)
     mine = int(t.region(rank, "x", torch.uint8)[1 - rank])

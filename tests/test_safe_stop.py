@@ -127,3 +127,64 @@ def test_the_next_job_removes_rendezvous_dirs_of_dead_launchers(tmp_path):
     (tmp_path / "posttrain-rdzv-xyz").mkdir()  # not named by a pid: kept
     assert sweep_rendezvous(str(tmp_path)) == [f"posttrain-rdzv-{dead.pid}-abc"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"posttrain-rdzv-{os.getpid()}-def", "posttrain-rdzv-xyz"]
+
+
+_CREATING_JOB = """
+import os, sys, time
+import torch.distributed as dist
+from posttrain.launch import run_ranks
+from posttrain.odc import ShmTransport
+
+def creating(rank, world_size, marker):
+    if rank == 1:  # held inside create, its segment file made: rank 0 waits for it at the barrier
+        def held(fd, offset, length):
+            open(marker, "w").close()
+            time.sleep(120)
+        os.posix_fallocate = held
+    ShmTransport.create(dist.group.WORLD, {"x": 64})
+
+run_ranks(creating, 2, sys.argv[1], timeout_s=600)
+"""
+
+
+def _shm_names_of(pids) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("posttrain-odc-") and n.rsplit("-", 1)[1] in
+            {str(p) for p in pids}]
+
+
+def test_a_launcher_killed_while_its_ranks_create_the_transport_leaves_no_shared_memory(tmp_path):
+    """Ranks killed between making their segment files and unlinking them (every peer mapped)
+    cannot unlink them: the reaper removes the names of the ranks it killed."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    marker = tmp_path / "held"
+    proc = subprocess.Popen([sys.executable, "-c", _CREATING_JOB, str(marker)], env={**os.environ, "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 60
+    kids = []
+    while not marker.exists() or len(_shm_names_of(kids)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not reach the transport"
+        time.sleep(0.05)
+        kids = children(proc.pid)
+    proc.kill()
+    proc.wait()
+    _gone(kids, tmp, within=10)
+    assert _shm_names_of(kids) == []
+
+
+def test_the_next_job_removes_shared_memory_names_of_dead_creators(tmp_path):
+    from posttrain._reaper import SHM_DIR, SHM_PREFIX
+    from posttrain.odc._transport import NAME_PREFIX, remove_dead_names
+    from posttrain.odc._transport import SHM_DIR as TRANSPORT_DIR
+
+    assert (SHM_DIR, SHM_PREFIX) == (TRANSPORT_DIR, NAME_PREFIX + "-")  # the reaper's copy of the name's form
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - 120
+    for name, mtime in [(f"{NAME_PREFIX}-t1-0-{dead.pid}", old), (f"{NAME_PREFIX}-t2-0-{dead.pid}", None),
+                        (f"{NAME_PREFIX}-t3-1-{os.getpid()}", old), ("other-0-1", old)]:
+        (tmp_path / name).touch()
+        if mtime:
+            os.utime(tmp_path / name, (mtime, mtime))
+    assert remove_dead_names(str(tmp_path)) == [str(tmp_path / f"{NAME_PREFIX}-t1-0-{dead.pid}")]  # old and dead only
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{NAME_PREFIX}-t2-0-{dead.pid}", f"{NAME_PREFIX}-t3-1-{os.getpid()}", "other-0-1"])

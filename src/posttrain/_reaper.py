@@ -6,8 +6,10 @@ writes it each rank's pid on stdin, then ``done`` once the job is over and its r
 directory removed. Should the launcher die first (``SIGKILL``, an out-of-memory kill), the reaper
 kills the ranks it was told of (those still the same processes: their start time is checked, so
 a reused pid is left alone), waits for them to go, removes the rendezvous directory ``DIR`` and
-exits. A rank stuck in native code (holding the GIL, so that its own watchdog thread cannot run)
-is stopped all the same.
+the shared-memory names those ranks created and had not yet unlinked (a rank killed inside
+:meth:`posttrain.odc.ShmTransport.create`; the names end with their creator's pid), and exits.
+A rank stuck in native code (holding the GIL, so that its own watchdog thread cannot run) is
+stopped all the same.
 
 Standard library only: it starts in tens of milliseconds.
 """
@@ -32,8 +34,32 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
+#: :data:`posttrain.odc._transport.SHM_DIR` and ``NAME_PREFIX`` (this file imports nothing of
+#: posttrain's; a test checks they agree).
+SHM_DIR, SHM_PREFIX = "/dev/shm", "posttrain-odc-"
+
+
+def remove_shm_names(pids, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the transport's segment names in ``shm_dir`` created by the processes ``pids``."""
+    ends = {str(p) for p in pids}
+    gone = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return gone
+    for name in names:
+        if name.startswith(SHM_PREFIX) and name.rsplit("-", 1)[-1] in ends:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                gone.append(name)
+            except OSError:
+                pass
+    return gone
+
+
 def reap(ranks: dict[int, str | None], directory: str, wait_s: float = 10.0) -> None:
-    """Kill ``ranks`` (pid: start time) that are still those processes, wait for them, remove ``directory``."""
+    """Kill ``ranks`` (pid: start time) that are still those processes, wait for them, remove
+    ``directory`` and the shared-memory names they created."""
     for pid, started in ranks.items():
         if started is not None and start_time(pid) == started:
             try:
@@ -44,6 +70,7 @@ def reap(ranks: dict[int, str | None], directory: str, wait_s: float = 10.0) -> 
     while time.monotonic() < deadline and any(s is not None and start_time(p) == s for p, s in ranks.items()):
         time.sleep(0.05)
     shutil.rmtree(directory, ignore_errors=True)
+    remove_shm_names(p for p, s in ranks.items() if s is not None and start_time(p) != s)
 
 
 def main(launcher: int, directory: str) -> int:

@@ -305,7 +305,12 @@ _RDZV_PREFIX = "posttrain-rdzv-"
 def sweep_rendezvous(root: str | None = None) -> list[str]:
     """Remove the rendezvous directories (``posttrain-rdzv-PID-*`` under ``root``, default the
     temporary folder) of launchers that are no longer running: what a launcher killed together
-    with its reaper leaves. The directories removed."""
+    with its reaper leaves; and (``root`` not given) the transport's shared-memory names whose
+    creators are gone (:func:`posttrain.odc._transport.remove_dead_names`). The directories removed."""
+    if root is None:
+        from posttrain.odc._transport import remove_dead_names
+
+        remove_dead_names()
     root = root or tempfile.gettempdir()
     gone = []
     try:

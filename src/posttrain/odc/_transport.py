@@ -7,10 +7,14 @@ named *regions* whose byte sizes are agreed by all ranks at creation (for ODC: t
 parameter shards and the gradient accumulator). A peer reads from and adds into another rank's
 regions directly; the owner does nothing.
 
-Lifecycle: names carry a random token agreed through the process group, files are created
-``0600`` with ``O_EXCL`` (no other user or job can attach) and unlinked as soon as every rank of
-the group has mapped them, so a crash after :meth:`ShmTransport.create` leaks nothing; the
-memory goes away when the last process unmaps it.
+Lifecycle: names carry a random token agreed through the process group and end with the pid of
+the rank that created the file; files are created ``0600`` with ``O_EXCL``
+(no other user or job can attach) and unlinked as soon as every rank of the group has mapped them,
+so a crash after :meth:`ShmTransport.create` leaks nothing; the memory goes away when the last
+process unmaps it. A rank killed inside ``create`` (its launcher killed outright, the ranks with
+it) cannot unlink its name: the launcher's reaper removes the names of the ranks it killed, and
+the next launch on the host removes those of creators no longer running
+(:func:`remove_dead_names`).
 
 Concurrent adds into one accumulator race, so :meth:`ShmTransport.accumulate` takes a byte-range
 ``fcntl.lockf`` lock per stripe of the destination (it excludes other processes) plus a
@@ -41,10 +45,35 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from posttrain._files import pid_alive
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "posttrain-odc"
+
+
+def remove_dead_names(shm_dir: str = SHM_DIR, *, older_than_s: float = 60.0) -> list[str]:
+    """Remove the segment files in ``shm_dir`` whose creator is no longer running (killed inside
+    :meth:`ShmTransport.create`, before every peer had mapped it) and that are older than
+    ``older_than_s`` (a process in another pid namespace sharing this ``/dev/shm`` would judge a
+    live creator gone; no creation lasts that long but one waiting on a slow peer); the paths
+    removed."""
+    gone = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return gone
+    now = time.time()
+    for n in names:
+        pid, path = n.rsplit("-", 1)[-1], os.path.join(shm_dir, n)
+        if not (n.startswith(NAME_PREFIX + "-") and pid.isdigit()) or pid_alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if now - os.stat(path).st_mtime > older_than_s:
+                os.unlink(path)
+                gone.append(path)
+    return gone
 
 # Header layout (int64 words), then a message area for abort reasons. The barrier word holds
 # ``generation << _TAG_BITS | tag`` so that a peer reads both in one aligned 8-byte load: written
@@ -171,7 +200,7 @@ class ShmTransport:
 
         # One collective exchange agrees on the token and checks host and layout.
         token = secrets.token_hex(8) if self.rank == 0 else None
-        mine = (token, host_identity(), sorted(offsets.items()))
+        mine = (token, host_identity(), sorted(offsets.items()), os.getpid())
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=group)
         token = everyone[0][0]
@@ -187,8 +216,8 @@ class ShmTransport:
         if len(layouts) != 1:
             raise AssertionError(f"ranks disagree on the shm region layout: {everyone}")
 
-        self.paths = [
-            os.path.join(SHM_DIR, f"{NAME_PREFIX}-{token}-{g}") for g in self.global_ranks
+        self.paths = [  # (the creator's pid last: see the note on the lifecycle)
+            os.path.join(SHM_DIR, f"{NAME_PREFIX}-{token}-{g}-{e[3]}") for g, e in zip(self.global_ranks, everyone)
         ]
         own = self.paths[self.rank]
         try:
