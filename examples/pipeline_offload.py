@@ -29,6 +29,7 @@ g = torch.Generator().manual_seed(1)
 tokens = [torch.randint(0, 256, (1, 65), generator=g) for _ in range(8)]  # 8 microbatches of 64 tokens
 microbatch_inputs, microbatch_targets = [t[:, :-1] for t in tokens], [t[:, 1:] for t in tokens]
 
+lines = []
 for offload in (None, OffloadPolicy(chunks=1)):
     sched = build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=8, num_chunks=2)
     stages = split_model(model, 4)                        # GPT or any Llama-layout transformers decoder
@@ -40,7 +41,11 @@ for offload in (None, OffloadPolicy(chunks=1)):
             f"({result.offloaded_bytes / 2**20:.2f} MiB copied to host)")
     if result.loss is not None:
         line += f", loss {result.loss:.4f}"
-    print(line, flush=True)
+    lines.append(line)
     for stage in stages:
         stage.zero_grad()
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, lines)   # printed by rank 0 in rank order (two ranks' prints could interleave)
+if rank == 0:
+    print("\n".join(ln for mine in every for ln in mine))
 dist.destroy_process_group()

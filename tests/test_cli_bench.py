@@ -55,8 +55,10 @@ def test_bench_odc_runs_every_variant_and_both_bounds_and_splits_the_gain(cli_pr
                  * r["odc+diff_micro"]["tokens_per_s"] / r["partition"]["plan_tokens_per_s"] for r in got["rounds"]]
     assert [factors(r)["reachable_headroom"] for r in got["rounds"]] == pytest.approx(per_round)
     assert min(per_round) <= fac["reachable_headroom"][0] <= max(per_round)
-    assert fac["plan_vs_partition"][0] * fac["plain_vs_engine_compute"][0] * fac["odc_critical_share"][0] == \
-        pytest.approx(fac["odc_vs_partition"][0], rel=0.5)
+    for key in ("plan_vs_partition", "plain_vs_engine_compute", "odc_critical_share"):
+        # (their product holds round by round, above; the medians of two noisy rounds need not multiply)
+        per_round = [split_odc_vs_partition(r)[key] for r in got["rounds"]]
+        assert min(per_round) <= fac[key][0] <= max(per_round), (key, per_round, fac[key])
     for r in got["rounds"]:  # whole sequences never divide more evenly than all compute does
         assert r["partition"]["tokens_per_s"] <= 1.25 * r["even"]["tokens_per_s"]
 
