@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.lab.demo import DEMO
+from posttrain.lab.demo import DEMO, ROUNDS
 from posttrain.train.sft import TrainConfig
 
 from .options import add_command
@@ -30,7 +30,7 @@ class DemoCommand:
                              metadata={"fields": ("profile", "steps", "sequences", "max_len", "max_tokens", "dim",
                                                   "num_layers", "optim.lr", "seed")})
     world_size: int = 2
-    rounds: int = 5
+    rounds: int = ROUNDS
     no_predict: bool = False
     plot: str = "out/demo_timeline.png"
     json: str = ""

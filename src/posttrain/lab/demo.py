@@ -38,7 +38,7 @@ from posttrain.lab.plots import plot_timelines
 from posttrain.train.core import OptimConfig
 from posttrain.train.sft import TrainConfig
 
-__all__ = ["DEMO", "PREDICT_AT", "VARIANTS", "busy_before", "run_demo"]
+__all__ = ["DEMO", "PREDICT_AT", "ROUNDS", "VARIANTS", "busy_before", "run_demo"]
 
 #: The embedded default: long-tail lengths up to 4,096 tokens, 8 sequences a rank and step.
 DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=6, sequences=16, max_len=4096, max_tokens=4096,
@@ -57,6 +57,11 @@ FACTORS = {
     "engine": (2, 1, "flat buffers instead of FSDP2's per-parameter work (same transport, plans, rendezvous)"),
     "mechanism": (3, 2, "ODC: one sync per minibatch, minibatch balancing (same engine and transport)"),
 }
+#: Rounds by default. Measured on 2 cores (two 10-round runs, 2026-11-28): a variant's step on the
+#: same minibatch moves by up to 15% between rounds, and over 5 rounds the total's and mechanism's
+#: 90% intervals were about 7% wide, so five runs would spread over more than 5%; 8 rounds narrow
+#: them by a fifth (the square root of 5/8), for about 1.5 minutes more.
+ROUNDS = 8
 #: GPU counts the calibrated simulator predicts the mechanism at.
 PREDICT_AT = (8, 16, 32, 64)
 #: A factor's 90% interval (highest over lowest) wider than this makes it a guess (about 9% either side).
@@ -104,7 +109,7 @@ def _med(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = 5, predict: bool = True,
+def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = ROUNDS, predict: bool = True,
              timeline_path: str | None = "out/demo_timeline.png", json_path: str | None = None, log=print) -> dict:
     """Train ``cfg`` with every variant, step by step in one job over ``rounds`` rounds of the
     same ``cfg.steps - 1`` minibatches (:mod:`posttrain.lab.bench.stepwise`); print the table, the
