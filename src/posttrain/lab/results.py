@@ -51,11 +51,11 @@ _LA = ("--profile", "longalign", "--max-len", "4096", "--steps", "6")
 SECTIONS: tuple[Section, ...] = (
     Section("demo", "The demo", ("demo",),
             "Four variants training the same tiny GPT on the same long-tail data (up to 4,096 tokens) in 2 CPU "
-            "processes, taking turns a step at a time over 5 rounds of the same minibatches (docs/odc.md, "
+            "processes, taking turns a step at a time over 8 rounds of the same minibatches (docs/odc.md, "
             "'Measuring on 2 shared cores'): the speedup over FSDP2 and its three factors (transport, engine, "
             "mechanism), pooled over the rounds with a 90% interval, then the simulator calibrated on this "
             "machine predicting the mechanism at 8-64 GPUs (a prediction, not a measurement).",
-            5),
+            6),
     Section("bench-odc-long-tail", "FSDP2 vs ODC, short sequences (long_tail, up to 1,024 tokens)",
             ("bench", "odc"),
             "Seven variants taking turns a step at a time over 5 rounds of the same minibatches, and two bounds "
