@@ -172,8 +172,8 @@ def test_a_launcher_killed_while_its_ranks_create_the_transport_leaves_no_shared
 
 
 def test_the_next_job_removes_shared_memory_names_of_dead_creators(tmp_path):
-    from posttrain._reaper import SHM_DIR, SHM_PREFIX
-    from posttrain.odc._transport import NAME_PREFIX, remove_dead_names
+    from posttrain._reaper import SHM_DIR, SHM_PREFIX, remove_shm_names, stale_shm_name
+    from posttrain.odc._transport import NAME_PREFIX
     from posttrain.odc._transport import SHM_DIR as TRANSPORT_DIR
 
     assert (SHM_DIR, SHM_PREFIX) == (TRANSPORT_DIR, NAME_PREFIX + "-")  # the reaper's copy of the name's form
@@ -181,10 +181,10 @@ def test_the_next_job_removes_shared_memory_names_of_dead_creators(tmp_path):
     dead.wait()
     old = time.time() - 120
     for name, mtime in [(f"{NAME_PREFIX}-t1-0-{dead.pid}", old), (f"{NAME_PREFIX}-t2-0-{dead.pid}", None),
-                        (f"{NAME_PREFIX}-t3-1-{os.getpid()}", old), ("other-0-1", old)]:
+                        (f"{NAME_PREFIX}-t3-1-{os.getpid()}", old), (f"other-0-{dead.pid}", old)]:
         (tmp_path / name).touch()
         if mtime:
             os.utime(tmp_path / name, (mtime, mtime))
-    assert remove_dead_names(str(tmp_path)) == [str(tmp_path / f"{NAME_PREFIX}-t1-0-{dead.pid}")]  # old and dead only
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"{NAME_PREFIX}-t2-0-{dead.pid}", f"{NAME_PREFIX}-t3-1-{os.getpid()}", "other-0-1"])
+    assert remove_shm_names(stale_shm_name, str(tmp_path)) == [str(tmp_path / f"{NAME_PREFIX}-t1-0-{dead.pid}")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(  # young, alive or not ours: kept
+        [f"{NAME_PREFIX}-t2-0-{dead.pid}", f"{NAME_PREFIX}-t3-1-{os.getpid()}", f"other-0-{dead.pid}"])

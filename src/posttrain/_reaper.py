@@ -39,22 +39,34 @@ def start_time(pid: int) -> str | None:
 SHM_DIR, SHM_PREFIX = "/dev/shm", "posttrain-odc-"
 
 
-def remove_shm_names(pids, shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove the transport's segment names in ``shm_dir`` created by the processes ``pids``."""
-    ends = {str(p) for p in pids}
+def remove_shm_names(pick, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the transport's segment names in ``shm_dir`` (``SHM_PREFIX``TOKEN-RANK-PID) for which
+    ``pick(creator pid, path)`` is true; the paths removed."""
     gone = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return gone
     for name in names:
-        if name.startswith(SHM_PREFIX) and name.rsplit("-", 1)[-1] in ends:
+        pid, path = name.rsplit("-", 1)[-1], os.path.join(shm_dir, name)
+        if name.startswith(SHM_PREFIX) and pid.isdigit() and pick(int(pid), path):
             try:
-                os.unlink(os.path.join(shm_dir, name))
-                gone.append(name)
+                os.unlink(path)
+                gone.append(path)
             except OSError:
                 pass
     return gone
+
+
+def stale_shm_name(pid: int, path: str, older_than_s: float = 60.0) -> bool:
+    """Whether a segment name's creator ``pid`` is gone (killed inside
+    :meth:`posttrain.odc.ShmTransport.create`, before every peer had mapped it) and the name is
+    older than ``older_than_s``: a process in another pid namespace sharing this ``/dev/shm``
+    would judge a live creator gone, and no creation lasts that long but one waiting on a slow peer."""
+    try:
+        return start_time(pid) is None and time.time() - os.stat(path).st_mtime > older_than_s
+    except OSError:
+        return False
 
 
 def reap(ranks: dict[int, str | None], directory: str, wait_s: float = 10.0) -> None:
@@ -70,7 +82,8 @@ def reap(ranks: dict[int, str | None], directory: str, wait_s: float = 10.0) -> 
     while time.monotonic() < deadline and any(s is not None and start_time(p) == s for p, s in ranks.items()):
         time.sleep(0.05)
     shutil.rmtree(directory, ignore_errors=True)
-    remove_shm_names(p for p, s in ranks.items() if s is not None and start_time(p) != s)
+    killed = {p for p, s in ranks.items() if s is not None and start_time(p) != s}
+    remove_shm_names(lambda pid, path: pid in killed)
 
 
 def main(launcher: int, directory: str) -> int:

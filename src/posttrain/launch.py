@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain._files import pid_alive
+from posttrain._reaper import remove_shm_names, stale_shm_name
 from posttrain.device import start_method
 from posttrain.errors import RunError
 
@@ -306,11 +307,9 @@ def sweep_rendezvous(root: str | None = None) -> list[str]:
     """Remove the rendezvous directories (``posttrain-rdzv-PID-*`` under ``root``, default the
     temporary folder) of launchers that are no longer running: what a launcher killed together
     with its reaper leaves; and (``root`` not given) the transport's shared-memory names whose
-    creators are gone (:func:`posttrain.odc._transport.remove_dead_names`). The directories removed."""
+    creators are gone (:func:`posttrain._reaper.stale_shm_name`). The directories removed."""
     if root is None:
-        from posttrain.odc._transport import remove_dead_names
-
-        remove_dead_names()
+        remove_shm_names(stale_shm_name)
     root = root or tempfile.gettempdir()
     gone = []
     try:

@@ -14,7 +14,7 @@ so a crash after :meth:`ShmTransport.create` leaks nothing; the memory goes away
 process unmaps it. A rank killed inside ``create`` (its launcher killed outright, the ranks with
 it) cannot unlink its name: the launcher's reaper removes the names of the ranks it killed, and
 the next launch on the host removes those of creators no longer running
-(:func:`remove_dead_names`).
+(:func:`posttrain._reaper.remove_shm_names`).
 
 Concurrent adds into one accumulator race, so :meth:`ShmTransport.accumulate` takes a byte-range
 ``fcntl.lockf`` lock per stripe of the destination (it excludes other processes) plus a
@@ -45,35 +45,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from posttrain._files import pid_alive
-
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "posttrain-odc"
 
-
-def remove_dead_names(shm_dir: str = SHM_DIR, *, older_than_s: float = 60.0) -> list[str]:
-    """Remove the segment files in ``shm_dir`` whose creator is no longer running (killed inside
-    :meth:`ShmTransport.create`, before every peer had mapped it) and that are older than
-    ``older_than_s`` (a process in another pid namespace sharing this ``/dev/shm`` would judge a
-    live creator gone; no creation lasts that long but one waiting on a slow peer); the paths
-    removed."""
-    gone = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return gone
-    now = time.time()
-    for n in names:
-        pid, path = n.rsplit("-", 1)[-1], os.path.join(shm_dir, n)
-        if not (n.startswith(NAME_PREFIX + "-") and pid.isdigit()) or pid_alive(int(pid)):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            if now - os.stat(path).st_mtime > older_than_s:
-                os.unlink(path)
-                gone.append(path)
-    return gone
 
 # Header layout (int64 words), then a message area for abort reasons. The barrier word holds
 # ``generation << _TAG_BITS | tag`` so that a peer reads both in one aligned 8-byte load: written
