@@ -3,13 +3,15 @@
 # the checkout's root on the GPU machine (15 minutes of machine time a session, its start included):
 #
 #   bash scripts/gpu-verify.sh tests                   (a) the CUDA tests: pytest -m cuda, every core
-#   bash scripts/gpu-verify.sh measure [odc|pipeline|none]
+#   bash scripts/gpu-verify.sh measure [odc|pipeline|demo|none]
 #                                                      (b) posttrain doctor's measurements (copies, ODC's
 #                                                          device transport, flat ODC's engine overhead,
-#                                                          offload on a Llama stage); with odc or pipeline,
-#                                                          two CPU benchmarks beside it on cores 4-15 and
-#                                                          the doctor on 0-3; with none (the default) the
-#                                                          doctor on every core
+#                                                          offload on a Llama stage: none, full and the
+#                                                          planner's share); with odc or pipeline, two CPU
+#                                                          benchmarks beside it on cores 4-15 and the doctor
+#                                                          on 0-3; with demo, posttrain demo at 4 ranks on
+#                                                          cores 4-7 and 8 on 8-15 (as with trl demo); with
+#                                                          none (the default) the doctor on every core
 #   bash scripts/gpu-verify.sh trl [demo]              (c) posttrain against TRL's SFTTrainer on the GPU
 #                                                          (lab/bench/trl_sft.py: a 1.1B Llama, the same
 #                                                          records, order and update; TRL padding-free, 4
@@ -52,12 +54,12 @@ if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 PART=${1:-}
 case $PART in
   tests|measure|trl|profile) ;;
-  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|none]|trl [demo]|profile" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu-verify.sh [--dry-run] tests|measure [odc|pipeline|demo|none]|trl [demo]|profile" >&2; exit 2 ;;
 esac
 BENCHES=${2:-none}
 case $PART:$BENCHES in
-  measure:odc|measure:pipeline|*:none|trl:demo) ;;
-  measure:*) echo "gpu-verify: the CPU benchmarks beside (b) are odc, pipeline or none, not '$BENCHES'" >&2; exit 2 ;;
+  measure:odc|measure:pipeline|measure:demo|*:none|trl:demo) ;;
+  measure:*) echo "gpu-verify: what runs beside (b) is odc, pipeline, demo or none, not '$BENCHES'" >&2; exit 2 ;;
   trl:*) echo "gpu-verify: what runs beside (c) is demo or none, not '$BENCHES'" >&2; exit 2 ;;
   *) echo "gpu-verify: part '$PART' takes nothing after it, not '$BENCHES'" >&2; exit 2 ;;
 esac
@@ -164,6 +166,12 @@ else
         PDP="$PY -m posttrain bench pipeline-dp --repeats 3 --json ''"
         taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$PDP --pp-size 2 --dp-size 2" >"$OUT/bench_pdp_2x2.txt" 2>&1 &
         taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$PDP --pp-size 2 --dp-size 4" >"$OUT/bench_pdp_2x4.txt" 2>&1 &
+        ;;
+      demo)
+        taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 4 --sequences 16 --json $OUT/demo_w4.json" \
+          >"$OUT/demo_w4.txt" 2>&1 &
+        taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 8 --sequences 32 --json $OUT/demo_w8.json" \
+          >"$OUT/demo_w8.txt" 2>&1 &
         ;;
     esac
   else
