@@ -29,11 +29,18 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     proc = run_cli("demo", "--rounds", "2", "--steps", "3", "--sequences", "8", "--max-len", "128", "--plot", str(png),
                    "--json", str(tmp_path / "d.json"))
     assert proc.returncode == 0, proc.stderr
-    for r in json.loads((tmp_path / "d.json").read_text())["rounds"]:
+    got = json.loads((tmp_path / "d.json").read_text())
+    for r in got["rounds"]:
         assert r["FSDP2 + same_micro"]["barriers"] == 0
         assert r["flat ODC collective"]["barriers"] > r["flat ODC + diff_micro"]["barriers"] > 0
         for v in r.values():
             assert 0 <= v["barrier_late_s"] <= v["barrier_wait_s"] + 1e-3
+            # the rest of a step's split: each part within the step, microbatches as many as a rank ran
+            assert all(0 <= v[k] <= v["step_time_s"] for k in ("comm_s", "sync_s", "optimizer_s"))
+            assert 1 <= v["microbatches"] <= v["max_microbatches"]
+    cal = got["calibration"]  # what the prediction was calibrated with
+    assert cal["jitter"] >= 0 and cal["copies_per_layer_microbatch_s"] > 0
+    assert set(cal["excess_per_step_s"]) == {"one-sided", "collective"}
     lines = proc.stdout.splitlines()
     progress = [ln for ln in lines if ln.strip().startswith("round ")]
     assert [p.split(":")[0].strip() for p in progress] == ["round 1/2", "round 2/2"]

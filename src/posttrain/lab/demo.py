@@ -119,7 +119,8 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = ROUN
 
     Returns:
         ``{"rounds": [{label: round summary}] per round, "factors": {name: (pooled, low, high)},
-        "total": (pooled, low, high), "busy": str | None, "predicted": {gpus: {...}} or None}``.
+        "total": (pooled, low, high), "busy": str | None, "predicted": {gpus: {...}} or None,
+        "calibration": what the prediction was calibrated with (see :func:`_predict`) or None}``.
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be at least 1")
@@ -160,25 +161,30 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = ROUN
         log(f"NOTE: {why}: {which} little; rerun on an idle machine (or with more --rounds).")
     elif rounds == 1:
         log("NOTE: one round: no interval to judge the figures by (--rounds 3 or more).")
-    predicted = _predict(cfg, world_size, log, measured=factors["mechanism"][0]) if predict else None
+    predicted, calibration = (_predict(cfg, world_size, log, measured=factors["mechanism"][0]) if predict
+                              else (None, None))
     if timeline_path:
         os.makedirs(os.path.dirname(timeline_path) or ".", exist_ok=True)
         plot_timelines({label: raw["spans"][label] for label in labels}, timeline_path,
                        title="the last step of each variant: per rank, compute, communication and waiting",
                        side_by_side=False)
         log(f"wrote {timeline_path}")
-    result = {"rounds": per_round, "factors": factors, "total": total, "busy": busy, "predicted": predicted}
+    result = {"rounds": per_round, "factors": factors, "total": total, "busy": busy, "predicted": predicted,
+              "calibration": calibration}
     if json_path:
         steps = {name: [{k: v for k, v in s.items() if k != "ranks"} for s in rows] for name, rows in raw["steps"].items()}
         write_result({**result, "steps": steps}, json_path, log)
     return result
 
 
-def _predict(cfg: TrainConfig, world_size: int, log, *, measured: float) -> dict:
+def _predict(cfg: TrainConfig, world_size: int, log, *, measured: float) -> tuple[dict, dict]:
     """The simulator, calibrated on this machine (per-layer compute fitted to the demo's model and
     a sample of its microbatch shapes, flat ODC's measured costs in both modes), at the demo's
     own ranks (beside the ``measured`` mechanism: how far to trust it) and at :data:`PREDICT_AT`
-    GPUs with the same sequences per rank: its headroom and mechanism."""
+    GPUs with the same sequences per rank: its headroom and mechanism; and what it was calibrated
+    with (the layer cost's fit error, the per-layer copies, each mode's measured seconds a step
+    beyond the slowest rank's compute, the fitted jitter), to tell where a prediction parts from
+    the measurement."""
     from posttrain.lab.calibrate import measure_sweep_machine, predict_mechanism
 
     log("\ncalibrating the simulator on this machine's runs of the demo's model ...", flush=True)
@@ -196,4 +202,9 @@ def _predict(cfg: TrainConfig, world_size: int, log, *, measured: float) -> dict
         log(f"  {n:5d} {p['headroom']:8.2f}x {p['mechanism']:9.2f}x{check}")
     log("  (headroom: what any schedule of whole sequences could win over the collective run; mechanism: what "
         "ODC's one-sided minibatch and balancing win; docs/simulator.md says what the simulator models)")
-    return out
+    engine = machine["engine"]
+    calibration = {"fit_median_error": machine["fit_median_error"], "jitter": machine["jitter"],
+                   "copies_per_layer_microbatch_s": engine["one-sided"]["per_layer_microbatch"],
+                   "excess_per_step_s": {mode: e["excess_per_step"] for mode, e in engine.items()},
+                   "per_step_s": {mode: e["per_step"] for mode, e in engine.items()}}
+    return out, calibration
