@@ -10,6 +10,8 @@ Usage (GPU): python scripts/offload_probe.py [--tokens 4096] [--fractions 0,1,0.
              [--rounds 5] [--microbatches 8] [--profile 0.15] [--fresh-store]
 On the CPU (a dry run of the code): --device cpu --hidden 256 --tokens 256 --rounds 2
 --fresh-store: a store of its own for each share (no host buffers left by another share's steps).
+--doctor: instead, the doctor's offload section alone (measure_offload as `posttrain doctor` calls
+it: 4,096 and 16,384 tokens, 8 microbatches, none, full and the planner's share), its two tables.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", type=float, default=None, help="profile one step at this share")
     ap.add_argument("--fresh-store", action="store_true")
+    ap.add_argument("--doctor", action="store_true", help="the doctor's offload section alone")
     a = ap.parse_args(argv)
+    if a.doctor:
+        from posttrain.lab.offload_gpu import format_offload, format_selective, measure_offload
+        rows = measure_offload(torch.device(a.device), microbatches=8, **(
+            {} if a.device != "cpu" else {"hidden": a.hidden, "tokens": (a.tokens,), "dtype": torch.float32}))
+        print("\n".join([*format_offload(rows), "", *format_selective(rows)]))
+        return 0
     fractions = [float(x) for x in a.fractions.split(",")]
     if any(not 0 <= f <= 1 for f in fractions) or 0.0 not in fractions:
         print("offload_probe: --fractions are shares in [0, 1] and include 0 (the baseline)", file=sys.stderr)
