@@ -41,6 +41,9 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     cal = got["calibration"]  # what the prediction was calibrated with
     assert cal["jitter"] >= 0 and cal["copies_per_layer_microbatch_s"] > 0
     assert set(cal["excess_per_step_s"]) == {"one-sided", "collective"}
+    for mode in ("one-sided", "collective"):  # the calibration's own runs: barrier waits within the communication
+        assert 0 <= cal["barrier_wait_per_step_s"][mode] <= cal["comm_per_step_s"][mode] + 1e-3
+    assert cal["barrier_wait_per_step_s"]["collective"] > 0
     lines = proc.stdout.splitlines()
     progress = [ln for ln in lines if ln.strip().startswith("round ")]
     assert [p.split(":")[0].strip() for p in progress] == ["round 1/2", "round 2/2"]

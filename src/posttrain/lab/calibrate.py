@@ -272,19 +272,24 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
     mbs = max(plans[0].num_microbatches)
     ratios = [_compute(a) / _compute(b) for a, b in zip(runs["collective"], runs["one-sided"])]
     factor = statistics.median(ratios)
-    measured, per_step = {}, {}
+    measured, per_step, split = {}, {}, {}
     for mode, results in runs.items():
         steps = [s for res in results for s in _steady(res)]
         excess = [_excess(s) for s in steps]
         measured[mode] = statistics.median(excess)
         per_step[mode] = statistics.median(_per_step(s) for s in steps)
+        # recorded beside the fit (not used by it): a rank's communication a step and the part of
+        # it spent waiting in the transport's barriers, medians over steps of the ranks' means
+        split[mode] = {k: statistics.median(statistics.mean(r[k] for r in s) for s in steps)
+                       for k in ("comm_s", "barrier_wait_s")}
         log(f"  flat ODC {mode} on {length}-token sequences ({rounds} runs, {len(excess)} steps): beyond the slowest rank's "
             f"compute {measured[mode] * 1e3:.1f} ms a step (quartiles {_quartiles(excess)}), optimizer and exit "
             f"{per_step[mode] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
     # Both modes copy the same bytes: the collective run's operations cost what ODC's do.
     copies = measured["one-sided"] / (mbs * cfg.num_layers)
     engine = {mode: {"per_layer_microbatch": copies, "per_step": per_step[mode], "microbatches": mbs,
-                     "excess_per_step": measured[mode], "measured_compute_factor": factor if mode == "collective" else 1.0}
+                     "excess_per_step": measured[mode], "measured_compute_factor": factor if mode == "collective" else 1.0,
+                     "comm_per_step": split[mode]["comm_s"], "barrier_wait_per_step": split[mode]["barrier_wait_s"]}
               for mode in runs}
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
     model = SimModel(num_layers=cfg.num_layers, layer_cost=layer_cost, layer_param_bytes=0.0,

@@ -183,8 +183,8 @@ def _predict(cfg: TrainConfig, world_size: int, log, *, measured: float) -> tupl
     own ranks (beside the ``measured`` mechanism: how far to trust it) and at :data:`PREDICT_AT`
     GPUs with the same sequences per rank: its headroom and mechanism; and what it was calibrated
     with (the layer cost's fit error, the per-layer copies, each mode's measured seconds a step
-    beyond the slowest rank's compute, the fitted jitter), to tell where a prediction parts from
-    the measurement."""
+    beyond the slowest rank's compute, its communication a step and the barrier waits inside it,
+    the fitted jitter), to tell where a prediction parts from the measurement."""
     from posttrain.lab.calibrate import measure_sweep_machine, predict_mechanism
 
     log("\ncalibrating the simulator on this machine's runs of the demo's model ...", flush=True)
@@ -206,5 +206,7 @@ def _predict(cfg: TrainConfig, world_size: int, log, *, measured: float) -> tupl
     calibration = {"fit_median_error": machine["fit_median_error"], "jitter": machine["jitter"],
                    "copies_per_layer_microbatch_s": engine["one-sided"]["per_layer_microbatch"],
                    "excess_per_step_s": {mode: e["excess_per_step"] for mode, e in engine.items()},
-                   "per_step_s": {mode: e["per_step"] for mode, e in engine.items()}}
+                   "per_step_s": {mode: e["per_step"] for mode, e in engine.items()},
+                   "comm_per_step_s": {mode: e["comm_per_step"] for mode, e in engine.items()},
+                   "barrier_wait_per_step_s": {mode: e["barrier_wait_per_step"] for mode, e in engine.items()}}
     return out, calibration

@@ -370,6 +370,8 @@ class SFTTrainer(Trainer):
             "epoch": (step + 1) * cfg.sequences / self.data.num_sequences if self.data.num_sequences else None,
             "mfu": sum(self.cost(len(s) - 1) for s in seqs) / wall / (self.peak_tflops * 1e12 * world_size),
             "peak_memory_gib": peak_gib,
+            "barriers": int(own["barriers"]), "barrier_wait_s": own["barrier_wait_s"],
+            "barrier_late_s": own["barrier_late_s"],
         }
         if self.eval_samples and cfg.due(step, cfg.eval_every):
             row["eval_loss"] = evaluate(cfg, engine, self.eval_samples, rank, world_size)
