@@ -346,6 +346,7 @@ class SFTTrainer(Trainer):
         peak_gib = None if peak is None else peak / 2**30
         comm = sum(rec.total(k) for k in COMM_KINDS)
         own = {"loss": loss_sum.item(), "compute_s": rec.total("microbatch") - comm, "comm_s": comm,
+               "gather_s": rec.total("gather"), "reduce_s": rec.total("reduce"),
                "sync_s": rec.total("sync"), "optimizer_s": rec.total("optimizer"), "busy_s": busy,
                "microbatches": len(mine) + len(shards),
                "rank_tokens": sum(m.num_tokens for m in mine) + sum(sh.num_tokens for sh in shards),
@@ -378,7 +379,8 @@ class SFTTrainer(Trainer):
         return row
 
     #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
-    OWN_FIELDS = ("compute_s", "comm_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens", "peak_memory_gib",
+    OWN_FIELDS = ("compute_s", "comm_s", "gather_s", "reduce_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens",
+                  "peak_memory_gib",
                   "barriers", "barrier_wait_s", "barrier_late_s")
 
     def every_rank_rows(self, row: dict) -> list[dict]:
