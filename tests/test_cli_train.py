@@ -38,6 +38,7 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
             # the rest of a step's split: each part within the step, microbatches as many as a rank ran
             assert all(0 <= v[k] <= v["step_time_s"] for k in ("comm_s", "sync_s", "optimizer_s"))
             assert abs(v["gather_s"] + v["reduce_s"] - v["comm_s"]) < 1e-6
+            assert v["sys_s"] >= 0 and v["page_faults"] >= 0
             assert 1 <= v["microbatches"] <= v["max_microbatches"]
     cal = got["calibration"]  # what the prediction was calibrated with
     assert cal["jitter"] >= 0 and cal["copies_per_layer_microbatch_s"] > 0

@@ -85,7 +85,8 @@ def round_summary(steps: list[dict]) -> dict:
     them, waiting in all (``barrier_wait_s``) and after the last peer had arrived
     (``barrier_late_s``: :func:`posttrain.odc.barrier_totals`), averaged over ranks and steps; the
     rest of a rank's step the same way (``comm_s`` and its ``gather_s`` and ``reduce_s``, ``sync_s``,
-    ``optimizer_s``, ``microbatches``)
+    ``optimizer_s``, ``microbatches``, and the system CPU seconds and minor page faults of the
+    rank's process in the step, ``sys_s`` and ``page_faults``)
     and the most microbatches a rank ran (``max_microbatches``), so a step's time splits into
     what each part took."""
     times = [s["step_time_s"] for s in steps]
@@ -101,7 +102,7 @@ def round_summary(steps: list[dict]) -> dict:
         "final_loss": steps[-1]["loss"],
         **{k: sum(sum(r[k] for r in rows) / len(rows) for rows in ranks) / len(ranks)
            for k in ("barriers", "barrier_wait_s", "barrier_late_s", "comm_s", "gather_s", "reduce_s", "sync_s",
-                     "optimizer_s", "microbatches")},
+                     "optimizer_s", "microbatches", "sys_s", "page_faults")},
         "max_microbatches": sum(max(r["microbatches"] for r in rows) for rows in ranks) / len(ranks),
     }
 

@@ -21,6 +21,7 @@ microbatches minus the communication calls inside them; *wait* is the rest of th
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -306,6 +307,7 @@ class SFTTrainer(Trainer):
         dist.barrier()  # step start, outside any minibatch
         reset_peak_memory(self.device)
         bar0 = barrier_totals()
+        use0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         rec.clear()  # keep one step's spans: the timeline shows the last step
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -342,6 +344,7 @@ class SFTTrainer(Trainer):
         rec.resolve()  # (device-timed spans: their kernels have run)
         busy = time.perf_counter() - t0
         bar = {k: v - bar0[k] for k, v in barrier_totals().items()}
+        use = resource.getrusage(resource.RUSAGE_SELF)
         peak = max_memory_allocated(self.device)  # this rank's, over the step (None on the CPU)
         peak_gib = None if peak is None else peak / 2**30
         comm = sum(rec.total(k) for k in COMM_KINDS)
@@ -351,7 +354,8 @@ class SFTTrainer(Trainer):
                "microbatches": len(mine) + len(shards),
                "rank_tokens": sum(m.num_tokens for m in mine) + sum(sh.num_tokens for sh in shards),
                "peak_memory_gib": float("nan") if peak_gib is None else peak_gib,
-               "barriers": bar["barriers"], "barrier_wait_s": bar["wait_s"], "barrier_late_s": bar["late_s"]}
+               "barriers": bar["barriers"], "barrier_wait_s": bar["wait_s"], "barrier_late_s": bar["late_s"],
+               "sys_s": use.ru_stime - use0.ru_stime, "page_faults": use.ru_minflt - use0.ru_minflt}
         col = self._stats = gather_step_stats(own, world_size)
         step_time = float(col["busy_s"].max())
         # What a stopwatch sees: the time since the previous step ended (its metrics, checkpoint
@@ -381,14 +385,15 @@ class SFTTrainer(Trainer):
     #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
     OWN_FIELDS = ("compute_s", "comm_s", "gather_s", "reduce_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens",
                   "peak_memory_gib",
-                  "barriers", "barrier_wait_s", "barrier_late_s")
+                  "barriers", "barrier_wait_s", "barrier_late_s", "sys_s", "page_faults")
 
     def every_rank_rows(self, row: dict) -> list[dict]:
         """Every rank's row from the step's gathered stats (what each rank measured), without a
         gather of the rows; the step's wall time and rates are rank 0's."""
         col, out = self._stats, []
         for r in range(self.world_size):
-            own = {k: (int(col[k][r]) if k in ("microbatches", "rank_tokens", "barriers") else float(col[k][r]))
+            own = {k: (int(col[k][r]) if k in ("microbatches", "rank_tokens", "barriers", "page_faults")
+                       else float(col[k][r]))
                    for k in self.OWN_FIELDS}
             if own["peak_memory_gib"] != own["peak_memory_gib"]:  # NaN: the CPU keeps no peak
                 own["peak_memory_gib"] = None

@@ -10,7 +10,7 @@ __all__ = ["STAT_FIELDS", "gather_step_stats", "summarize"]
 
 #: What every rank measures per step and shares after it (one small all-gather, outside the timed step).
 STAT_FIELDS = ("loss", "compute_s", "comm_s", "gather_s", "reduce_s", "sync_s", "optimizer_s", "busy_s", "microbatches",
-               "rank_tokens", "peak_memory_gib", "barriers", "barrier_wait_s", "barrier_late_s")
+               "rank_tokens", "peak_memory_gib", "barriers", "barrier_wait_s", "barrier_late_s", "sys_s", "page_faults")
 
 
 def gather_step_stats(mine: dict[str, float], world_size: int) -> dict[str, torch.Tensor]:
