@@ -6,6 +6,7 @@ posttrain does not teach a model what plain training would."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -15,12 +16,21 @@ from posttrain.train.core import OptimConfig
 from posttrain.train.rl import RLConfig, run_rl
 from posttrain.train.sft import TrainConfig, run_training
 
-pytestmark = pytest.mark.xdist_group("chat_task")  # one worker builds the 36-second fixture once
+pytestmark = [pytest.mark.xdist_group("chat_task"),  # one worker builds the 36-second fixture once
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     """The README's SFT run: the chat task's model trained 400 steps on 2 ranks."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # test workers of one run share their base directory's parent
+        built = tmp_path_factory.getbasetemp().parent / "chat_task_fixture_built"
+        try:  # (created once: the xdist_group mark keeps this module's tests on one worker, conftest.py)
+            built.open("x").close()
+        except FileExistsError:
+            pytest.fail(f"the chat task's fixture is built a second time, by {worker}: --dist loadgroup did not "
+                        "keep the module's tests on one worker")
     root = tmp_path_factory.mktemp("chat")
     paths = make_chat_task(root / "task")  # the defaults: 4,000 conversations, 64 held out
     before = exact_match(paths["model"], paths["eval"])

@@ -310,6 +310,7 @@ def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):
     assert rc == 2 and "--steps=1 must be at least 2" in err
 
 
+@pytest.mark.slow
 def test_bench_rl_e2e_times_whole_grpo_steps_beside_trl(run_cli, cli, tmp_path):
     """Whole GRPO steps by stopwatch with the phases beside them, for posttrain's sampler and
     ``generate``, batched and per prompt, and two engines, and TRL's GRPOTrainer on the same model,

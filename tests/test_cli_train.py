@@ -14,6 +14,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow
 def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     """A short demo: the four variants taking turns in one job (a progress line a round), a table
     with speedups and their intervals, the same final loss everywhere (the same updates), the three
@@ -43,9 +44,8 @@ def test_demo_trains_every_variant_and_splits_the_speedup(run_cli, tmp_path):
     cal = got["calibration"]  # what the prediction was calibrated with
     assert cal["jitter"] >= 0 and cal["copies_per_layer_microbatch_s"] > 0
     assert set(cal["excess_per_step_s"]) == {"one-sided", "collective"}
-    for mode in ("one-sided", "collective"):  # the calibration's own runs: barrier waits within the communication
-        assert 0 <= cal["barrier_wait_per_step_s"][mode] <= cal["comm_per_step_s"][mode] + 1e-3
-    assert cal["barrier_wait_per_step_s"]["collective"] > 0
+    for mode in ("one-sided", "collective"):  # the calibration's own runs (barriers: entry and exit, and per layer)
+        assert cal["barrier_wait_per_step_s"][mode] >= 0 and cal["comm_per_step_s"][mode] > 0
     lines = proc.stdout.splitlines()
     progress = [ln for ln in lines if ln.strip().startswith("round ")]
     assert [p.split(":")[0].strip() for p in progress] == ["round 1/2", "round 2/2"]
@@ -171,6 +171,7 @@ def test_train_under_torchrun(tmp_path):
     assert sorted((r["step"], r["rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+@pytest.mark.slow
 def test_rl_under_torchrun(tmp_path, tiny_model):
     """The trainer core's launch serves every trainer: RL under torchrun, rank 0 reporting and
     writing the record once."""
@@ -227,6 +228,7 @@ def _two_nodes(tmp_path, *args: str) -> list[subprocess.CompletedProcess]:
     return done
 
 
+@pytest.mark.slow
 def test_two_nodes_shard_within_each_node_and_train_like_one_process(tmp_path, run_cli):
     """torchrun over two "hosts": ``--replicas auto`` (the default) makes HSDP with flat ODC
     inside each node, and the run takes the single-process reference's steps; 1-D ODC across the

@@ -72,6 +72,7 @@ def _run(name: str, tmp_path) -> str:
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.slow
 def test_example_runs(name, tmp_path):
     out = _run(name, tmp_path)
     if name == "odc_flat_shard.py":

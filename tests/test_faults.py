@@ -253,6 +253,7 @@ def test_a_second_run_on_an_output_in_use_is_refused_and_a_dead_runs_lock_taken_
 
 # --- the launcher killed ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tokenizing_workers_die_with_the_launcher_and_their_work_is_cleaned_next_time(tmp_path, tiny_model, cli):
     """SIGKILL, SIGTERM and SIGINT of the launcher while its tokenizing workers are mid-work (held
     there by the test): every worker gone; interrupted, the half-built cache removed at once and
@@ -309,6 +310,7 @@ def test_tokenizing_workers_die_with_the_launcher_and_their_work_is_cleaned_next
     assert not _leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_killed_at_random_points_a_run_resumes_to_the_uninterrupted_result(tmp_path, tiny_model, cli):
     """SIGKILL of the launcher at seeded random moments of training with a checkpoint after every
     step, and of exporting (tokenizing: the test above): nothing left running or behind, and the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.mark.slow
 def test_the_trl_comparison_feeds_both_trainers_the_same_records_and_update(tmp_path):
     """posttrain against TRL's SFTTrainer (lab/bench/trl_sft.py), on the CPU at a tiny size: the
     same records in posttrain's order, the same optimizer and loss normalization, so the losses
