@@ -26,7 +26,9 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 # `make test` runs both in one pytest over TEST_WORKERS worker processes (pytest-xdist): on 2 cores
 # the full tier's tests leave a core idle about 40% of the time (starting processes, waiting on
 # peers), so 2 workers took it from 12-13 min to about 8. Tests sharing an expensive module fixture
-# carry an xdist_group mark and run in one worker (--dist loadgroup), so it is built once.
+# carry an xdist_group mark and run in one worker (--dist loadgroup), so it is built once (on pytest
+# 9.2 through tests/conftest.py: xdist 3.8's own grouping no longer takes there); tests marked slow
+# are collected first, so that no worker ends the run on one while the other idles.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 test: setup lint
