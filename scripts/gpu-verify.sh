@@ -111,6 +111,20 @@ fi
 { nvidia-smi; $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; nproc; } >"$OUT/env.txt" 2>&1
 cores=$(nproc)
 rc=0
+# posttrain demo at 4 ranks on cores 4-7 and 8 on cores 8-15, beside (b) or (c); wait_demos fails the
+# part when one failed (its log says why)
+start_demos() {
+  taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 4 --sequences 16 --json $OUT/demo_w4.json" \
+    >"$OUT/demo_w4.txt" 2>&1 &
+  d4=$!
+  taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 8 --sequences 32 --json $OUT/demo_w8.json" \
+    >"$OUT/demo_w8.txt" 2>&1 &
+  d8=$!
+}
+wait_demos() {
+  wait "$d4" || { rc=$?; echo "gpu-verify: the 4-rank demo exited $rc: $OUT/demo_w4.txt"; }
+  wait "$d8" || { rc=$?; echo "gpu-verify: the 8-rank demo exited $rc: $OUT/demo_w8.txt"; }
+}
 if [ "$PART" = tests ]; then
   xdist=""
   if [ "$WORKERS" -gt 0 ] && $PY -c "import xdist" 2>/dev/null; then xdist="-n $WORKERS"; fi
@@ -140,19 +154,11 @@ elif [ "$PART" = trl ]; then
   if [ "$BENCHES" = demo ]; then
     if [ "$cores" -lt 16 ]; then echo "gpu-verify: the demos beside (c) need 16 cores, this machine has $cores" >&2; exit 2; fi
     pin="taskset -c 0-3"
-    taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 4 --sequences 16 --json $OUT/demo_w4.json" \
-      >"$OUT/demo_w4.txt" 2>&1 &
-    d4=$!
-    taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 8 --sequences 32 --json $OUT/demo_w8.json" \
-      >"$OUT/demo_w8.txt" 2>&1 &
-    d8=$!
+    start_demos
   fi
   timeout "$PART_TIMEOUT" $pin $PY -m posttrain.lab.bench.trl_sft compare $TRL_ARGS --profile "$OUT/trl_profile.txt" \
     --out "$OUT/trl_sft.json" 2>&1 | tee "$OUT/trl_sft.txt" || rc=$?
-  if [ "$BENCHES" = demo ]; then  # a demo that failed fails the part (its log says why)
-    wait "$d4" || { rc=$?; echo "gpu-verify: the 4-rank demo exited $rc: $OUT/demo_w4.txt"; }
-    wait "$d8" || { rc=$?; echo "gpu-verify: the 8-rank demo exited $rc: $OUT/demo_w8.txt"; }
-  fi
+  if [ "$BENCHES" = demo ]; then wait_demos; fi
 else
   if [ "$cores" -ge 16 ] && [ "$BENCHES" != none ]; then
     GPU_CORES=0-3
@@ -167,18 +173,14 @@ else
         taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$PDP --pp-size 2 --dp-size 2" >"$OUT/bench_pdp_2x2.txt" 2>&1 &
         taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$PDP --pp-size 2 --dp-size 4" >"$OUT/bench_pdp_2x4.txt" 2>&1 &
         ;;
-      demo)
-        taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 4 --sequences 16 --json $OUT/demo_w4.json" \
-          >"$OUT/demo_w4.txt" 2>&1 &
-        taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$DEMO --world-size 8 --sequences 32 --json $OUT/demo_w8.json" \
-          >"$OUT/demo_w8.txt" 2>&1 &
-        ;;
+      demo) start_demos ;;
     esac
   else
     GPU_CORES=0-$((cores - 1))
   fi
   taskset -c "$GPU_CORES" timeout "$PART_TIMEOUT" $PY -m posttrain doctor --no-tests --out "$OUT/gpu-report.md" \
     ${DOCTOR_ARGS:-} 2>&1 | tee "$OUT/doctor.txt" || rc=$?
+  if [ "$BENCHES" = demo ] && [ -n "${d4:-}" ]; then wait_demos; fi
   wait
 fi
 echo "gpu-verify $PART: done (exit $rc); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

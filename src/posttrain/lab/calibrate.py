@@ -285,7 +285,9 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
         log(f"  flat ODC {mode} on {length}-token sequences ({rounds} runs, {len(excess)} steps): beyond the slowest rank's "
             f"compute {measured[mode] * 1e3:.1f} ms a step (quartiles {_quartiles(excess)}), optimizer and exit "
             f"{per_step[mode] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
-    # Both modes copy the same bytes: the collective run's operations cost what ODC's do.
+    # Both modes copy the same bytes: the collective run's operations are taken to cost what ODC's
+    # do. True at 2 ranks on 2 cores; at 4 and 8 ranks on 16 cores the collective run's gathers and
+    # adds outside its barriers took 20-50 times longer (docs/simulator.md): not modelled yet.
     copies = measured["one-sided"] / (mbs * cfg.num_layers)
     engine = {mode: {"per_layer_microbatch": copies, "per_step": per_step[mode], "microbatches": mbs,
                      "excess_per_step": measured[mode], "measured_compute_factor": factor if mode == "collective" else 1.0,

@@ -384,8 +384,7 @@ class SFTTrainer(Trainer):
 
     #: Row fields each rank measures for itself (the rest are the step's, equal on every rank).
     OWN_FIELDS = ("compute_s", "comm_s", "gather_s", "reduce_s", "sync_s", "optimizer_s", "microbatches", "rank_tokens",
-                  "peak_memory_gib",
-                  "barriers", "barrier_wait_s", "barrier_late_s", "sys_s", "page_faults")
+                  "peak_memory_gib", "barriers", "barrier_wait_s", "barrier_late_s", "sys_s", "page_faults")
 
     def every_rank_rows(self, row: dict) -> list[dict]:
         """Every rank's row from the step's gathered stats (what each rank measured), without a
