@@ -112,6 +112,23 @@ def test_demo_says_when_the_machine_is_too_busy_to_time(monkeypatch):
         busy.wait()
 
 
+def test_the_demo_runs_on_cpu_processes_where_a_gpu_is_visible(monkeypatch):
+    # Left to `auto`, the 4- and 8-rank demos on a one-GPU machine put every rank on that GPU and
+    # measured GPU time-slicing between processes, not ODC (issue 47). On CUDA it is refused when
+    # its FSDP2 variants would share a GPU, before any process starts.
+    from dataclasses import replace
+
+    from posttrain import device
+    from posttrain.lab import demo
+
+    monkeypatch.setattr(device, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    assert demo.DEMO.device_kind == "cpu"
+    assert replace(demo.DEMO, device="auto").device_kind == "cuda"  # (what it was)
+    with pytest.raises(ValueError, match="world_size=4 ranks on this host but it has 1 cuda device"):
+        demo.run_demo(replace(demo.DEMO, device="cuda"), world_size=4, log=lambda *a, **k: None)
+
+
 def test_bad_demo_input_is_a_clear_error(cli):
     rc, _, err = cli("demo", "--world-size", "0")
     assert rc == 2 and "--world-size=0 must be at least 1" in err and len(err.strip().splitlines()) == 1

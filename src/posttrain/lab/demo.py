@@ -31,6 +31,7 @@ import os
 import statistics
 from dataclasses import replace
 
+from posttrain.device import check_world
 from posttrain.dp import EngineConfig
 from posttrain.lab.bench.split import write_result
 from posttrain.lab.bench.stepwise import pooled, pooled_ratio, stepwise_rounds
@@ -40,9 +41,11 @@ from posttrain.train.sft import TrainConfig
 
 __all__ = ["DEMO", "PREDICT_AT", "ROUNDS", "VARIANTS", "busy_before", "run_demo"]
 
-#: The embedded default: long-tail lengths up to 4,096 tokens, 8 sequences a rank and step.
+#: The embedded default: long-tail lengths up to 4,096 tokens, 8 sequences a rank and step, on CPU
+#: processes also where a GPU is visible (left to ``auto``, the ranks of a GPU machine shared its one
+#: GPU, which measured GPU time-slicing between processes instead of ODC: issue 47's part 4).
 DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=6, sequences=16, max_len=4096, max_tokens=4096,
-                   optim=OptimConfig(lr=3e-3))
+                   optim=OptimConfig(lr=3e-3), device="cpu")
 
 #: (label, engine, odc mode, balancing method)
 VARIANTS = (
@@ -126,6 +129,7 @@ def run_demo(cfg: TrainConfig = DEMO, *, world_size: int = 2, rounds: int = ROUN
         raise ValueError(f"rounds={rounds} must be at least 1")
     if cfg.steps < 2:
         raise ValueError(f"steps={cfg.steps} must be at least 2 (the first is a warm-up)")
+    check_world(cfg.device_kind, world_size)  # (FSDP2's variants: one rank per GPU)
     os.sync()  # files just written (a fresh install's) flushed now, not under the first rounds' timing
     busy = busy_before()  # (stepwise_rounds syncs again before its job)
     labels = [v[0] for v in VARIANTS]
