@@ -113,9 +113,9 @@ def test_demo_says_when_the_machine_is_too_busy_to_time(monkeypatch):
 
 
 def test_the_demo_runs_on_cpu_processes_where_a_gpu_is_visible(monkeypatch):
-    # Left to `auto`, the 4- and 8-rank demos on a one-GPU machine put every rank on that GPU and
-    # measured GPU time-slicing between processes, not ODC (issue 47). On CUDA it is refused when
-    # its FSDP2 variants would share a GPU, before any process starts.
+    # Left to `auto`, the 4- and 8-rank demos on a one-GPU machine put every rank on that GPU, and
+    # what they measured was not ODC on CPU cores (issue 47). On CUDA it is refused when its FSDP2
+    # variants would share a GPU, before any process starts.
     from dataclasses import replace
 
     from posttrain import device

@@ -286,8 +286,9 @@ def flat_odc_costs(cfg: TrainConfig, layer_cost: LayerCost, *, length: int, worl
             f"compute {measured[mode] * 1e3:.1f} ms a step (quartiles {_quartiles(excess)}), optimizer and exit "
             f"{per_step[mode] * 1e3:.1f} ms; {mbs} microbatches x {cfg.num_layers} layers", flush=True)
     # Both modes copy the same bytes: the collective run's operations are taken to cost what ODC's
-    # do. True at 2 ranks on 2 cores; at 4 and 8 ranks on 16 cores the collective run's gathers and
-    # adds outside its barriers took 20-50 times longer (docs/simulator.md): not modelled yet.
+    # do. Measured true on CPU ranks: at 2 ranks on 2 cores and at 4 and 8 on 16 (5-7 ms a step
+    # outside the barriers in the collective run, 7-9 ms one-sided). Ranks sharing one GPU are
+    # another matter (21-77 ms against 0.1-2: docs/simulator.md); the demo runs on CPU processes.
     copies = measured["one-sided"] / (mbs * cfg.num_layers)
     engine = {mode: {"per_layer_microbatch": copies, "per_step": per_step[mode], "microbatches": mbs,
                      "excess_per_step": measured[mode], "measured_compute_factor": factor if mode == "collective" else 1.0,

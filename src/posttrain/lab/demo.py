@@ -42,8 +42,9 @@ from posttrain.train.sft import TrainConfig
 __all__ = ["DEMO", "PREDICT_AT", "ROUNDS", "VARIANTS", "busy_before", "run_demo"]
 
 #: The embedded default: long-tail lengths up to 4,096 tokens, 8 sequences a rank and step, on CPU
-#: processes also where a GPU is visible (left to ``auto``, the ranks of a GPU machine shared its one
-#: GPU, which measured GPU time-slicing between processes instead of ODC: issue 47's part 4).
+#: processes also where a GPU is visible (left to ``auto``, the 4 and 8 ranks of the one-GPU machine all
+#: ran on its GPU, and their collective run's gathers and adds then cost 10 times what they do on
+#: CPU cores: docs/simulator.md, "Where prediction and measurement part").
 DEMO = TrainConfig(balance="diff_micro", profile="long_tail", steps=6, sequences=16, max_len=4096, max_tokens=4096,
                    optim=OptimConfig(lr=3e-3), device="cpu")
 
