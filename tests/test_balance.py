@@ -388,7 +388,7 @@ def test_a_fixed_shard_count_the_exchange_and_sequences_longer_than_max_tokens()
     costly = plan_context(lengths, world_size=4, max_tokens=4096, cost=cost, exchange=ExchangeCost(per_token=1.0))
     assert set(costly.split) == {0}  # an exchange dearer than any gain: only what must be split
     # a split taken only where it saves more than min_gain of the step; a fixed price per split
-    two = [3000, 1000]
+    two = [3000, 100]  # (the short one too cheap to be worth splitting: one split, the long one)
     gain = 1 - max(plan_context(two, world_size=2, max_tokens=4096, cost=cost).rank_costs) / cost(3000)
     assert 0.05 < gain < 0.9
     assert plan_context(two, world_size=2, max_tokens=4096, cost=cost, min_gain=gain * 0.9).split == {0: 2}
@@ -405,6 +405,20 @@ def test_a_fixed_shard_count_the_exchange_and_sequences_longer_than_max_tokens()
         plan_context(lengths, world_size=4, max_tokens=4096, context_parallel=1)
     with pytest.raises(ValueError, match="context_parallel=8 shards but only 4 ranks"):
         plan_context(lengths, world_size=4, max_tokens=4096, context_parallel=8)
+
+
+def test_a_short_sequence_beside_a_split_one_is_split_too_where_that_levels_the_ranks():
+    """The long sequence split in two leaves the rank that also runs the short one busiest; the
+    short one split as well levels them (the plan searched only sequences of at least half a
+    rank's even share before, and stopped at the first split here)."""
+    cost = QuadraticCost(scale=4096)
+    lengths = [4096, 1326]  # (a step of the long_tail benchmark: its largest)
+    plan = plan_context(lengths, world_size=2, max_tokens=4096, cost=cost)
+    _check(plan, lengths, 4096)
+    assert plan.split == {0: 2, 1: 2}
+    assert plan.step_time() == pytest.approx(sum(cost(n) for n in lengths) / 2, rel=1e-3)
+    tiny = [4096, 40]  # a sequence under an eighth of the even share is not tried
+    assert plan_context(tiny, world_size=2, max_tokens=4096, cost=cost).split == {0: 2}
 
 
 @settings(max_examples=60, deadline=None)

@@ -256,12 +256,14 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
         return top, parts, groups, sum(1 for x in loads if x >= top * (1 - 1e-9))
 
     best_step, parts, groups, at_top = evaluate(split)
-    # the costliest sequences first; a sequence cheaper than a rank's even share cannot bound the step
+    # the costliest sequences first, down to an eighth of a rank's even share: a sequence that
+    # cannot bound the step may still level the ranks split (the long one split in two leaves its
+    # ranks uneven by the short one beside it; split too, the short one evens them)
     even = sum(costs) / world_size
     # (a sequence already split may be split further: into 2 first, then more where its shards
     # become the busiest ranks' load)
     candidates = [i for i in sorted(range(len(lengths)), key=lambda i: -costs[i])
-                  if i in split or costs[i] > even / 2][: 2 * world_size]
+                  if i in split or costs[i] > even / 8][: 2 * world_size]
     improved = True
     while improved and ks:
         improved = False

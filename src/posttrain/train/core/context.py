@@ -24,18 +24,22 @@ __all__ = ["FLOPS_PER_EXCHANGED_BYTE", "FLOPS_PER_EXCHANGE_CALL", "MIN_SPLIT_GAI
 #: in the time one of a layer's two exchanges costs whatever its size, by the exchange: ``cpu``
 #: (every rank on one host: :class:`posttrain.odc.ShmRowExchange`), ``cpu-gloo`` (CPU ranks on
 #: several hosts: gloo's collectives), ``cuda``. The CPU's are measured on 2 processes of this
-#: project's 2-core machine by ``python -m posttrain.lab.bench.cp_exchange`` (four runs over gloo
-#: fitted 253-527 FLOPs a byte and -32M to 148M a call; two through shared memory 375 and 483 a
-#: byte and -38M and -16M a call: nothing measurable a call, and the per-byte term, about the
-#: same for both, is mostly the split attention's own extra work rather than the copy). CUDA:
-#: estimates, not yet measured on a GPU (about 1 PFLOP/s bf16 over NVLink's ~1 TB/s, and ~20
-#: microseconds a collective).
-FLOPS_PER_EXCHANGED_BYTE = {"cpu": 430.0, "cpu-gloo": 420.0, "cuda": 1000.0}
-FLOPS_PER_EXCHANGE_CALL = {"cpu": 0.0, "cpu-gloo": 8e7, "cuda": 2e10}
+#: project's 2-core machine by ``python -m posttrain.lab.bench.cp_exchange``, the whole sequence
+#: timed on both ranks at once as in training (three runs through shared memory: 36-145 FLOPs a
+#: byte and 12-28M a call; over gloo 100-241 a byte and 85-121M a call). Before 2026-11-28 it
+#: timed the whole sequence on one rank alone, which runs 5-10% faster with the machine's memory
+#: to itself, and fitted 375-483 a byte through shared memory: three times the price, which kept
+#: the plan from splitting sequences of 1,000-1,500 tokens that pay. CUDA: estimates, not yet
+#: measured on a GPU (about 1 PFLOP/s bf16 over NVLink's ~1 TB/s, and ~20 microseconds a
+#: collective).
+FLOPS_PER_EXCHANGED_BYTE = {"cpu": 130.0, "cpu-gloo": 200.0, "cuda": 1000.0}
+FLOPS_PER_EXCHANGE_CALL = {"cpu": 2e7, "cpu-gloo": 1e8, "cuda": 2e10}
 #: The least fraction of a step's predicted time a split must save (``plan_context``'s ``min_gain``):
-#: the exchange's price is fitted to within about that (two runs of ``cp_exchange`` differ by about
-#: 2x in it), and on this machine a shard also costs a microbatch of its own the price leaves out.
-MIN_SPLIT_GAIN = 0.1
+#: about the error of the predictions it compares (the exchange's price above, at the top of what
+#: three runs fitted). On this machine's long_tail benchmark (2 sequences a step) 5% and 10% gave
+#: about the same odc+cp / odc+diff_micro (5%: 1.15x and 1.16x; 10%: 1.14x and 1.15x; two runs
+#: each); 10% had been chosen when the price was three times too high (above).
+MIN_SPLIT_GAIN = 0.05
 
 
 def check_shard_count(cfg: RunConfig, world_size: int, what: str) -> None:
