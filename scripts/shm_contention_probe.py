@@ -1,22 +1,28 @@
-"""Why do ODC's gathers and adds cost more when every rank runs them at the same moment?
+"""Do ODC's gathers and adds cost more when every rank runs them at the same moment?
 
-Issue 47, part 4: on the 16-core GPU machine the demo's collective run (a barrier before every
-gather and after every push) spent 20-40 ms a step in gathers and adds outside its barriers, against
-0.6-1.7 ms for the same copies in the one-sided run, and only at 4 and 8 ranks. This probe takes the
-engine out of it: N pinned processes over the real shared-memory transport (``ShmTransport``), one
-unit's gather (copy every owner's shard into a full vector) and push (add each owner's row into its
-accumulator under the stripe locks, owners in the engine's rotated order), each timed alone in
+Issue 47, part 4: the 4- and 8-rank demos on the 16-core GPU machine showed the collective run (a
+barrier before every gather and after every push) spending 20-40 ms a step in gathers and adds
+outside its barriers, against 0.6-1.7 ms for the same copies in the one-sided run. This probe takes
+the engine out of it: N pinned processes over the real shared-memory transport (``ShmTransport``),
+one unit's gather (copy every owner's shard into a full vector) and push (add each owner's row into
+its accumulator under the stripe locks, owners in the engine's rotated order), each timed alone in
 three arrangements:
 
   sync     a barrier, then every rank at once (what the collective run does)
   serial   a barrier, then one rank after another (the same data, nobody beside it)
   stagger  no barrier; a random stretch of compute before each (what the one-sided run sees)
 
-plus ``sync-fresh``: the gather into a new vector each time, as the engine allocates one. Between
-two operations every rank runs the same small compute (a matmul over a working set larger than a
-core's L2), so caches are as disturbed as in training. Printed: the slowest rank's median ms per
-operation, each arrangement's against ``serial``, and the slowest rank's mean and 99th percentile
-(a rare long stall shows there, not in the median).
+plus ``sync-fresh``: the gather into a new vector each time, as the engine allocates one; and two
+pushes with one lock per row taken by a try first, counting how often a peer held it
+(``sync-counted``: then waited for in the kernel, as the transport waits; ``sync-spin``: spun for).
+Between two operations every rank runs the same small compute (a matmul over a working set larger
+than a core's L2), so caches are as disturbed as in training. Printed: the slowest rank's median ms
+per operation, each arrangement's against ``serial``, and the slowest rank's mean and 99th
+percentile (a rare long stall shows there, not in the median).
+
+What it found there (docs/results.md, "fourth session"): all ranks at once cost at most 1.42x one at
+a time, under 0.1 ms an operation, so the copies were not it; the demos had put every rank on the
+machine's GPU (the demo now runs on CPU processes).
 
     python scripts/shm_contention_probe.py                       # N = 2 (and 4, 8 where there are cores)
     python scripts/shm_contention_probe.py --world-sizes 4,8 --cores 0-15 --unit-mib 0.75,6 --json out/shm.json
@@ -96,8 +102,9 @@ def _worker(rank: int, world: int, cores: list[int], unit_bytes: int, iters: int
     contended = [0]
 
     def push_with(spin: bool) -> None:
-        # the transport's accumulate, its lock taken by a try first: counted when held by a peer,
-        # then either waited for in the kernel (as the transport does) or spun for
+        # an add under one lock per row (the owner's first stripe: a row of the default unit fits
+        # in one), taken by a try first: counted when a peer holds it, then either waited for in the
+        # kernel (as ShmTransport.accumulate waits) or spun for
         for i in range(world):
             owner = (rank + 1 + i) % world
             fd = t._fds[owner]
