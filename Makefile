@@ -60,8 +60,10 @@ test-torch-compat: $(COMPAT_VENV)/.installed
 lint: setup
 	$(VENV)/bin/ruff check src tests examples
 
+# ARGS passes options through: `make demo ARGS="--json out/demo.json"` (posttrain demo --help).
+ARGS ?=
 demo: setup
-	$(PY) -m posttrain demo
+	$(PY) -m posttrain demo $(ARGS)
 
 $(addprefix bench-,$(BENCHES)): bench-%: setup
 	$(PY) -m posttrain bench $*
