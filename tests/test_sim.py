@@ -178,6 +178,42 @@ def test_a_plan_with_split_sequences_simulates_its_shards_at_the_plans_cost():
         plan_lengths(split)
 
 
+def test_the_planner_weighs_splitting_sequences_and_budgets_only_a_split_fits():
+    """plan_odc with context parallelism: on a minibatch whose longest sequence bounds the step,
+    ODC splitting it ranks first, above ODC's whole-sequence plans; a budget below the longest
+    sequence is offered only where a split fits it (never to the whole-sequence rows), compared
+    with FSDP at the least budget that holds the sequence; without context parallelism such a
+    budget alone is refused, and an exchange dearer than any gain splits nothing (and adds no row)."""
+    from posttrain.balance import ExchangeCost
+    from posttrain.sim import exchange_seconds
+    from posttrain.sim.costs import MODEL_SHAPES
+    from posttrain.sim.planner import plan_odc
+
+    model = SimModel.preset("1.5b")
+    cluster = Cluster(num_gpus=4, gpus_per_node=4)
+    batches = [[16000, 900, 800, 700, 600, 500, 400, 300], [15000, 1000, 900, 800, 700, 600, 500, 400]]
+    ex = exchange_seconds(MODEL_SHAPES["1.5b"], cluster)
+    assert ex.per_token > 0 and ex.fixed == pytest.approx(2 * 28 * 20e-6)
+    rows = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[8192, 16384],
+                    context_parallel="auto", exchange=ex)
+    assert rows[0]["context_parallel"] == "auto" and rows[0]["split"] >= 2
+    best_whole = max(r["throughput"] for r in rows if r["context_parallel"] == "off")
+    assert rows[0]["throughput"] > 1.5 * best_whole  # one 16k sequence is most of a 4-rank step
+    assert {r["max_tokens"] for r in rows if r["context_parallel"] == "off"} == {16384}
+    small = [r for r in rows if r["max_tokens"] == 8192]
+    assert len(small) == 1 and small[0]["split"] == 2  # both long sequences split to fit
+    fsdp = next(r for r in rows if (r["strategy"], r["method"]) == ("fsdp", "same_micro"))
+    assert fsdp["vs_fsdp"] == 1.0 and small[0]["vs_fsdp"] == pytest.approx(small[0]["throughput"] / fsdp["throughput"])
+    assert rows == sorted(rows, key=lambda r: -r["throughput"])
+    with pytest.raises(ValueError, match="no max_tokens option holds the longest sequence"):
+        plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[8192])
+    with pytest.raises(ValueError, match="context_parallel=2"):
+        plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[4096], context_parallel=2, exchange=ex)
+    dear = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[16384], context_parallel="auto",
+                    exchange=ExchangeCost(fixed=model.sequence_cost(16000)))
+    assert all(r["context_parallel"] == "off" for r in dear)  # nothing split: no row of its own
+
+
 def test_pipeline_1f1b_bubble_and_memory_curve_are_the_textbook_ones():
     p, m = 4, 8
     res = simulate_pipeline("1f1b", num_ranks=p, num_microbatches=m, workload=PipelineWorkload(activation_bytes=3.0))
@@ -397,6 +433,31 @@ def test_predict_plans_charges_each_modes_costs_and_the_jitter_but_not_the_measu
     assert costlier["odc_s"] == base["odc_s"] and costlier["partition_s"] == base["partition_s"]
     jittered = predict_plans(same, diff, {**machine, "jitter": 0.1}, **kw)
     assert jittered["collective_s"] > costlier["collective_s"]  # the rendezvous waits for each layer's slower rank
+
+
+def test_the_calibrated_prediction_of_splitting_prices_shards_at_the_machines_measured_split_cost():
+    """predict_context_parallel simulates the trainer's plans: odc+diff_micro exactly as the
+    mechanism's prediction does, odc+cp with each shard at its share plus the split cost measured
+    on the machine (not the plan's own price): free splits gain on a long-tailed step, a split
+    as dear as its whole sequence loses, and the prediction falls as the split gets dearer."""
+    from posttrain.balance import ExchangeCost
+    from posttrain.lab.calibrate import _plans, predict_context_parallel, predict_plans
+    from posttrain.train.sft import TrainConfig
+
+    cfg = TrainConfig(profile="long_tail", max_len=4096, max_tokens=4096, sequences=2, steps=6, num_layers=2)
+    eng = {"per_layer_microbatch": 3e-4, "per_step": 1e-3}
+    machine = {"layer_cost": LayerCost(linear=2e-6, quadratic=2e-9), "engine": {"one-sided": dict(eng),
+                                                                                "collective": dict(eng)}}
+    free = predict_context_parallel(cfg, machine, ExchangeCost())
+    assert free["split"] >= 1 and free["cp"] > 1.05
+    plans = _plans(cfg, 2, "diff_micro")
+    same = predict_plans(_plans(cfg, 2, "same_micro"), plans, machine, num_layers=2, max_tokens=4096)
+    assert free["odc_s"] == pytest.approx(same["odc_s"], rel=1e-12)
+    dearer = predict_context_parallel(cfg, machine, ExchangeCost(per_token=2e-6, fixed=1e-3))
+    assert dearer["split"] == free["split"] and dearer["cp_s"] > free["cp_s"] and dearer["odc_s"] == free["odc_s"]
+    whole = SimModel(num_layers=2, layer_cost=machine["layer_cost"], layer_param_bytes=0, layer_grad_bytes=0)
+    ruinous = predict_context_parallel(cfg, machine, ExchangeCost(fixed=whole.sequence_cost(4096)))
+    assert ruinous["cp"] < 1
 
 
 def test_selective_offload_within_a_chunk_in_the_simulator_and_the_planners_share():

@@ -69,6 +69,21 @@ def test_plan_odc_and_pipeline(capsys):
     assert main(["plan", "pipeline", "--pp-size", "4", "--microbatches", "8", "--memory-gib", "0.01"]) == 1
 
 
+def test_plan_odc_recommends_context_parallelism_where_a_split_pays_and_not_where_it_is_off(tmp_path, capsys):
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([16000, 900, 800, 700, 600, 500, 400, 300]))
+    argv = ["plan", "odc", "--lengths-file", str(lengths), "--world-size", "4", "--gpus-per-node", "4",
+            "--sequences-per-rank", "2", "--minibatches", "1", "--cost-model", "1.5b", "--max-tokens", "8192,16384"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "recommended: odc with --balance diff_micro --max-tokens 8192 --context-parallel auto" in out \
+        or "recommended: odc with --balance diff_micro --max-tokens 16384 --context-parallel auto" in out
+    assert "is a prediction" in out
+    assert main([*argv, "--context-parallel", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "--context-parallel" not in out and "max-tokens 16384" in out
+
+
 def test_plan_pipeline_recommends_no_offload_when_that_fits_as_fast_and_the_least_offload_otherwise(capsys):
     """Everything fits in 4 GiB: the pick offloads nothing, even where offloading ties on time (it
     once ranked "offload 3 of 4 chunks" first). In 0.3 GiB nothing fits without offload: the pick

@@ -150,11 +150,14 @@ class ContextPlan:
 
 
 def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int], world_size: int,
-            cost: CostModel, exchange: ExchangeCost) -> tuple[list[list[int]], dict[int, tuple[int, ...]], list[float]]:
+            cost: CostModel, exchange: ExchangeCost, partitions: dict | None = None
+            ) -> tuple[list[list[int]], dict[int, tuple[int, ...]], list[float]]:
     """Two placements, the lighter busiest rank wins: (1) the whole sequences partitioned over the
     ranks as ``diff_micro`` does, then each split sequence's shards (costliest first) on the least
     loaded ranks; (2) the shards first, then the whole sequences costliest first onto the least
-    loaded rank. Returns the whole sequences per rank, each split sequence's group, the loads."""
+    loaded rank. Returns the whole sequences per rank, each split sequence's group, the loads.
+    ``partitions``: placement (1)'s partitions of the whole sequences, kept by which sequences are
+    split (the search tries every shard count of a sequence on the same whole sequences)."""
     whole = [i for i in range(len(lengths)) if i not in split]
     shard_cost = {s: cost(lengths[s]) / k + exchange(lengths[s], k) for s, k in split.items()}
     order = sorted(split, key=lambda s: (-shard_cost[s], s))
@@ -168,10 +171,16 @@ def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int
                 loads[r] += shard_cost[s]
         return groups
 
-    weights = [costs[i] for i in whole]
-    starts = refined_starts(weights, world_size) if whole else [[[] for _ in range(world_size)]]
-    local = min(starts, key=lambda p: max(sum(weights[j] for j in q) for q in p))
-    parts1 = [[whole[j] for j in p] for p in local]
+    key = tuple(sorted(split))
+    if partitions is not None and key in partitions:
+        parts1 = [list(p) for p in partitions[key]]
+    else:
+        weights = [costs[i] for i in whole]
+        starts = refined_starts(weights, world_size) if whole else [[[] for _ in range(world_size)]]
+        local = min(starts, key=lambda p: max(sum(weights[j] for j in q) for q in p))
+        parts1 = [[whole[j] for j in p] for p in local]
+        if partitions is not None:
+            partitions[key] = [list(p) for p in parts1]
     loads1 = [sum(costs[i] for i in p) for p in parts1]
     groups1 = place_shards(loads1)
 
@@ -250,8 +259,10 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
                                  "`max_tokens`, allow more shards, or drop that sequence")
             split[i] = k
 
+    partitions: dict = {}
+
     def evaluate(trial: dict[int, int]):
-        parts, groups, loads = _assign(lengths, costs, trial, world_size, cost, exchange)
+        parts, groups, loads = _assign(lengths, costs, trial, world_size, cost, exchange, partitions)
         top = max(loads)
         return top, parts, groups, sum(1 for x in loads if x >= top * (1 - 1e-9))
 

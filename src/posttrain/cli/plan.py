@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from posttrain.pipeline import GROUPED_SCHEDULES
 from posttrain.text import count
@@ -20,10 +21,15 @@ class PlanODC(DPSetting):
     Attributes:
         max_tokens: microbatch budgets to choose from, up to what activation memory fits
             (default: the longest sequence rounded up to a power of 2, and twice that).
+        context_parallel: also ODC whose plan splits the costliest sequences across ranks
+            (``auto``: 2 up to every rank, or a shard count; ``off``: whole sequences only), at
+            every budget a split fits, below the longest sequence too; a shard's keys and values
+            cross the intra-node link (20 microseconds a collective).
         top: rows shown.
     """
 
     max_tokens: tuple[int, ...] | None = None
+    context_parallel: int | Literal["off", "auto"] = "auto"
     top: int = 8
 
     def __post_init__(self) -> None:
@@ -67,6 +73,7 @@ class PlanPipeline:
 
 
 def _odc(o: PlanODC) -> int:
+    from posttrain.sim import MODEL_SHAPES, exchange_seconds
     from posttrain.sim.planner import plan_odc
 
     cluster, model, batches, _ = o.inputs()
@@ -76,14 +83,27 @@ def _odc(o: PlanODC) -> int:
     else:
         base = 1 << (longest - 1).bit_length()
         options = [base, 2 * base]
-    rows = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=options, hsdp=o.cluster.hsdp)
-    print(f"{'#':>2} {'engine':6} {'balance':12} {'max_tokens':>10} {'tokens/s':>12} {'bubble':>7} {'vs fsdp+same':>12}")
+    rows = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=options, hsdp=o.cluster.hsdp,
+                    context_parallel=o.context_parallel,
+                    exchange=exchange_seconds(MODEL_SHAPES[o.cost.cost_model], cluster))
+    print(f"{'#':>2} {'engine':6} {'balance':12} {'split':>5} {'max_tokens':>10} {'tokens/s':>12} {'bubble':>7} "
+          f"{'vs fsdp+same':>12}")
     for i, r in enumerate(rows[:o.top], 1):
-        print(f"{i:>2} {r['strategy']:6} {r['method']:12} {r['max_tokens']:>10} {r['throughput']:12,.0f} "
+        split = "-" if r["context_parallel"] == "off" else str(r["split"])
+        print(f"{i:>2} {r['strategy']:6} {r['method']:12} {split:>5} {r['max_tokens']:>10} {r['throughput']:12,.0f} "
               f"{r['bubble']:7.2f} {r['vs_fsdp']:12.2f}")
+    print("(split: sequences split across ranks over the minibatches, '-' without context parallelism, which gets a row "
+          "only where it splits; vs fsdp+same: FSDP+same_micro at the same max_tokens, or at the least that holds the "
+          "longest sequence)")
     best = rows[0]
-    print(f"recommended: {best['strategy']} with --balance {best['method']} --max-tokens {best['max_tokens']} "
+    cp = f" --context-parallel {best['context_parallel']}" if best["split"] else ""
+    if o.context_parallel != "off" and not any(r["split"] for r in rows):
+        print(f"context parallelism ({o.context_parallel}) splits no sequence here: whole sequences balance as well")
+    print(f"recommended: {best['strategy']} with --balance {best['method']} --max-tokens {best['max_tokens']}{cp} "
           "(a larger max_tokens packs more per microbatch; offer only what activation memory fits)")
+    if best["split"]:
+        print("  context parallelism above 2 ranks or on GPUs is a prediction: it has run on 2 CPU processes "
+              "(docs/odc.md)")
     return 0
 
 

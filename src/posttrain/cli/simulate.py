@@ -334,22 +334,17 @@ def _write_json(data, path: str) -> None:
         print(f"wrote {path}")
 
 
-#: Seconds a key/value collective costs a GPU whatever its size (the exchange's latency term).
-CP_CALL_S = 20e-6
-
-
-def context_plan(lengths, o: SimulateODC, cluster, model, max_tokens: int):
+def context_plan(lengths, o: SimulateODC, cluster, max_tokens: int, cost):
     """The plan of one simulated minibatch with context parallelism: :func:`posttrain.balance.plan_context`
-    in the simulator's units (seconds), the exchange priced at the preset model's key/value bytes
-    (bf16) over the intra-node link and :data:`CP_CALL_S` a collective, no margin (the simulator
-    has no prediction error to hedge)."""
-    from posttrain.balance import ExchangeCost, plan_context
-    from posttrain.sim.costs import MODEL_SHAPES
+    in the simulator's units (seconds, ``cost``), the exchange priced by :func:`posttrain.sim.exchange_seconds`
+    at the preset model's key/value bytes (bf16), no margin (the simulator has no prediction error
+    to hedge)."""
+    from posttrain.balance import plan_context
+    from posttrain.sim import MODEL_SHAPES, exchange_seconds
 
-    exchange = ExchangeCost.for_shape(MODEL_SHAPES[o.cost.cost_model], flops_per_byte=1.0 / cluster.intra_bandwidth,
-                                      dtype_bytes=2, flops_per_call=CP_CALL_S)
-    return plan_context(lengths, world_size=cluster.num_gpus, max_tokens=max_tokens, cost=model.sequence_cost,
-                        exchange=exchange, context_parallel=o.context_parallel)
+    return plan_context(lengths, world_size=cluster.num_gpus, max_tokens=max_tokens, cost=cost,
+                        exchange=exchange_seconds(MODEL_SHAPES[o.cost.cost_model], cluster),
+                        context_parallel=o.context_parallel)
 
 
 def _odc(o: SimulateODC) -> int:
@@ -369,7 +364,7 @@ def _odc(o: SimulateODC) -> int:
         res.strategy = f"{res.strategy}+{method}"
         runs.append(res)
     if o.context_parallel != "off":
-        plans = [context_plan(b, o, cluster, model, max_tokens) for b in batches]
+        plans = [context_plan(b, o, cluster, max_tokens, model.sequence_cost) for b in batches]
         res = simulate_dp(plans, strategy="odc", model=model, cluster=cluster, hsdp=o.cluster.hsdp, trace=trace)
         res.strategy = f"{res.strategy}+cp ({sum(len(p.split) for p in plans)} split)"
         runs.append(res)

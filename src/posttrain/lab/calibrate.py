@@ -34,7 +34,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from posttrain.balance import FlopsCost
+from posttrain.balance import ExchangeCost, FlopsCost
 from posttrain.data import synthetic_sequences
 from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
@@ -52,8 +52,8 @@ from posttrain.train.sft import (
 )
 
 __all__ = ["calibrate_odc", "calibrate_pipeline", "fit_jitter", "flat_odc_costs", "machine_from_shapes", "measure_machine",
-           "measure_sweep_machine", "pipeline_workload_from_metrics", "predict_mechanism", "predict_plans",
-           "simulated_excess", "write_pipeline_metrics"]
+           "measure_sweep_machine", "pipeline_workload_from_metrics", "predict_context_parallel", "predict_mechanism",
+           "predict_plans", "simulated_excess", "write_pipeline_metrics"]
 
 
 def _plans(cfg: TrainConfig, world_size: int, method: str):
@@ -396,6 +396,56 @@ def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_laye
                                seed=1000 * d + k).time for d in range(draws))
     return {"headroom": times["collective"] / partition, "mechanism": times["collective"] / times["one-sided"],
             "collective_s": times["collective"], "odc_s": times["one-sided"], "partition_s": partition}
+
+
+def _cp_plans(cfg: TrainConfig, world_size: int, context_parallel: int | str) -> list:
+    """The trainer's plans of ``cfg``'s steps after the first with ``context_parallel``: flat ODC,
+    one-sided, diff_micro with the costliest sequences split (as ``bench odc``'s ``odc+cp``)."""
+    from posttrain.train.sft.loop import plan_context_step
+
+    c = replace(cfg, engine=replace(cfg.engine, name="odc", mode="one-sided", context_parallel=context_parallel),
+                balance="diff_micro")
+    data = TrainData(c, world_size)
+    cost = FlopsCost.from_config(c.model_config(data.vocab_size))
+    return [plan_context_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
+
+
+def predict_context_parallel(cfg: TrainConfig, machine: dict, split: ExchangeCost, *,
+                             context_parallel: int | str = "auto", world_size: int = 2, draws: int = 8) -> dict:
+    """The simulator's ``odc+cp / odc+diff_micro`` for ``cfg``'s steps: both runs simulated with
+    ODC's one barrier per minibatch, flat ODC's measured one-sided costs and the machine's compute
+    jitter (``machine`` from :func:`measure_sweep_machine`), on the plans the trainer makes
+    (diff_micro's, and with ``context_parallel`` its split plans). A shard of ``n``-token sequence
+    over ``k`` ranks runs as a microbatch costing ``sequence_cost(n) / k + split(n, k)`` seconds:
+    ``split`` is what splitting costs beyond the share, measured
+    (:func:`posttrain.lab.bench.cp_exchange.measure`'s ``fixed_s`` and ``per_token_s``); the
+    group's per-layer meetings are inside that measurement, not simulated as rendezvous."""
+    from posttrain.balance import ContextPlan
+
+    jitter = machine.get("jitter", 0.0)
+    draws = draws if jitter else 1
+    eng = machine["engine"]["one-sided"]
+    per_op = eng["per_layer_microbatch"] / 3
+    model = SimModel(num_layers=cfg.num_layers, layer_cost=machine["layer_cost"], layer_param_bytes=0.0,
+                     layer_grad_bytes=0.0, optimizer_s=eng["per_step"])
+    cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
+
+    def priced(plan):  # a split plan's shards at their cost in seconds on this machine
+        if not isinstance(plan, ContextPlan):
+            return plan
+        return replace(plan, shards=tuple(tuple(
+            replace(sh, cost=model.sequence_cost(plan.lengths[sh.sequence_id]) / sh.num_shards
+                    + split(plan.lengths[sh.sequence_id], sh.num_shards)) for sh in shards) for shards in plan.shards))
+
+    runs = {"odc+diff_micro": _plans(cfg, world_size, "diff_micro"),
+            "odc+cp": [priced(p) for p in _cp_plans(cfg, world_size, context_parallel)]}
+    times = {name: statistics.mean(
+        simulate_dp(plans, strategy="odc", model=model, cluster=cluster, op_times={"gather": per_op, "reduce": per_op,
+                                                                                    "add": 0.0},
+                    overlap=False, jitter=jitter, seed=1000 * d).time for d in range(draws))
+        for name, plans in runs.items()}
+    return {"cp": times["odc+diff_micro"] / times["odc+cp"], "odc_s": times["odc+diff_micro"],
+            "cp_s": times["odc+cp"], "split": sum(len(getattr(p, "split", {})) for p in runs["odc+cp"])}
 
 
 def _measure_real(cfg: TrainConfig, world_size: int, repeats: int, log) -> dict:

@@ -11,10 +11,10 @@
 
 from .cluster import Cluster
 from .costs import MODEL_SHAPES, LayerCost, ModelShape, SimModel
-from .dp import STRATEGIES, DPResult, plan_lengths, simulate_dp, simulate_minibatch
+from .dp import CP_CALL_S, STRATEGIES, DPResult, exchange_seconds, plan_lengths, simulate_dp, simulate_minibatch
 from .lengths import LENGTH_PROFILES, draw_lengths, load_lengths
 
 __all__ = [
-    "LENGTH_PROFILES", "MODEL_SHAPES", "STRATEGIES", "Cluster", "DPResult", "LayerCost", "ModelShape", "SimModel",
-    "draw_lengths", "load_lengths", "plan_lengths", "simulate_dp", "simulate_minibatch",
+    "CP_CALL_S", "LENGTH_PROFILES", "MODEL_SHAPES", "STRATEGIES", "Cluster", "DPResult", "LayerCost", "ModelShape",
+    "SimModel", "draw_lengths", "exchange_seconds", "load_lengths", "plan_lengths", "simulate_dp", "simulate_minibatch",
 ]

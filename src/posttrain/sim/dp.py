@@ -45,14 +45,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.balance import ContextPlan, Plan
+from posttrain.balance import ContextPlan, ExchangeCost, Plan
 from posttrain.spans import Span
 
 from ._engine import Engine, Link, Rendezvous
 from .cluster import Cluster
-from .costs import SimModel
+from .costs import ModelShape, SimModel
 
-__all__ = ["STRATEGIES", "DPResult", "plan_lengths", "simulate_dp", "simulate_minibatch"]
+__all__ = ["CP_CALL_S", "STRATEGIES", "DPResult", "exchange_seconds", "plan_lengths", "simulate_dp",
+           "simulate_minibatch"]
+
+#: Seconds a key/value collective of a split sequence costs a GPU whatever its size (the
+#: exchange's latency term; an estimate: nothing here measured it on a GPU).
+CP_CALL_S = 20e-6
+
+
+def exchange_seconds(shape: ModelShape, cluster: Cluster, *, dtype_bytes: int = 2,
+                     call_s: float = CP_CALL_S) -> ExchangeCost:
+    """A split sequence's key/value exchange in the simulator's units (seconds, as
+    :meth:`SimModel.sequence_cost`): ``shape``'s keys and values (``dtype_bytes`` each) over the
+    intra-node link, and ``call_s`` for each of a layer's two collectives. (A group spanning nodes
+    would exchange over the slower link; the plans keep groups small, and this is not modelled.)"""
+    return ExchangeCost.for_shape(shape, flops_per_byte=1.0 / cluster.intra_bandwidth, dtype_bytes=dtype_bytes,
+                                  flops_per_call=call_s)
 
 STRATEGIES = ("fsdp", "odc")
 Strategy = Literal["fsdp", "odc"]

@@ -1,7 +1,8 @@
 """``posttrain plan``: recommendations from the simulator.
 
 - :func:`plan_odc`: for a dataset and cluster, every balancing method x ``max_tokens`` candidate
-  under FSDP and ODC, ranked by simulated throughput.
+  under FSDP and ODC, and ODC splitting the costliest sequences across ranks (context
+  parallelism), ranked by simulated throughput.
 - :func:`plan_pipeline`: every schedule, group size and offload count that fits a memory budget,
   ranked by simulated step time; :func:`recommend_pipeline` picks one: the least offload among
   those within 1% of the fastest that fits (no offload when something fits without it that fast).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from posttrain.balance import METHODS, plan_minibatch
+from posttrain.balance import METHODS, ExchangeCost, plan_context, plan_minibatch
 from posttrain.pipeline import ONE_CHUNK_SCHEDULES, SCHEDULES, build_schedule
 from posttrain.text import count
 
@@ -28,33 +29,72 @@ _FSDP_METHODS = ("round_robin", "local_sort", "same_micro")  # diff_micro needs 
 
 
 def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Cluster,
-             max_tokens_options: Sequence[int], hsdp: bool = False,
-             progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Rows ``{"strategy", "method", "max_tokens", "throughput", "bubble", "vs_fsdp"}`` sorted by
-    throughput, best first; ``vs_fsdp`` is over FSDP+same_micro at the same ``max_tokens``."""
+             max_tokens_options: Sequence[int], hsdp: bool = False, context_parallel: str | int = "off",
+             exchange: ExchangeCost | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Rows ``{"strategy", "method", "context_parallel", "max_tokens", "throughput", "bubble",
+    "vs_fsdp", "split"}`` sorted by throughput, best first.
+
+    Every balancing method under FSDP and ODC at every ``max_tokens`` option that holds the
+    longest sequence; with ``context_parallel`` (``auto`` or a shard count) also ODC+diff_micro
+    whose plan splits the costliest sequences across ranks
+    (:func:`posttrain.balance.plan_context`, the exchange priced by ``exchange`` in seconds:
+    :func:`~posttrain.sim.exchange_seconds`), at every option, including those below the longest
+    sequence that a split fits (a smaller microbatch: less activation memory). ``vs_fsdp`` is over
+    FSDP+same_micro at the same ``max_tokens``, or, where that cannot hold the longest sequence, at
+    the smallest option that can; ``split`` counts the split sequences (0 without splitting; a
+    budget where the plan splits nothing gets no row of its own).
+
+    Raises:
+        ValueError: no option holds the longest sequence (whole, or split where
+            ``context_parallel`` allows).
+    """
     longest = max(max(b) for b in batches)
     options = sorted(set(max_tokens_options))
-    if not options or options[-1] < longest:
-        raise ValueError(f"no max_tokens option holds the longest sequence ({longest} tokens); "
-                         f"raise `max_tokens` (got {list(options)})")
-    rows = []
-    for mt in (o for o in options if o >= longest):
-        ref = None
+    whole = [o for o in options if o >= longest]
+    rows, ref = [], {}
+    for mt in whole:
         for strategy, methods in (("fsdp", _FSDP_METHODS), ("odc", METHODS)):
             for method in methods:
                 plans = [plan_minibatch(b, world_size=cluster.num_gpus, max_tokens=mt, method=method,
                                         cost=model.sequence_cost) for b in batches]
                 res = simulate_dp(plans, strategy=strategy, model=model, cluster=cluster, hsdp=hsdp)
-                row = {"strategy": strategy, "method": method, "max_tokens": mt, "throughput": res.throughput,
-                       "bubble": res.bubble_fraction}
+                rows.append({"strategy": strategy, "method": method, "context_parallel": "off", "max_tokens": mt,
+                             "throughput": res.throughput, "bubble": res.bubble_fraction, "split": 0})
                 if strategy == "fsdp" and method == "same_micro":
-                    ref = res.throughput
-                rows.append(row)
+                    ref[mt] = res.throughput
                 if progress:
                     progress(f"max_tokens={mt} {strategy}+{method}: {res.throughput:,.0f} tokens/s")
-        for row in rows:
-            if row["max_tokens"] == mt:
-                row["vs_fsdp"] = row["throughput"] / ref
+    refused = []
+    if context_parallel != "off":
+        for mt in options:
+            try:
+                plans = [plan_context(b, world_size=cluster.num_gpus, max_tokens=mt, cost=model.sequence_cost,
+                                      exchange=exchange, context_parallel=context_parallel) for b in batches]
+            except ValueError as e:  # a sequence no allowed split fits into this budget
+                refused.append((mt, e))
+                continue
+            split = sum(len(p.split) for p in plans)
+            if not split:  # the whole sequences again, placed another way: not a row of its own
+                continue
+            res = simulate_dp(plans, strategy="odc", model=model, cluster=cluster, hsdp=hsdp)
+            rows.append({"strategy": "odc", "method": "diff_micro", "context_parallel": context_parallel,
+                         "max_tokens": mt, "throughput": res.throughput, "bubble": res.bubble_fraction,
+                         "split": split})
+            if progress:
+                progress(f"max_tokens={mt} odc+diff_micro, context_parallel={context_parallel}: "
+                         f"{res.throughput:,.0f} tokens/s")
+    if not rows:
+        why = f" (context_parallel={context_parallel}: {refused[0][1]})" if refused else ""
+        raise ValueError(f"no max_tokens option holds the longest sequence ({longest} tokens){why}; "
+                         f"raise `max_tokens` (got {list(options)})")
+    if not ref:  # no option holds the longest sequence whole: FSDP's reference at the least power of 2 that does
+        least = 1 << (longest - 1).bit_length()
+        plans = [plan_minibatch(b, world_size=cluster.num_gpus, max_tokens=least, method="same_micro",
+                                cost=model.sequence_cost) for b in batches]
+        ref[least] = simulate_dp(plans, strategy="fsdp", model=model, cluster=cluster, hsdp=hsdp).throughput
+    for row in rows:
+        at = row["max_tokens"] if row["max_tokens"] in ref else min(ref)
+        row["vs_fsdp"] = row["throughput"] / ref[at]
     return sorted(rows, key=lambda r: -r["throughput"])
 
 

@@ -30,13 +30,12 @@ from posttrain.launch import run_ranks
 __all__ = ["main", "measure"]
 
 
-def _worker(rank: int, world: int, lengths: list[int], reps: int) -> dict:
+def _worker(rank: int, world: int, lengths: list[int], reps: int, cfg=None) -> dict:
     from posttrain.balance.context import Shard, shard_lengths
     from posttrain.models import GPT
-    from posttrain.train.sft import TrainConfig
     from posttrain.train.sft.loop import microbatch_loss, shard_loss
 
-    cfg = TrainConfig(max_len=max(lengths), max_tokens=max(lengths))
+    cfg = _config(lengths, cfg)
     torch.manual_seed(0)
     model = GPT(cfg.model_config())
     from posttrain.odc import row_exchange
@@ -65,23 +64,38 @@ def _worker(rank: int, world: int, lengths: list[int], reps: int) -> dict:
     return out
 
 
-def measure(lengths: list[int], reps: int = 5) -> dict:
-    """Median whole and split seconds per length, the overheads in FLOPs and the fit (see the
-    module docstring)."""
-    from posttrain.balance import FlopsCost
+def _config(lengths: list[int], cfg=None):
+    """The model measured: ``cfg``'s GPT shape (default: ``TrainConfig``'s), fp32, sequences up
+    to the longest of ``lengths``."""
+    from dataclasses import replace
+
     from posttrain.train.sft import TrainConfig
 
-    ranks = run_ranks(_worker, 2, lengths, reps, timeout_s=1800)
+    base = cfg or TrainConfig()
+    if base.model != "gpt" or base.engine.precision != "fp32":
+        raise ValueError(f"the exchange is measured on posttrain's GPT in fp32 (got {base.model}, "
+                         f"{base.engine.precision})")
+    return replace(base, data=None, max_len=max(lengths), max_tokens=max(lengths))
+
+
+def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
+    """Median whole and split seconds per length, the overheads in FLOPs and the fit (see the
+    module docstring), on ``cfg``'s model shape (default: ``TrainConfig``'s). Also, per exchange,
+    the fit in seconds of the whole model (``fit[mode]["fixed_s"]``, ``["per_token_s"]``: what
+    :func:`posttrain.lab.calibrate.predict_context_parallel` adds to a shard's half)."""
+    from posttrain.balance import FlopsCost
+
+    ranks = run_ranks(_worker, 2, lengths, reps, cfg, timeout_s=1800)
     # the whole sequence: the ranks' mean (each ran its own copy at once); a split: the slower rank
     # (its ranks meet at every layer's exchange, so they end together)
     times = {n: {"whole": statistics.mean(r[n]["whole"] for r in ranks),
                  **{m: max(r[n][m] for r in ranks) for m in ("split", "split-shm")}} for n in lengths}
-    cost = FlopsCost.from_config(TrainConfig(max_len=max(lengths), max_tokens=max(lengths)).model_config())
+    cost = FlopsCost.from_config(_config(lengths, cfg).model_config())
     shape = cost.shape
     kv_bytes = 2 * shape.num_layers * shape.kv_heads * shape.head_dim * 4  # (fp32)
     out: dict = {"lengths": {}, "fit": {}}
     for mode in ("split", "split-shm"):
-        rows, over = [], []
+        rows, over, over_s = [], [], []
         for n in lengths:
             t = times[n]
             rate = cost(n) / t["whole"]
@@ -89,9 +103,13 @@ def measure(lengths: list[int], reps: int = 5) -> dict:
             out["lengths"].setdefault(n, {**t, "flops_per_s": rate})[f"overhead_flops ({mode})"] = extra
             rows.append([1.0, n / 2])
             over.append(extra)
+            over_s.append(t[mode] - t["whole"] / 2)
         a = torch.tensor(rows, dtype=torch.float64)
         fixed, per_token = torch.linalg.lstsq(a, torch.tensor(over, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-        out["fit"][mode] = {"fixed_flops": fixed, "per_token_flops": per_token,
+        fixed_s, per_token_s = torch.linalg.lstsq(
+            a, torch.tensor(over_s, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+        out["fit"][mode] = {"fixed_flops": fixed, "per_token_flops": per_token, "fixed_s": fixed_s,
+                            "per_token_s": per_token_s,
                             # an all-gather forward, a reduce-scatter backward
                             "flops_per_call": fixed / (2 * shape.num_layers),
                             "flops_per_byte": per_token / (2 * kv_bytes)}

@@ -72,7 +72,8 @@ from posttrain.train.sft import (
     train_worker,
 )
 
-__all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "ODCBench", "bench_odc", "factors", "measure_bounds", "split_odc_vs_partition",
+__all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "ODCBench", "bench_odc", "factors", "measure_bounds", "predict_cp",
+           "split_odc_vs_partition",
            "sweep_odc"]
 
 #: (engine, odc mode, balancing method); named ``<dp label>+<method>`` (e.g. ``odc-collective+same_micro``).
@@ -110,7 +111,8 @@ class ODCBench:
             ``sweep_max_tokens`` point, beside the calibrated simulator's predictions.
         sequences_per_rank: sweep points.
         sweep_max_tokens: sweep points, each at least ``max_len`` (default: ``max_tokens``).
-        no_predict: sweep without the simulator's predictions.
+        no_predict: without the simulator's predictions (the sweep's, and ``odc+cp``'s gain; each
+            calibrates the simulator on this machine first, a few minutes).
         context_parallel: also run ``odc+cp``: flat ODC whose plan splits the costliest sequences
             across ranks (``auto`` or a shard count; see docs/odc.md, "Context parallelism"), set
             against ``odc+diff_micro`` and the bounds (``off``: not run).
@@ -161,7 +163,7 @@ class ODCBench:
                              max_tokens=self.sweep_max_tokens or (self.train.max_tokens,), world_size=self.world_size,
                              repeats=self.repeats, predict=not self.no_predict, json_path=json_path or None, log=log)
         return bench_odc(self.train, world_size=self.world_size, repeats=self.repeats, json_path=json_path or None,
-                         context_parallel=self.context_parallel, log=log)
+                         context_parallel=self.context_parallel, predict=not self.no_predict, log=log)
 
 
 def _on_ranks(worker: Callable, world_size: int, cfg: TrainConfig, *args) -> list:
@@ -309,10 +311,12 @@ def _write(path: str | None, out: dict, log: Callable) -> None:
 
 
 def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_path: str | None = None,
-              context_parallel: int | str = "off", log=print) -> dict:
+              context_parallel: int | str = "off", predict: bool = True, log=print) -> dict:
     """Run every variant and both bounds ``repeats`` times, interleaved; print and return ratios
     and the factors of [Note: where ODC's gain comes from]. ``context_parallel`` (not ``off``):
-    ``odc+cp`` too, and its gain over ``odc+diff_micro`` among the factors (``cp``).
+    ``odc+cp`` too, and its gain over ``odc+diff_micro`` among the factors (``cp``); with
+    ``predict``, beside it the calibrated simulator's (:func:`predict_cp`; ``predicted_cp`` in the
+    result).
 
     Returns:
         ``{"config", "world_size", "repeats", "rounds": [{variant: summary}], "median": {variant:
@@ -409,8 +413,36 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         "transport x engine x mechanism = total)")
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median,
            "spread": spread, "factors": fac, "captured": cap, "captured_of_reachable": reach}
+    if _CP in cfgs and predict:
+        out["predicted_cp"] = predict_cp(base, context_parallel, world_size=world_size, log=log)
+        p, m = out["predicted_cp"]["cp"], fac["cp"][0]
+        log(f"  cp predicted {p:.2f}x by the simulator calibrated on this machine, measured {m:.2f}x "
+            f"({p / m - 1:+.1%}; within 5%: {'yes' if abs(p / m - 1) <= 0.05 else 'no'})")
     _write(json_path, out, log)
     return out
+
+
+def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: int = 2, log=print) -> dict:
+    """The calibrated simulator's ``odc+cp / odc+diff_micro`` for ``base``
+    (:func:`posttrain.lab.calibrate.predict_context_parallel`): the per-layer cost, flat ODC's costs
+    and the compute jitter measured on ``world_size`` processes (as the sweep's predictions are),
+    and what splitting a sequence over 2 ranks costs beyond its half
+    (:mod:`posttrain.lab.bench.cp_exchange` at ``max_len``, a quarter and a sixteenth of it),
+    fitted as a cost a split plus a cost a token."""
+    from posttrain.balance import ExchangeCost
+    from posttrain.lab.bench.cp_exchange import measure
+    from posttrain.lab.calibrate import measure_sweep_machine, predict_context_parallel
+
+    log("\ncalibrating the simulator on this machine for odc+cp's prediction ...", flush=True)
+    machine = measure_sweep_machine(base, [base], world_size=world_size, log=log)
+    lengths = sorted({max(16, base.max_len // 16), max(16, base.max_len // 4), base.max_len})
+    fit = measure(lengths, reps=3, cfg=base)["fit"]["split-shm"]
+    split = ExchangeCost(per_token=max(0.0, fit["per_token_s"]), fixed=max(0.0, fit["fixed_s"]))
+    log(f"  splitting a sequence over 2 ranks costs beyond its half: {split.fixed * 1e3:.1f} ms + "
+        f"{split.per_token * 1e6:.2f} us a token received ({', '.join(map(str, lengths))} tokens, 3 reps)", flush=True)
+    pred = predict_context_parallel(base, machine, split, context_parallel=context_parallel, world_size=world_size)
+    return {**pred, "split_fixed_s": split.fixed, "split_per_token_s": split.per_token,
+            "layer_fit_median_error": machine["fit_median_error"], "jitter": machine["jitter"]}
 
 
 #: The per-round factors of :func:`split_odc_vs_partition`, in the order the sweep prints them.
