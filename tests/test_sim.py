@@ -448,7 +448,7 @@ def test_the_calibrated_prediction_of_splitting_prices_shards_at_the_machines_me
     eng = {"per_layer_microbatch": 3e-4, "per_step": 1e-3}
     machine = {"layer_cost": LayerCost(linear=2e-6, quadratic=2e-9), "engine": {"one-sided": dict(eng),
                                                                                 "collective": dict(eng)}}
-    free = predict_context_parallel(cfg, machine, ExchangeCost())
+    free = predict_context_parallel(cfg, machine, ExchangeCost())  # (any cost (n, k) -> seconds)
     assert free["split"] >= 1 and free["cp"] > 1.05
     plans = _plans(cfg, 2, "diff_micro")
     same = predict_plans(_plans(cfg, 2, "same_micro"), plans, machine, num_layers=2, max_tokens=4096)
@@ -458,6 +458,17 @@ def test_the_calibrated_prediction_of_splitting_prices_shards_at_the_machines_me
     whole = SimModel(num_layers=2, layer_cost=machine["layer_cost"], layer_param_bytes=0, layer_grad_bytes=0)
     ruinous = predict_context_parallel(cfg, machine, ExchangeCost(fixed=whole.sequence_cost(4096)))
     assert ruinous["cp"] < 1
+
+
+def test_a_measured_split_cost_interpolates_its_measurements_and_never_goes_below_zero():
+    from posttrain.lab.calibrate import MeasuredSplitCost
+
+    cost = MeasuredSplitCost([256, 1024, 4096], [0.015, -0.002, 0.03])
+    assert cost(256, 2) == cost(100, 2) == 0.015 and cost(1024, 2) == 0.0 and cost(8192, 2) == 0.03
+    assert cost(640, 2) == pytest.approx(0.0075) and cost(2560, 2) == pytest.approx(0.015)
+    assert cost(4096, 1) == 0.0 and cost(4096, 4) == 0.03  # (whole: nothing; more shards: as at 2)
+    with pytest.raises(ValueError, match="increasing lengths"):
+        MeasuredSplitCost([1024, 256], [0.0, 0.0])
 
 
 def test_selective_offload_within_a_chunk_in_the_simulator_and_the_planners_share():

@@ -93,8 +93,10 @@ def test_split_attention_refuses_what_is_not_one_shard():
 
 @pytest.mark.parametrize("n,k", [(64, 2), (4096, 2), (4099, 4), (1000, 8)])
 def test_a_shard_attends_to_the_keys_its_runs_need_not_to_every_key(n, k):
-    """``causal_blocks``: a zigzag shard's runs (its two chunks, or one where they are adjacent)
-    see exactly the sorted keys up to their last position, those before their first without a mask
+    """``causal_blocks``: a zigzag shard's runs (two of at most half the shard each, also where its
+    chunks are adjacent: one causal square twice as long is slower in the CPU's kernel, and the
+    group would wait for that shard at every layer) see exactly the sorted keys up to their last
+    position, those before their first without a mask
     (the log-sum-exp path): every rank computes its even share of the causal work. The masked
     pieces (devices without such a kernel) keep the two chunks apart and see the keys up to their
     last position: within (2k + 1) / 2k of the even share, within 1 + 1 / 6k for long shards; one
@@ -111,6 +113,7 @@ def test_a_shard_attends_to_the_keys_its_runs_need_not_to_every_key(n, k):
         assert ordered.tolist() == list(range(n))
         for begin, end, before, upto in blocks.runs:
             assert (before, upto) == (int(pos[begin]), int(pos[end - 1]) + 1)
+        assert len(blocks.runs) == 2 and all(end - begin <= -(-len(pos) // 2) for begin, end, _, _ in blocks.runs)
         exact.append(sum((end - begin) * before + (end - begin) ** 2 / 2 for begin, end, before, _ in blocks.runs))
         cuts = [a for a, _, _ in blocks.pieces] + [len(pos)]
         (_, _), (b0, b1) = zigzag(n, k)[rank]

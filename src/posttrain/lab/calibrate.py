@@ -24,17 +24,19 @@ saved activations from the hooks; the simulator predicts it in chunk-microbatche
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from posttrain.balance import ExchangeCost, FlopsCost
+from posttrain.balance import FlopsCost
 from posttrain.data import synthetic_sequences
 from posttrain.dp import EngineConfig
 from posttrain.launch import run_ranks
@@ -51,9 +53,10 @@ from posttrain.train.sft import (
     train_worker,
 )
 
-__all__ = ["calibrate_odc", "calibrate_pipeline", "fit_jitter", "flat_odc_costs", "machine_from_shapes", "measure_machine",
-           "measure_sweep_machine", "pipeline_workload_from_metrics", "predict_context_parallel", "predict_mechanism",
-           "predict_plans", "simulated_excess", "write_pipeline_metrics"]
+__all__ = ["MeasuredSplitCost", "calibrate_odc", "calibrate_pipeline", "fit_jitter", "flat_odc_costs",
+           "machine_from_shapes", "measure_machine", "measure_sweep_machine", "pipeline_workload_from_metrics",
+           "predict_context_parallel", "predict_mechanism", "predict_plans", "simulated_excess",
+           "write_pipeline_metrics"]
 
 
 def _plans(cfg: TrainConfig, world_size: int, method: str):
@@ -410,15 +413,40 @@ def _cp_plans(cfg: TrainConfig, world_size: int, context_parallel: int | str) ->
     return [plan_context_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
 
 
-def predict_context_parallel(cfg: TrainConfig, machine: dict, split: ExchangeCost, *,
+class MeasuredSplitCost:
+    """What splitting an ``n``-token sequence over 2 ranks costs beyond half its work, in seconds:
+    measured at some lengths (``overheads[i]`` at ``lengths[i]``, e.g.
+    :func:`posttrain.lab.bench.cp_exchange.measure`'s split minus half the whole), linear in ``n``
+    between them, the nearest measurement's beyond them, never below 0. (Two fitted constants, a
+    cost a split and a cost a token, went negative on noisy measurements: the overhead is about
+    flat from 256 to 1,024 tokens and grows beyond.) For ``k`` shards the cost is taken as at 2
+    (measured on 2 ranks only)."""
+
+    def __init__(self, lengths: list[int], overheads: list[float]) -> None:
+        if not lengths or len(lengths) != len(overheads) or sorted(lengths) != list(lengths):
+            raise ValueError("MeasuredSplitCost needs increasing lengths, one overhead each")
+        self.lengths, self.overheads = list(lengths), [max(0.0, x) for x in overheads]
+
+    def __call__(self, n: int, k: int) -> float:
+        if k < 2:
+            return 0.0
+        i = bisect.bisect_left(self.lengths, n)
+        if i == 0:
+            return self.overheads[0]
+        if i == len(self.lengths):
+            return self.overheads[-1]
+        (a, b), (x, y) = self.lengths[i - 1:i + 1], self.overheads[i - 1:i + 1]
+        return x + (y - x) * (n - a) / (b - a)
+
+
+def predict_context_parallel(cfg: TrainConfig, machine: dict, split: Callable[[int, int], float], *,
                              context_parallel: int | str = "auto", world_size: int = 2, draws: int = 8) -> dict:
     """The simulator's ``odc+cp / odc+diff_micro`` for ``cfg``'s steps: both runs simulated with
     ODC's one barrier per minibatch, flat ODC's measured one-sided costs and the machine's compute
     jitter (``machine`` from :func:`measure_sweep_machine`), on the plans the trainer makes
     (diff_micro's, and with ``context_parallel`` its split plans). A shard of ``n``-token sequence
     over ``k`` ranks runs as a microbatch costing ``sequence_cost(n) / k + split(n, k)`` seconds:
-    ``split`` is what splitting costs beyond the share, measured
-    (:func:`posttrain.lab.bench.cp_exchange.measure`'s ``fixed_s`` and ``per_token_s``); the
+    ``split`` is what splitting costs beyond the share, measured (:class:`MeasuredSplitCost`); the
     group's per-layer meetings are inside that measurement, not simulated as rendezvous."""
     from posttrain.balance import ContextPlan
 

@@ -173,9 +173,13 @@ class CausalBlocks(NamedTuple):
 
     Attributes:
         order: the order that sorts the gathered keys by position (``None``: they already are).
-        runs: ``(start, end, before, upto)`` per run of consecutive query positions (a zigzag
-            shard's two chunks, or one where they are adjacent): its queries ``start:end`` see the
-            first ``upto`` sorted keys, of which the first ``before`` come before its first position.
+        runs: ``(start, end, before, upto)`` per run of consecutive query positions, at most
+            half the shard (a zigzag shard's two chunks, also where they are adjacent): its queries
+            ``start:end`` see the first ``upto`` sorted keys, of which the first ``before`` come
+            before its first position. (The middle shard's adjacent chunks as one run, a causal
+            square twice as long, took the CPU's flash kernel 15-20% longer than the other
+            shard's two at 1,024 tokens, and 4% at 4,096, so the group waited for it at every
+            layer: ``scripts/split_attention_probe.py``.)
         pieces: ``(start, end, upto)``: the runs cut into pieces of an eighth of the shard (at
             least :data:`PIECE_ROWS` rows, at most half the shard), each attending to the first
             ``upto`` sorted keys under a mask.
@@ -205,11 +209,12 @@ def causal_blocks(positions: torch.Tensor, key_positions: torch.Tensor) -> Causa
     kpos = key_positions.tolist()
     order = sorted(range(len(kpos)), key=kpos.__getitem__)
     ordered = [kpos[i] for i in order]
-    piece = min(-(-len(qpos) // 2), max(PIECE_ROWS, -(-len(qpos) // 8)))
+    half = -(-len(qpos) // 2)
+    piece = min(half, max(PIECE_ROWS, -(-len(qpos) // 8)))
     runs, pieces = [], []
     start = cut = 0
     for i in range(1, len(qpos) + 1):
-        end_run = i == len(qpos) or qpos[i] != qpos[i - 1] + 1
+        end_run = i == len(qpos) or qpos[i] != qpos[i - 1] + 1 or i - start == half
         if end_run or i - cut == piece:
             pieces.append((cut, i, bisect.bisect_right(ordered, qpos[i - 1])))
             cut = i

@@ -414,34 +414,42 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median,
            "spread": spread, "factors": fac, "captured": cap, "captured_of_reachable": reach}
     if _CP in cfgs and predict:
-        out["predicted_cp"] = predict_cp(base, context_parallel, world_size=world_size, log=log)
-        p, m = out["predicted_cp"]["cp"], fac["cp"][0]
-        log(f"  cp predicted {p:.2f}x by the simulator calibrated on this machine, measured {m:.2f}x "
-            f"({p / m - 1:+.1%}; within 5%: {'yes' if abs(p / m - 1) <= 0.05 else 'no'})")
+        _write(json_path, out, lambda *a, **k: None)  # (the measurements kept whatever the calibration does)
+        try:
+            out["predicted_cp"] = predict_cp(base, context_parallel, world_size=world_size, log=log)
+        except ValueError as e:  # (a run too small to fit the per-layer cost to)
+            out["predicted_cp"] = {"error": str(e)}
+            log(f"  cp: no prediction ({e})")
+        else:
+            p, m = out["predicted_cp"]["cp"], fac["cp"][0]
+            log(f"  cp predicted {p:.2f}x by the simulator calibrated on this machine, measured {m:.2f}x "
+                f"({p / m - 1:+.1%}; within 5%: {'yes' if abs(p / m - 1) <= 0.05 else 'no'})")
     _write(json_path, out, log)
     return out
 
 
-def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: int = 2, log=print) -> dict:
+def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: int = 2, reps: int = 5,
+               log=print) -> dict:
     """The calibrated simulator's ``odc+cp / odc+diff_micro`` for ``base``
     (:func:`posttrain.lab.calibrate.predict_context_parallel`): the per-layer cost, flat ODC's costs
     and the compute jitter measured on ``world_size`` processes (as the sweep's predictions are),
-    and what splitting a sequence over 2 ranks costs beyond its half
-    (:mod:`posttrain.lab.bench.cp_exchange` at ``max_len``, a quarter and a sixteenth of it),
-    fitted as a cost a split plus a cost a token."""
-    from posttrain.balance import ExchangeCost
+    and what splitting a sequence over 2 ranks costs beyond its half at ``max_len`` and a half, a
+    quarter, an eighth and a sixteenth of it (:mod:`posttrain.lab.bench.cp_exchange`, ``reps``
+    rounds; :class:`~posttrain.lab.calibrate.MeasuredSplitCost`)."""
     from posttrain.lab.bench.cp_exchange import measure
-    from posttrain.lab.calibrate import measure_sweep_machine, predict_context_parallel
+    from posttrain.lab.calibrate import MeasuredSplitCost, measure_sweep_machine, predict_context_parallel
 
     log("\ncalibrating the simulator on this machine for odc+cp's prediction ...", flush=True)
     machine = measure_sweep_machine(base, [base], world_size=world_size, log=log)
-    lengths = sorted({max(16, base.max_len // 16), max(16, base.max_len // 4), base.max_len})
-    fit = measure(lengths, reps=3, cfg=base)["fit"]["split-shm"]
-    split = ExchangeCost(per_token=max(0.0, fit["per_token_s"]), fixed=max(0.0, fit["fixed_s"]))
-    log(f"  splitting a sequence over 2 ranks costs beyond its half: {split.fixed * 1e3:.1f} ms + "
-        f"{split.per_token * 1e6:.2f} us a token received ({', '.join(map(str, lengths))} tokens, 3 reps)", flush=True)
+    lengths = sorted({max(16, base.max_len // d) for d in (16, 8, 4, 2, 1)})
+    got = measure(lengths, reps=reps, cfg=base)["lengths"]
+    over = [got[n]["split-shm"] - got[n]["whole"] / 2 for n in lengths]
+    split = MeasuredSplitCost(lengths, over)
+    log("  splitting a sequence over 2 ranks costs beyond its half: " + ", ".join(
+        f"{n} tokens {x * 1e3:.1f} ms ({x / (got[n]['whole'] / 2):+.0%})" for n, x in zip(lengths, over))
+        + f" ({reps} rounds, both ranks at once)", flush=True)
     pred = predict_context_parallel(base, machine, split, context_parallel=context_parallel, world_size=world_size)
-    return {**pred, "split_fixed_s": split.fixed, "split_per_token_s": split.per_token,
+    return {**pred, "split_lengths": lengths, "split_overhead_s": over,
             "layer_fit_median_error": machine["fit_median_error"], "jitter": machine["jitter"]}
 
 
