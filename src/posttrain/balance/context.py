@@ -26,6 +26,7 @@ only. A sequence longer than ``max_tokens`` must be split (into enough shards to
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -164,11 +165,14 @@ def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int
 
     def place_shards(loads: list[float]) -> dict[int, tuple[int, ...]]:
         groups = {}
+        heap = [(x, r) for r, x in enumerate(loads)]  # (the least loaded ranks, ties by rank)
+        heapq.heapify(heap)
         for s in order:
-            group = tuple(sorted(sorted(range(world_size), key=lambda r: (loads[r], r))[:split[s]]))
+            group = tuple(sorted(heapq.heappop(heap)[1] for _ in range(split[s])))
             groups[s] = group
             for r in group:
                 loads[r] += shard_cost[s]
+                heapq.heappush(heap, (loads[r], r))
         return groups
 
     key = tuple(sorted(split))
@@ -187,10 +191,13 @@ def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int
     loads2 = [0.0] * world_size
     groups2 = place_shards(loads2)
     parts2: list[list[int]] = [[] for _ in range(world_size)]
+    heap = [(x, r) for r, x in enumerate(loads2)]
+    heapq.heapify(heap)
     for i in sorted(whole, key=lambda i: (-costs[i], i)):
-        r = min(range(world_size), key=lambda r: (loads2[r], r))
+        _, r = heapq.heappop(heap)  # the least loaded rank, ties by rank
         parts2[r].append(i)
         loads2[r] += costs[i]
+        heapq.heappush(heap, (loads2[r], r))
     if max(loads2) < max(loads1):
         return parts2, groups2, loads2
     return parts1, groups1, loads1
