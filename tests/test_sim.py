@@ -505,3 +505,22 @@ def test_selective_offload_within_a_chunk_in_the_simulator_and_the_planners_shar
     assert plan_offload_fraction("gpipe", num_ranks=1, num_microbatches=8, workload=slow, min_lifespan=0.0) is None
     with pytest.raises(ValueError, match=r"offload fraction=1.5 must be in \(0, 1\]"):
         simulate_pipeline("gpipe", offload_chunks=1, offload_fraction=1.5, **run)
+
+
+def test_the_cp_prediction_refuses_what_it_cannot_measure_before_calibrating(monkeypatch):
+    """bench odc's odc+cp prediction measures the split on posttrain's GPT in fp32 on CPU ranks:
+    another model is refused in one line before the minutes of calibration start."""
+    import posttrain.lab.calibrate as cal
+    from posttrain.lab.bench.odc import predict_cp
+    from posttrain.train.sft import TrainConfig
+
+    def calibrating(*a, **k):
+        raise AssertionError("calibration started")
+
+    monkeypatch.setattr(cal, "measure_sweep_machine", calibrating)
+    from dataclasses import replace
+
+    gpt = TrainConfig(max_len=256, max_tokens=256)
+    for cfg in (replace(gpt, model="llama"), replace(gpt, engine=replace(gpt.engine, precision="bf16"))):
+        with pytest.raises(ValueError, match="GPT in fp32"):
+            predict_cp(cfg, "auto", log=lambda *a, **k: None)
