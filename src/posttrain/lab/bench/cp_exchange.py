@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from posttrain.launch import run_ranks
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "measured_config"]
 
 
 def _worker(rank: int, world: int, lengths: list[int], reps: int, cfg=None) -> dict:
@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, lengths: list[int], reps: int, cfg=None) -> d
     from posttrain.models import GPT
     from posttrain.train.sft.loop import microbatch_loss, shard_loss
 
-    cfg = _config(lengths, cfg)
+    cfg = measured_config(lengths, cfg)
     torch.manual_seed(0)
     model = GPT(cfg.model_config())
     from posttrain.odc import row_exchange
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, lengths: list[int], reps: int, cfg=None) -> d
     return out
 
 
-def _config(lengths: list[int], cfg=None):
+def measured_config(lengths: list[int], cfg=None):
     """The model measured: ``cfg``'s GPT shape (default: ``TrainConfig``'s), fp32, sequences up
     to the longest of ``lengths``."""
     from dataclasses import replace
@@ -90,7 +90,7 @@ def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
     # (its ranks meet at every layer's exchange, so they end together)
     times = {n: {"whole": statistics.mean(r[n]["whole"] for r in ranks),
                  **{m: max(r[n][m] for r in ranks) for m in ("split", "split-shm")}} for n in lengths}
-    cost = FlopsCost.from_config(_config(lengths, cfg).model_config())
+    cost = FlopsCost.from_config(measured_config(lengths, cfg).model_config())
     shape = cost.shape
     kv_bytes = 2 * shape.num_layers * shape.kv_heads * shape.head_dim * 4  # (fp32)
     out: dict = {"lengths": {}, "fit": {}}

@@ -436,14 +436,14 @@ def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: in
     and what splitting a sequence over 2 ranks costs beyond its half at ``max_len`` and a half, a
     quarter, an eighth and a sixteenth of it (:mod:`posttrain.lab.bench.cp_exchange`, ``reps``
     rounds; :class:`~posttrain.lab.calibrate.MeasuredSplitCost`)."""
-    from posttrain.lab.bench.cp_exchange import _config, measure
+    from posttrain.lab.bench.cp_exchange import measure, measured_config
     from posttrain.lab.calibrate import MeasuredSplitCost, measure_sweep_machine, predict_context_parallel
 
     if base.device_kind != "cpu":
         raise ValueError("the calibrated prediction is made for CPU ranks (the split's cost is measured through "
                          "shared memory)")
     lengths = sorted({max(16, base.max_len // d) for d in (16, 8, 4, 2, 1)})
-    _config(lengths, base)  # (refuses a model the split's measurement does not run, before the calibration)
+    measured_config(lengths, base)  # (refuses a model the split's measurement does not run, before the calibration)
     log("\ncalibrating the simulator on this machine for odc+cp's prediction ...", flush=True)
     machine = measure_sweep_machine(base, [base], world_size=world_size, log=log)
     got = measure(lengths, reps=reps, cfg=base)["lengths"]
