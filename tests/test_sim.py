@@ -209,6 +209,15 @@ def test_the_planner_weighs_splitting_sequences_and_budgets_only_a_split_fits():
         plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[8192])
     with pytest.raises(ValueError, match="context_parallel=2"):
         plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[4096], context_parallel=2, exchange=ex)
+    for bad in (1, 5, "some"):  # refused before any planning, not taken for "splits nothing"
+        with pytest.raises(ValueError, match=f"context_parallel={bad!r}: use off, auto or a shard count from 2 to 4"):
+            plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[16384], context_parallel=bad,
+                     exchange=ex)
+    with pytest.raises(ValueError, match="needs `exchange`"):
+        plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[16384], context_parallel="auto")
+    # the trainer's margin: a split must save that share of the step
+    assert plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[16384], context_parallel="auto",
+                    exchange=ex, min_gain=0.05)[0]["split"] >= 1
     dear = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=[16384], context_parallel="auto",
                     exchange=ExchangeCost(fixed=model.sequence_cost(16000)))
     assert all(r["context_parallel"] == "off" for r in dear)  # nothing split: no row of its own
@@ -435,6 +444,46 @@ def test_predict_plans_charges_each_modes_costs_and_the_jitter_but_not_the_measu
     assert jittered["collective_s"] > costlier["collective_s"]  # the rendezvous waits for each layer's slower rank
 
 
+def test_the_context_plans_placement_takes_the_least_loaded_ranks_as_a_sort_would():
+    """_assign takes the least loaded ranks from heaps (ties by rank): every placement equals the
+    one that sorts the ranks by (load, rank) and takes the first k, on random lengths, splits and
+    world sizes."""
+    import random
+
+    from posttrain.balance.context import ExchangeCost, _assign
+
+    def by_sorting(loads, order, split, shard_cost, whole, costs, w):
+        groups = {}
+        for s in order:
+            groups[s] = tuple(sorted(sorted(range(w), key=lambda r: (loads[r], r))[:split[s]]))
+            for r in groups[s]:
+                loads[r] += shard_cost[s]
+        parts = [[] for _ in range(w)]
+        for i in sorted(whole, key=lambda i: (-costs[i], i)):
+            r = min(range(w), key=lambda r: (loads[r], r))
+            parts[r].append(i)
+            loads[r] += costs[i]
+        return parts, groups, loads
+
+    rng = random.Random(0)
+    cost = SimModel.preset("1.5b").sequence_cost
+    ex = ExchangeCost(per_token=1e-7, fixed=1e-3)
+    for _ in range(60):
+        w = rng.choice([2, 3, 4, 8, 16])
+        lengths = [rng.choice([64, 128, 512, 1000, 4096, 9000]) for _ in range(rng.randint(1, 3 * w))]
+        costs = [cost(n) for n in lengths]
+        split = {i: rng.randint(2, w) for i in rng.sample(range(len(lengths)), rng.randint(0, len(lengths)))}
+        parts, groups, loads = _assign(lengths, costs, split, w, cost, ex)
+        whole = [i for i in range(len(lengths)) if i not in split]
+        shard_cost = {s: cost(lengths[s]) / k + ex(lengths[s], k) for s, k in split.items()}
+        order = sorted(split, key=lambda s: (-shard_cost[s], s))
+        second = by_sorting([0.0] * w, order, split, shard_cost, whole, costs, w)
+        if (parts, groups, loads) != second:  # placement (1) won: no worse than (2), its groups as sorting gives
+            assert max(loads) <= max(second[2])
+            loads1 = [sum(costs[i] for i in p) for p in parts]
+            assert (groups, loads) == by_sorting(loads1, order, split, shard_cost, [], costs, w)[1:]
+
+
 def test_the_calibrated_prediction_of_splitting_prices_shards_at_the_machines_measured_split_cost():
     """predict_context_parallel simulates the trainer's plans: odc+diff_micro exactly as the
     mechanism's prediction does, odc+cp with each shard at its share plus the split cost measured
@@ -520,7 +569,7 @@ def test_the_cp_prediction_refuses_what_it_cannot_measure_before_calibrating(mon
     monkeypatch.setattr(cal, "measure_sweep_machine", calibrating)
     from dataclasses import replace
 
-    gpt = TrainConfig(max_len=256, max_tokens=256)
+    gpt = TrainConfig(max_len=256, max_tokens=256, device="cpu")
     for cfg in (replace(gpt, model="llama"), replace(gpt, engine=replace(gpt.engine, precision="bf16"))):
         with pytest.raises(ValueError, match="GPT in fp32"):
             predict_cp(cfg, "auto", log=lambda *a, **k: None)

@@ -22,8 +22,9 @@ class PlanODC(DPSetting):
         max_tokens: microbatch budgets to choose from, up to what activation memory fits
             (default: the longest sequence rounded up to a power of 2, and twice that).
         context_parallel: also ODC whose plan splits the costliest sequences across ranks
-            (``auto``: 2 up to every rank, or a shard count; ``off``: whole sequences only), at
-            every budget a split fits, below the longest sequence too; a shard's keys and values
+            (``auto``: 2 up to every rank, or a shard count; ``off``: whole sequences only), planned
+            as the trainer plans (a split must save 5% of the step), at every budget a split fits
+            (``max_tokens`` below the longest sequence too, where given); a shard's keys and values
             cross the intra-node link (20 microseconds a collective).
         top: rows shown.
     """
@@ -35,6 +36,10 @@ class PlanODC(DPSetting):
     def __post_init__(self) -> None:
         if self.top < 1:
             raise ValueError(f"top={self.top} must be at least 1")
+        cp = self.context_parallel
+        if cp not in ("off", "auto") and not 2 <= cp <= self.cluster.world_size:
+            raise ValueError(f"context_parallel={cp}: use off, auto or a shard count from 2 to the ranks "
+                             f"({self.cluster.world_size})")
         if self.max_tokens is not None and (not self.max_tokens or min(self.max_tokens) < 1):
             raise ValueError(f"max_tokens={','.join(map(str, self.max_tokens))} needs positive budgets")
 
@@ -75,6 +80,7 @@ class PlanPipeline:
 def _odc(o: PlanODC) -> int:
     from posttrain.sim import MODEL_SHAPES, exchange_seconds
     from posttrain.sim.planner import plan_odc
+    from posttrain.train.core.context import MIN_SPLIT_GAIN
 
     cluster, model, batches, _ = o.inputs()
     longest = max(max(b) for b in batches)  # what was drawn, not the profile's bound
@@ -84,7 +90,7 @@ def _odc(o: PlanODC) -> int:
         base = 1 << (longest - 1).bit_length()
         options = [base, 2 * base]
     rows = plan_odc(batches, model=model, cluster=cluster, max_tokens_options=options, hsdp=o.cluster.hsdp,
-                    context_parallel=o.context_parallel,
+                    context_parallel=o.context_parallel, min_gain=MIN_SPLIT_GAIN,
                     exchange=exchange_seconds(MODEL_SHAPES[o.cost.cost_model], cluster))
     print(f"{'#':>2} {'engine':6} {'balance':12} {'split':>5} {'max_tokens':>10} {'tokens/s':>12} {'bubble':>7} "
           f"{'vs fsdp+same':>12}")

@@ -137,9 +137,11 @@ def plan_lengths(plan: Plan | ContextPlan, cost: Callable[[float], float] | None
 
 def _effective_length(cost: Callable[[float], float], target: float, upper: float) -> float:
     """The length whose ``cost`` is ``target`` (costs grow with length; bisection), at most
-    twice ``upper`` (a shard costs less than its sequence unless its exchange is dear)."""
+    about 16 times ``upper`` (a shard costs less than its sequence unless its exchange is dear; a
+    measured split cost on a short sequence can be dearer than the sequence: ``bench odc``'s
+    prediction)."""
     lo, hi = 0.0, float(upper)
-    while cost(hi) < target and hi < 2 * upper:
+    while cost(hi) < target and hi < 16 * upper:
         hi *= 1.25
     for _ in range(60):
         mid = (lo + hi) / 2

@@ -30,7 +30,8 @@ _FSDP_METHODS = ("round_robin", "local_sort", "same_micro")  # diff_micro needs 
 
 def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Cluster,
              max_tokens_options: Sequence[int], hsdp: bool = False, context_parallel: str | int = "off",
-             exchange: ExchangeCost | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
+             exchange: ExchangeCost | None = None, min_gain: float = 0.0,
+             progress: Callable[[str], None] | None = None) -> list[dict]:
     """Rows ``{"strategy", "method", "context_parallel", "max_tokens", "throughput", "bubble",
     "vs_fsdp", "split"}`` sorted by throughput, best first.
 
@@ -41,13 +42,25 @@ def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Clus
     :func:`~posttrain.sim.exchange_seconds`), at every option, including those below the longest
     sequence that a split fits (a smaller microbatch: less activation memory). ``vs_fsdp`` is over
     FSDP+same_micro at the same ``max_tokens``, or, where that cannot hold the longest sequence, at
-    the smallest option that can; ``split`` counts the split sequences (0 without splitting; a
-    budget where the plan splits nothing gets no row of its own).
+    the smallest option that can (where no option can: at the least power of 2 that holds it, a
+    budget not offered); ``split`` counts the split sequences (0 without splitting; a budget where
+    the plan splits nothing gets no row of its own). ``min_gain``: the plan's margin
+    (:func:`~posttrain.balance.plan_context`; the trainer's is
+    ``posttrain.train.core.context.MIN_SPLIT_GAIN``).
 
     Raises:
         ValueError: no option holds the longest sequence (whole, or split where
-            ``context_parallel`` allows).
+            ``context_parallel`` allows); a bad ``context_parallel`` (not ``off``, ``auto`` or a shard
+            count from 2 to the ranks), or one without an ``exchange`` to price it.
     """
+    if context_parallel != "off":
+        if context_parallel != "auto" and not (isinstance(context_parallel, int)
+                                               and 2 <= context_parallel <= cluster.num_gpus):
+            raise ValueError(f"context_parallel={context_parallel!r}: use off, auto or a shard count from 2 to "
+                             f"{cluster.num_gpus} (the ranks)")
+        if exchange is None:
+            raise ValueError("context_parallel needs `exchange`, the price of a split's keys and values "
+                             "(posttrain.sim.exchange_seconds)")
     longest = max(max(b) for b in batches)
     options = sorted(set(max_tokens_options))
     whole = [o for o in options if o >= longest]
@@ -69,7 +82,8 @@ def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Clus
         for mt in options:
             try:
                 plans = [plan_context(b, world_size=cluster.num_gpus, max_tokens=mt, cost=model.sequence_cost,
-                                      exchange=exchange, context_parallel=context_parallel) for b in batches]
+                                      exchange=exchange, context_parallel=context_parallel, min_gain=min_gain)
+                         for b in batches]
             except ValueError as e:  # a sequence no allowed split fits into this budget
                 refused.append((mt, e))
                 continue

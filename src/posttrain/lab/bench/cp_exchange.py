@@ -81,8 +81,9 @@ def measured_config(lengths: list[int], cfg=None):
 def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
     """Median whole and split seconds per length, the overheads in FLOPs and the fit (see the
     module docstring), on ``cfg``'s model shape (default: ``TrainConfig``'s). Also, per exchange,
-    the fit in seconds of the whole model (``fit[mode]["fixed_s"]``, ``["per_token_s"]``: what
-    :func:`posttrain.lab.calibrate.predict_context_parallel` adds to a shard's half)."""
+    the same fit in seconds of the whole model (``fit[mode]["fixed_s"]``, ``["per_token_s"]``;
+    recorded: ``bench odc``'s prediction takes the per-length times, which a noisy run cannot
+    turn negative)."""
     from posttrain.balance import FlopsCost
 
     ranks = run_ranks(_worker, 2, lengths, reps, cfg, timeout_s=1800)

@@ -112,7 +112,8 @@ class ODCBench:
         sequences_per_rank: sweep points.
         sweep_max_tokens: sweep points, each at least ``max_len`` (default: ``max_tokens``).
         no_predict: without the simulator's predictions (the sweep's, and ``odc+cp``'s gain; each
-            calibrates the simulator on this machine first, a few minutes).
+            calibrates the simulator on this machine first: for ``odc+cp`` about a minute and a half
+            here).
         context_parallel: also run ``odc+cp``: flat ODC whose plan splits the costliest sequences
             across ranks (``auto`` or a shard count; see docs/odc.md, "Context parallelism"), set
             against ``odc+diff_micro`` and the bounds (``off``: not run).
@@ -439,11 +440,11 @@ def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: in
     from posttrain.lab.bench.cp_exchange import measure, measured_config
     from posttrain.lab.calibrate import MeasuredSplitCost, measure_sweep_machine, predict_context_parallel
 
+    lengths = sorted({max(16, base.max_len // d) for d in (16, 8, 4, 2, 1)})
+    measured_config(lengths, base)  # (refuses a model the split's measurement does not run, before the calibration)
     if base.device_kind != "cpu":
         raise ValueError("the calibrated prediction is made for CPU ranks (the split's cost is measured through "
                          "shared memory)")
-    lengths = sorted({max(16, base.max_len // d) for d in (16, 8, 4, 2, 1)})
-    measured_config(lengths, base)  # (refuses a model the split's measurement does not run, before the calibration)
     log("\ncalibrating the simulator on this machine for odc+cp's prediction ...", flush=True)
     machine = measure_sweep_machine(base, [base], world_size=world_size, log=log)
     got = measure(lengths, reps=reps, cfg=base)["lengths"]
