@@ -9,7 +9,7 @@ See [Note: balancing methods] in ``plan.py``; sequences split across ranks (cont
 planned here, run by the trainers): [Note: splitting a sequence] in ``context.py``.
 """
 
-from .context import ContextPlan, ExchangeCost, Shard, plan_context, shard_lengths, zigzag
+from .context import ContextPlan, ExchangeCost, Shard, check_context_parallel, plan_context, shard_lengths, zigzag
 from .cost import (
                    CalibratedCost,
                    CostModel,
@@ -39,6 +39,7 @@ __all__ = [
                    "Shard",
                    "TokenCost",
                    "balanced_partition",
+                   "check_context_parallel",
                    "fit_least_squares",
                    "greedy",
                    "karmarkar_karp",

@@ -176,15 +176,14 @@ def _assign(lengths: Sequence[int], costs: Sequence[float], split: dict[int, int
         return groups
 
     key = tuple(sorted(split))
-    if partitions is not None and key in partitions:
-        parts1 = [list(p) for p in partitions[key]]
-    else:
+    parts1 = partitions.get(key) if partitions is not None else None
+    if parts1 is None:  # (the partitions are read, never changed: kept as they are)
         weights = [costs[i] for i in whole]
         starts = refined_starts(weights, world_size) if whole else [[[] for _ in range(world_size)]]
         local = min(starts, key=lambda p: max(sum(weights[j] for j in q) for q in p))
         parts1 = [[whole[j] for j in p] for p in local]
         if partitions is not None:
-            partitions[key] = [list(p) for p in parts1]
+            partitions[key] = parts1
     loads1 = [sum(costs[i] for i in p) for p in parts1]
     groups1 = place_shards(loads1)
 
@@ -217,6 +216,17 @@ def auto_shard_counts(world_size: int) -> list[int]:
     return sorted(out)
 
 
+def check_context_parallel(context_parallel: str | int, world_size: int) -> None:
+    """Refuse, in one line, a ``context_parallel`` that is not ``off``, ``auto`` or a shard count
+    from 2 to ``world_size``."""
+    if context_parallel in ("off", "auto"):
+        return
+    if not isinstance(context_parallel, int) or context_parallel < 2:
+        raise ValueError(f"context_parallel={context_parallel!r}: use off, auto or a shard count of 2 or more")
+    if context_parallel > world_size:
+        raise ValueError(f"context_parallel={context_parallel} shards but only {world_size} ranks")
+
+
 def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, cost: CostModel | None = None,
                  exchange: ExchangeCost | None = None, context_parallel: str | int = "auto",
                  min_gain: float = 0.0) -> ContextPlan:
@@ -242,10 +252,7 @@ def plan_context(lengths: Sequence[int], *, world_size: int, max_tokens: int, co
         raise ValueError(f"world_size={world_size} and max_tokens={max_tokens} must be at least 1")
     if not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain} must be in [0, 1)")
-    if context_parallel not in ("off", "auto") and not (isinstance(context_parallel, int) and context_parallel >= 2):
-        raise ValueError(f"context_parallel={context_parallel!r}: use off, auto or a shard count of 2 or more")
-    if isinstance(context_parallel, int) and context_parallel > world_size:
-        raise ValueError(f"context_parallel={context_parallel} shards but only {world_size} ranks")
+    check_context_parallel(context_parallel, world_size)
     cost = cost or TokenCost()
     exchange = exchange or ExchangeCost()
     lengths = tuple(int(n) for n in lengths)

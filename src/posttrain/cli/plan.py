@@ -36,10 +36,9 @@ class PlanODC(DPSetting):
     def __post_init__(self) -> None:
         if self.top < 1:
             raise ValueError(f"top={self.top} must be at least 1")
-        cp = self.context_parallel
-        if cp not in ("off", "auto") and not 2 <= cp <= self.cluster.world_size:
-            raise ValueError(f"context_parallel={cp}: use off, auto or a shard count from 2 to the ranks "
-                             f"({self.cluster.world_size})")
+        from posttrain.balance import check_context_parallel
+
+        check_context_parallel(self.context_parallel, self.cluster.world_size)
         if self.max_tokens is not None and (not self.max_tokens or min(self.max_tokens) < 1):
             raise ValueError(f"max_tokens={','.join(map(str, self.max_tokens))} needs positive budgets")
 

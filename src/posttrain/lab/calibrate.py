@@ -24,7 +24,6 @@ saved activations from the hooks; the simulator predicts it in chunk-microbatche
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import statistics
@@ -33,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,7 +53,7 @@ from posttrain.train.sft import (
     train_worker,
 )
 
-__all__ = ["MeasuredSplitCost", "calibrate_odc", "calibrate_pipeline", "fit_jitter", "flat_odc_costs",
+__all__ = ["MeasuredSplitCost", "calibrate_odc", "calibrate_pipeline", "cp_config", "fit_jitter", "flat_odc_costs",
            "machine_from_shapes", "measure_machine", "measure_sweep_machine", "pipeline_workload_from_metrics",
            "predict_context_parallel", "predict_mechanism", "predict_plans", "simulated_excess",
            "write_pipeline_metrics"]
@@ -401,13 +401,18 @@ def predict_plans(same_micro: list, diff_micro: list, machine: dict, *, num_laye
             "collective_s": times["collective"], "odc_s": times["one-sided"], "partition_s": partition}
 
 
+def cp_config(cfg: TrainConfig, context_parallel: int | str) -> TrainConfig:
+    """``cfg`` as ``bench odc``'s ``odc+cp`` runs it: flat ODC, one-sided, diff_micro's plan with
+    the costliest sequences split (``context_parallel``)."""
+    return replace(cfg, engine=replace(cfg.engine, name="odc", mode="one-sided", context_parallel=context_parallel),
+                   balance="diff_micro")
+
+
 def _cp_plans(cfg: TrainConfig, world_size: int, context_parallel: int | str) -> list:
-    """The trainer's plans of ``cfg``'s steps after the first with ``context_parallel``: flat ODC,
-    one-sided, diff_micro with the costliest sequences split (as ``bench odc``'s ``odc+cp``)."""
+    """The trainer's plans of ``cfg``'s steps after the first, run as :func:`cp_config`."""
     from posttrain.train.sft.loop import plan_context_step
 
-    c = replace(cfg, engine=replace(cfg.engine, name="odc", mode="one-sided", context_parallel=context_parallel),
-                balance="diff_micro")
+    c = cp_config(cfg, context_parallel)
     data = TrainData(c, world_size)
     cost = FlopsCost.from_config(c.model_config(data.vocab_size))
     return [plan_context_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
@@ -428,15 +433,7 @@ class MeasuredSplitCost:
         self.lengths, self.overheads = list(lengths), [max(0.0, x) for x in overheads]
 
     def __call__(self, n: int, k: int) -> float:
-        if k < 2:
-            return 0.0
-        i = bisect.bisect_left(self.lengths, n)
-        if i == 0:
-            return self.overheads[0]
-        if i == len(self.lengths):
-            return self.overheads[-1]
-        (a, b), (x, y) = self.lengths[i - 1:i + 1], self.overheads[i - 1:i + 1]
-        return x + (y - x) * (n - a) / (b - a)
+        return float(np.interp(n, self.lengths, self.overheads)) if k >= 2 else 0.0
 
 
 def predict_context_parallel(cfg: TrainConfig, machine: dict, split: Callable[[int, int], float], *,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from posttrain.balance import METHODS, ExchangeCost, plan_context, plan_minibatch
+from posttrain.balance import METHODS, ExchangeCost, check_context_parallel, plan_context, plan_minibatch
 from posttrain.pipeline import ONE_CHUNK_SCHEDULES, SCHEDULES, build_schedule
 from posttrain.text import count
 
@@ -53,11 +53,8 @@ def plan_odc(batches: Sequence[Sequence[int]], *, model: SimModel, cluster: Clus
             ``context_parallel`` allows); a bad ``context_parallel`` (not ``off``, ``auto`` or a shard
             count from 2 to the ranks), or one without an ``exchange`` to price it.
     """
+    check_context_parallel(context_parallel, cluster.num_gpus)  # (before any planning)
     if context_parallel != "off":
-        if context_parallel != "auto" and not (isinstance(context_parallel, int)
-                                               and 2 <= context_parallel <= cluster.num_gpus):
-            raise ValueError(f"context_parallel={context_parallel!r}: use off, auto or a shard count from 2 to "
-                             f"{cluster.num_gpus} (the ranks)")
         if exchange is None:
             raise ValueError("context_parallel needs `exchange`, the price of a split's keys and values "
                              "(posttrain.sim.exchange_seconds)")

@@ -80,10 +80,7 @@ def measured_config(lengths: list[int], cfg=None):
 
 def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
     """Median whole and split seconds per length, the overheads in FLOPs and the fit (see the
-    module docstring), on ``cfg``'s model shape (default: ``TrainConfig``'s). Also, per exchange,
-    the same fit in seconds of the whole model (``fit[mode]["fixed_s"]``, ``["per_token_s"]``;
-    recorded: ``bench odc``'s prediction takes the per-length times, which a noisy run cannot
-    turn negative)."""
+    module docstring), on ``cfg``'s model shape (default: ``TrainConfig``'s)."""
     from posttrain.balance import FlopsCost
 
     ranks = run_ranks(_worker, 2, lengths, reps, cfg, timeout_s=1800)
@@ -96,7 +93,7 @@ def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
     kv_bytes = 2 * shape.num_layers * shape.kv_heads * shape.head_dim * 4  # (fp32)
     out: dict = {"lengths": {}, "fit": {}}
     for mode in ("split", "split-shm"):
-        rows, over, over_s = [], [], []
+        rows, over = [], []
         for n in lengths:
             t = times[n]
             rate = cost(n) / t["whole"]
@@ -104,13 +101,9 @@ def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
             out["lengths"].setdefault(n, {**t, "flops_per_s": rate})[f"overhead_flops ({mode})"] = extra
             rows.append([1.0, n / 2])
             over.append(extra)
-            over_s.append(t[mode] - t["whole"] / 2)
         a = torch.tensor(rows, dtype=torch.float64)
         fixed, per_token = torch.linalg.lstsq(a, torch.tensor(over, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-        fixed_s, per_token_s = torch.linalg.lstsq(
-            a, torch.tensor(over_s, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-        out["fit"][mode] = {"fixed_flops": fixed, "per_token_flops": per_token, "fixed_s": fixed_s,
-                            "per_token_s": per_token_s,
+        out["fit"][mode] = {"fixed_flops": fixed, "per_token_flops": per_token,
                             # an all-gather forward, a reduce-scatter backward
                             "flops_per_call": fixed / (2 * shape.num_layers),
                             "flops_per_byte": per_token / (2 * kv_bytes)}

@@ -60,6 +60,7 @@ from typing import Literal
 
 from posttrain.device import check_world
 from posttrain.lab.bench.stepwise import pooled_ratio, stepwise_rounds
+from posttrain.lab.calibrate import cp_config
 from posttrain.launch import run_ranks
 from posttrain.train.core import job_options
 from posttrain.train.sft import (
@@ -138,7 +139,7 @@ class ODCBench:
         if self.context_parallel != "off":
             if self.sweep:
                 raise ValueError("`context_parallel` is not part of the sweep yet; leave it off with `sweep`")
-            _cp_cfg(self.train, self.context_parallel)  # (refuses a bad value in one line)
+            cp_config(self.train, self.context_parallel)  # (refuses a bad value in one line)
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be at least 1")
         if self.repeats < 1:
@@ -221,12 +222,6 @@ def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainCo
 
 #: The variant with split sequences, beside ``odc+diff_micro``.
 _CP = "odc+cp"
-
-
-def _cp_cfg(base: TrainConfig, context_parallel: int | str) -> TrainConfig:
-    """``odc+cp``: flat ODC, one-sided, diff_micro's plan with the costliest sequences split."""
-    return replace(base, engine=replace(base.engine, name="odc", mode="one-sided", context_parallel=context_parallel),
-                   balance="diff_micro")
 
 
 def _round(base: TrainConfig, world_size: int, variants, log: Callable, prefix: str, k: int = 0) -> dict[str, dict]:
@@ -335,7 +330,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     cfgs = {f"{cfg.engine.label}+{cfg.balance}": cfg
             for cfg in (_variant_cfg(base, dp, mode, balance) for dp, mode, balance in ODC_VARIANTS)}
     if context_parallel != "off":
-        cfgs[_CP] = _cp_cfg(base, context_parallel)
+        cfgs[_CP] = cp_config(base, context_parallel)
     log(f"{len(cfgs)} variants taking turns a step at a time, {repeats} rounds of {base.steps - 1} steps:", flush=True)
     variant_rounds, raw = stepwise_rounds(cfgs, world_size=world_size, batches=base.steps - 1, rounds=repeats,
                                           progress=log is print)
