@@ -417,6 +417,15 @@ def test_a_short_sequence_beside_a_split_one_is_split_too_where_that_levels_the_
     _check(plan, lengths, 4096)
     assert plan.split == {0: 2, 1: 2}
     assert plan.step_time() == pytest.approx(sum(cost(n) for n in lengths) / 2, rel=1e-3)
+    # the margin, counted from each point kept: the long one's split saves 25%, the short one's
+    # 17% more; with 20% the first is kept and the second is not; with 30% neither alone but the
+    # two together (37%) are; with 50% nothing
+    first = 1 - (cost(4096) / 2 + cost(1326)) / cost(4096)
+    second = 1 - plan.step_time() / (cost(4096) / 2 + cost(1326))
+    assert 0.2 < first < 0.3 and second < 0.2 < 1 - plan.step_time() / cost(4096) < 0.5, (first, second)
+    assert plan_context(lengths, world_size=2, max_tokens=4096, cost=cost, min_gain=0.2).split == {0: 2}
+    assert plan_context(lengths, world_size=2, max_tokens=4096, cost=cost, min_gain=0.3).split == {0: 2, 1: 2}
+    assert plan_context(lengths, world_size=2, max_tokens=4096, cost=cost, min_gain=0.5).split == {}
     tiny = [4096, 40]  # a sequence under an eighth of the even share is not tried
     assert plan_context(tiny, world_size=2, max_tokens=4096, cost=cost).split == {0: 2}
 
@@ -446,5 +455,9 @@ def test_the_plan_splits_tied_sequences_and_splits_a_sequence_further_where_its_
     even = sum(lengths) / 8
     assert set(plan.split) == {0, 1} and min(plan.split.values()) >= 3, plan.split
     assert plan.step_time() <= 1.15 * even, (plan.step_time(), even)
-    assert not plan_context(lengths, world_size=8, max_tokens=8192, min_gain=0.05).split  # a margin: no plateau moves
+    # a margin hedges the splits taken together, not each: the same plan with the trainer's 5%
+    # (a margin on each split took none here: no split alone lowers the step), none with 80%
+    margin = plan_context(lengths, world_size=8, max_tokens=8192, min_gain=0.05)
+    assert margin.split == plan.split and margin.step_time() == plan.step_time()
+    assert not plan_context(lengths, world_size=8, max_tokens=8192, min_gain=0.8).split
     assert auto_shard_counts(8) == [2, 3, 4, 6, 8] and auto_shard_counts(2) == [2]
