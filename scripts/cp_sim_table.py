@@ -27,7 +27,7 @@ def cell(profile: str, world: int, per_rank: int, minibatches: int) -> str:
         m = re.match(r"(odc\+diff_micro|odc\+cp \(\d+ split\))\s+[\d,]+\s+[\d.]+\s+[\d.]+/([\d.]+)", line)
         if m:
             util["cp" if m.group(1).startswith("odc+cp") else "odc"] = m.group(2)
-    if "cp" not in util:
+    if "cp" not in util or "odc+cp (0 split)" in out:
         return "1.00x (nothing split)"
     speed = re.search(r"speedup odc\+cp \(\d+ split\) / odc\+diff_micro: ([\d.]+)", out)
     if speed is None or "odc" not in util:

@@ -288,6 +288,35 @@ def test_measure_bounds_times_odc_own_plan_beside_the_chosen_one(monkeypatch):
     assert got["even"]["tokens_per_s"] == pytest.approx(tokens / 2.0)
 
 
+def test_the_bench_times_its_bounds_in_the_variants_job_a_turn_of_their_own():
+    """The bounds' shares take turns with the variants step by step in one job (in jobs of their
+    own after it, a machine that drifted between jobs moved every ratio to the bounds): every rank
+    times its share of every step of every round, and each round's bounds come from that round."""
+    import posttrain.lab.bench.odc as bench
+    from posttrain.lab.bench.stepwise import stepwise_rounds
+
+    cfg = bench.TrainConfig(steps=3, sequences=4, max_len=64, dim=32, num_layers=1, device="cpu")
+    choice = {"shares": {"chosen": [[[0, 1], [2, 3]], [[0, 2], [1, 3]]], "diff_micro": [[[0, 1, 2], [3]]] * 2},
+              "exact": True, "best": {"measured": 2}, "candidates_tokens_per_s": {}}
+    cfgs = {"odc+diff_micro": bench._variant_cfg(cfg, "odc", "one-sided", "diff_micro")}
+    per_round, raw = stepwise_rounds(cfgs, world_size=2, batches=2, rounds=2, shares=choice["shares"])
+    assert set(per_round[0]) == {"odc+diff_micro"}
+    for name in choice["shares"]:
+        for rows in raw["bounds"][name]:  # (every rank's: round, batch, its seconds)
+            assert sorted((r, k) for r, k, _ in rows) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+            assert all(s > 0 for _, _, s in rows)
+    got = bench.stepwise_bounds(cfg, 2, choice, raw, 2)
+    for k, bounds in enumerate(got):
+        per_rank = [{name: [s for r, _, s in sorted(raw["bounds"][name][rank]) if r == k] for name in choice["shares"]}
+                    for rank in range(2)]
+        chosen = [max(per_rank[0]["chosen"][b], per_rank[1]["chosen"][b]) for b in range(2)]
+        tokens = bench._steady_tokens(cfg, 2)
+        assert bounds["partition"]["tokens_per_s"] == pytest.approx(tokens / sum(chosen))
+        assert bounds["even"]["tokens_per_s"] == pytest.approx(
+            tokens / (sum(per_rank[0]["chosen"]) + sum(per_rank[1]["chosen"])) * 2)
+        assert bounds["partition"]["best"] == {"measured": 2}
+
+
 def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):
     """Exact counts: AdamW's state is two moments of the adapters' elements; flat ODC pushes only
     the adapters' gradients and gathers the frozen base as before."""

@@ -73,9 +73,8 @@ from posttrain.train.sft import (
     train_worker,
 )
 
-__all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "ODCBench", "bench_odc", "factors", "measure_bounds", "predict_cp",
-           "split_odc_vs_partition",
-           "sweep_odc"]
+__all__ = ["MECHANISM_VARIANTS", "ODC_VARIANTS", "ODCBench", "bench_odc", "bounds_from_times", "choose_bounds",
+           "factors", "measure_bounds", "predict_cp", "split_odc_vs_partition", "stepwise_bounds", "sweep_odc"]
 
 #: (engine, odc mode, balancing method); named ``<dp label>+<method>`` (e.g. ``odc-collective+same_micro``).
 ODC_VARIANTS = (
@@ -181,12 +180,12 @@ def _steady_tokens(cfg: TrainConfig, world_size: int) -> int:
     return sum(sum(len(s) - 1 for s in data.minibatch(k)) for k in range(1, cfg.steps))
 
 
-def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
-    """Both bounds for the steps after the first: ``{"even": {...}, "partition": {...}}`` with
-    ``tokens_per_s`` (and for the partition bound whether every step's assignment is proven
-    optimal, and ``plan_tokens_per_s``: diff_micro's own assignment on the plain model, timed in
-    the same run)."""
-    tokens = _steady_tokens(cfg, world_size)
+def choose_bounds(cfg: TrainConfig, world_size: int) -> dict:
+    """The partition bound's assignment per step after the first, chosen in two jobs (each
+    sequence timed alone, then the candidates run): ``{"shares": {"chosen": ..., "diff_micro":
+    ...}}`` (sequence ids per rank per step: the chosen assignment, and diff_micro's own to time
+    beside it), ``"exact"`` (every optimum searched proven), ``"best"`` (steps each candidate won)
+    and ``"candidates_tokens_per_s"``."""
     times: dict = {}
     for part in _on_ranks(sequence_times_worker, world_size, cfg):
         times.update(part)
@@ -199,8 +198,20 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     best = [min(by_candidate, key=lambda name: by_candidate[name][k]) for k in range(steps)]
     # ODC's own plan (diff_micro's assignment) is timed again beside the chosen one, step by step in
     # the same run, so the two compare without the noise between runs.
-    chosen = {"chosen": [candidates[name][k] for k, name in enumerate(best)], "diff_micro": candidates["diff_micro"]}
-    per_rank = _on_ranks(partition_bound_worker, world_size, cfg, chosen)
+    tokens = _steady_tokens(cfg, world_size)
+    return {"shares": {"chosen": [candidates[name][k] for k, name in enumerate(best)],
+                       "diff_micro": candidates["diff_micro"]},
+            "exact": exact, "best": {name: best.count(name) for name in candidates},
+            "candidates_tokens_per_s": {name: tokens / sum(v) for name, v in by_candidate.items()}}
+
+
+def bounds_from_times(cfg: TrainConfig, world_size: int, choice: dict, per_rank: list[dict[str, list[float]]]
+                      ) -> dict[str, dict]:
+    """Both bounds from one timed run of :func:`choose_bounds`'s shares (``per_rank[r][name]``:
+    rank ``r``'s seconds per step): ``{"even": {...}, "partition": {...}}`` with ``tokens_per_s``,
+    ``compute_s`` and, for the partition bound, ``plan_tokens_per_s`` (diff_micro's assignment in
+    the same run) and the choice's ``exact``, ``best`` and ``candidates_tokens_per_s``."""
+    tokens, steps = _steady_tokens(cfg, world_size), cfg.steps - 1
     partition_s = sum(max(r["chosen"][k] for r in per_rank) for k in range(steps))
     plan_s = sum(max(r["diff_micro"][k] for r in per_rank) for k in range(steps))
     # The even bound divides the same measured compute evenly over the ranks, so the two bounds
@@ -211,9 +222,28 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
     compute_s = sum(sum(r["chosen"]) for r in per_rank) / steps
     return {"even": {"tokens_per_s": tokens / even_s, "utilization": 1.0, "compute_s": compute_s},
             "partition": {"tokens_per_s": tokens / partition_s, "utilization": 1.0, "compute_s": compute_s,
-                          "exact": exact, "best": {name: best.count(name) for name in candidates},
-                          "plan_tokens_per_s": tokens / plan_s,
-                          "candidates_tokens_per_s": {name: tokens / sum(v) for name, v in by_candidate.items()}}}
+                          "exact": choice["exact"], "best": choice["best"], "plan_tokens_per_s": tokens / plan_s,
+                          "candidates_tokens_per_s": choice["candidates_tokens_per_s"]}}
+
+
+def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
+    """Both bounds for the steps after the first (:func:`bounds_from_times`), chosen and then timed
+    in a job of their own (:func:`choose_bounds`)."""
+    choice = choose_bounds(cfg, world_size)
+    return bounds_from_times(cfg, world_size, choice,
+                             _on_ranks(partition_bound_worker, world_size, cfg, choice["shares"]))
+
+
+def stepwise_bounds(cfg: TrainConfig, world_size: int, choice: dict, raw: dict, rounds: int) -> list[dict[str, dict]]:
+    """Both bounds per round of a :func:`posttrain.lab.bench.stepwise.stepwise_rounds` job that
+    timed ``choice``'s shares among the variants (``raw["bounds"]``)."""
+    out = []
+    for k in range(rounds):
+        per_rank = [{name: [s for r, _, s in sorted((row for row in rows if row[0] == k), key=lambda row: row[1])]
+                     for name, rows in ((name, raw["bounds"][name][rank]) for name in choice["shares"])}
+                    for rank in range(world_size)]
+        out.append(bounds_from_times(cfg, world_size, choice, per_rank))
+    return out
 
 
 def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainConfig:
@@ -326,17 +356,22 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     if base.steps < 2:
         raise ValueError(f"steps={base.steps} must be at least 2 (the first is a warm-up)")
     # the variants take turns a step at a time in one job (posttrain.lab.bench.stepwise): rounds of
-    # data steps 1 .. steps-1, the ones the bounds time; then each round's bounds, in their own jobs
+    # data steps 1 .. steps-1; the bounds' assignments are chosen first, in two jobs, and timed in
+    # that job too, on the plain model, a turn of their own among the variants (in jobs of their
+    # own after it, a machine that drifted between the jobs moved every ratio to the bounds)
     cfgs = {f"{cfg.engine.label}+{cfg.balance}": cfg
             for cfg in (_variant_cfg(base, dp, mode, balance) for dp, mode, balance in ODC_VARIANTS)}
     if context_parallel != "off":
         cfgs[_CP] = cp_config(base, context_parallel)
-    log(f"{len(cfgs)} variants taking turns a step at a time, {repeats} rounds of {base.steps - 1} steps:", flush=True)
+    log("choosing the partition bound's assignments (each sequence timed alone, then three candidates)", flush=True)
+    choice = choose_bounds(base, world_size)
+    log(f"{len(cfgs)} variants and the bounds taking turns a step at a time, {repeats} rounds of {base.steps - 1} "
+        "steps:", flush=True)
     variant_rounds, raw = stepwise_rounds(cfgs, world_size=world_size, batches=base.steps - 1, rounds=repeats,
-                                          progress=log is print)
+                                          progress=log is print, shares=choice["shares"])
     rounds = []
-    for k, got in enumerate(variant_rounds):
-        for name, bound in measure_bounds(base, world_size).items():
+    for k, (got, bounds) in enumerate(zip(variant_rounds, stepwise_bounds(base, world_size, choice, raw, repeats))):
+        for name, bound in bounds.items():
             got[name] = bound
             log(f"  round {k + 1}/{repeats}  {name + ' bound':32} {bound['tokens_per_s']:9.0f} tokens/s", flush=True)
         rounds.append(got)

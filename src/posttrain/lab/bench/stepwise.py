@@ -31,17 +31,25 @@ from dataclasses import replace
 from posttrain.launch import run_ranks
 from posttrain.train.core import job_options
 from posttrain.train.sft import SFTTrainer, TrainConfig
+from posttrain.train.sft.bounds import PlainShares
 
-__all__ = ["bootstrap_rate_ratio", "pooled", "pooled_ratio", "round_summary", "stepwise_rounds", "stepwise_worker"]
+__all__ = ["BOUNDS", "bootstrap_rate_ratio", "pooled", "pooled_ratio", "round_summary", "stepwise_rounds", "stepwise_worker"]
+
+
+#: The bounds' turn among the variants' (:func:`stepwise_worker`'s ``shares``).
+BOUNDS = "(bounds)"
 
 
 def stepwise_worker(rank: int, world_size: int, cfgs: dict[str, TrainConfig], batches: int, rounds: int,
-                    progress: bool = False) -> dict:
+                    progress: bool = False, shares: dict | None = None) -> dict:
     """One rank of :func:`stepwise_rounds`: returns ``{"spans": {name: this rank's spans of the
     variant's last step}}`` and, on rank 0, every counted step of every variant (``"steps": {name:
     [{"round", "batch", "tokens", "step_time_s", "loss", "ranks": [each rank's row]}]}``) and
     ``"host_s"``: ``{name: seconds this process spent in the variant's steps}``. With ``progress``,
-    rank 0 prints each round's tokens/s as it ends."""
+    rank 0 prints each round's tokens/s as it ends. ``shares`` (name -> per step, sequence ids per
+    rank; :class:`posttrain.train.sft.bounds.PlainShares`): whole sequences on the plain model take a
+    turn of their own among the variants, and every rank returns ``"bounds": {name: [[round, batch,
+    its seconds]]}``."""
     trainers: dict[str, SFTTrainer] = {}
     try:
         for name, cfg in cfgs.items():
@@ -49,12 +57,22 @@ def stepwise_worker(rank: int, world_size: int, cfgs: dict[str, TrainConfig], ba
         names = list(trainers)
         for name in names:  # one warm-up step each: first-call costs (allocations, caches) not counted
             trainers[name].train_step(0)
-        steps: dict[str, list] = {name: [] for name in names}
-        host: dict[str, float] = dict.fromkeys(names, 0.0)
+        plain = None
+        bounds: dict[str, list] = {name: [] for name in shares or {}}
+        if shares:
+            plain = PlainShares(next(iter(cfgs.values())), rank, world_size, shares)
+            plain.warm_up()
+            names.append(BOUNDS)
+        steps: dict[str, list] = {name: [] for name in trainers}
+        host: dict[str, float] = dict.fromkeys(trainers, 0.0)
         turn = 0
         for r in range(rounds):
             for k in range(1, batches + 1):
                 for name in names[turn % len(names):] + names[:turn % len(names)]:
+                    if name == BOUNDS:
+                        for share, seconds in plain.run(k).items():
+                            bounds[share].append([r, k, seconds])
+                        continue
                     t = trainers[name]
                     began = time.perf_counter()
                     row = t.train_step(k)
@@ -65,13 +83,14 @@ def stepwise_worker(rank: int, world_size: int, cfgs: dict[str, TrainConfig], ba
                                             "ranks": t.every_rank_rows(row)})
                 turn += 1
             if progress and rank == 0:
-                got = {name: round_summary([s for s in steps[name] if s["round"] == r])["tokens_per_s"] for name in names}
+                got = {name: round_summary([s for s in steps[name] if s["round"] == r])["tokens_per_s"] for name in trainers}
                 print(f"  round {r + 1}/{rounds}: " + ", ".join(f"{name} {v:.0f}" for name, v in got.items())
                       + " tokens/s", flush=True)
         spans = {name: list(t.rec.spans) for name, t in trainers.items()}
+        mine = {"bounds": bounds} if shares else {}
         if rank != 0:
-            return {"spans": spans}
-        return {"steps": steps, "spans": spans, "host_s": host}
+            return {"spans": spans, **mine}
+        return {"steps": steps, "spans": spans, "host_s": host, **mine}
     finally:
         for t in trainers.values():
             t.close()
@@ -108,12 +127,14 @@ def round_summary(steps: list[dict]) -> dict:
 
 
 def stepwise_rounds(cfgs: Mapping[str, TrainConfig], *, world_size: int, batches: int, rounds: int,
-                    progress: bool = False) -> tuple[list[dict[str, dict]], dict]:
+                    progress: bool = False, shares: dict | None = None) -> tuple[list[dict[str, dict]], dict]:
     """Run the variants ``cfgs`` (name -> run; they share the data and model) step by step in one
     job on ``world_size`` ranks of their device (see the module docstring); per round, each
     variant's :func:`round_summary`, and the raw result of rank 0 (:func:`stepwise_worker`; its
     ``spans``: every rank's).
-    ``progress``: each round's tokens/s printed as it ends."""
+    ``progress``: each round's tokens/s printed as it ends. ``shares``: whole sequences on the
+    plain model take their turn too (:func:`stepwise_worker`); the raw result's ``"bounds"`` is
+    ``{name: [per rank, [[round, batch, seconds]]]}``."""
     if batches < 1 or rounds < 1:
         raise ValueError(f"batches={batches} and rounds={rounds} must be at least 1")
     first = next(iter(cfgs.values()))
@@ -121,9 +142,11 @@ def stepwise_rounds(cfgs: Mapping[str, TrainConfig], *, world_size: int, batches
     cfgs = {name: replace(cfg, device=kind, progress=False, checkpoint_dir=None, steps=batches + 1)
             for name, cfg in cfgs.items()}
     os.sync()  # files just written (a fresh install's, the data's) flushed now, not during the timed steps
-    results = run_ranks(stepwise_worker, world_size, cfgs, batches, rounds, progress, timeout_s=7200,
+    results = run_ranks(stepwise_worker, world_size, cfgs, batches, rounds, progress, shares, timeout_s=7200,
                         **job_options(kind, world_size))
     raw = {**results[0], "spans": {name: [s for r in results for s in r["spans"][name]] for name in cfgs}}
+    if shares:
+        raw["bounds"] = {name: [r["bounds"][name] for r in results] for name in shares}
     per_round = [{name: round_summary([s for s in steps if s["round"] == r]) for name, steps in raw["steps"].items()}
                  for r in range(rounds)]
     return per_round, raw

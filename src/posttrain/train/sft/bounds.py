@@ -35,7 +35,7 @@ from .config import TrainConfig
 from .loop import microbatch_loss, plan_step
 from .minibatches import TrainData
 
-__all__ = ["PARTITION_CANDIDATES", "partition_bound_worker",
+__all__ = ["PARTITION_CANDIDATES", "PlainShares", "partition_bound_worker",
            "partition_candidates", "sequence_times_worker"]
 
 
@@ -110,31 +110,62 @@ def partition_candidates(cfg: TrainConfig, world_size: int, times: dict[tuple[in
     return out, exact
 
 
+class PlainShares:
+    """Shares of whole sequences run on the plain model (no engine, no communication), each rank
+    timing its own share of a step: what the bounds time (:func:`partition_bound_worker`, and
+    ``posttrain bench odc``'s bounds taking turns with the variants in their job,
+    :mod:`posttrain.lab.bench.stepwise`). Every rank calls :meth:`run` at the same point: each
+    share starts at a barrier.
+
+    Args:
+        cfg: the run (its model, data, device and ``max_tokens``).
+        rank, world_size: this rank of the job.
+        shares: name -> per step after the first (index ``step - 1``), sequence ids per rank.
+    """
+
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, shares: dict[str, list[list[list[int]]]]) -> None:
+        self.cfg, self.rank, self.world_size, self.shares = cfg, rank, world_size, shares
+        self.device = _device(cfg, rank)
+        self.data = TrainData(cfg, world_size)
+        self.model = _model(cfg, self.data.vocab_size, self.device)
+
+    def warm_up(self) -> None:
+        """Step 0's share (``diff_micro``'s), untimed, as training's first step."""
+        cost = FlopsCost.from_config(self.cfg.model_config(self.data.vocab_size))
+        seqs0 = self.data.minibatch(0)
+        for mb in plan_step(self.cfg, seqs0, self.world_size, cost, method="diff_micro").microbatches_for(self.rank):
+            if mb.sequence_ids:
+                microbatch_loss(self.model, seqs0, mb.sequence_ids, 1.0, device=self.device).backward()
+        self.model.zero_grad()
+        synchronize(self.device)
+
+    def run(self, step: int) -> dict[str, float]:
+        """This rank's seconds to run its share of data step ``step`` (at least 1) under every
+        name, packed into microbatches, back to back."""
+        seqs = self.data.minibatch(step)
+        lengths = [len(s) - 1 for s in seqs]
+        out = {}
+        for name, shares in self.shares.items():
+            mine = pack_share(lengths, shares[step - 1][self.rank], self.cfg.max_tokens)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for ids in mine:
+                microbatch_loss(self.model, seqs, ids, 1.0, device=self.device).backward()
+            synchronize(self.device)
+            out[name] = time.perf_counter() - t0
+        self.model.zero_grad()
+        return out
+
+
 def partition_bound_worker(rank: int, world_size: int, cfg: TrainConfig,
                            candidates: dict[str, list[list[list[int]]]]) -> dict[str, list[float]]:
     """Per candidate and step after the first, this rank's seconds to run its share packed into
     microbatches, back to back, with no communication (a candidate's step lasts as long as its
     slowest rank). Step 0's share (``diff_micro``'s) runs first, untimed, as training's does."""
-    device = _device(cfg, rank)
-    data = TrainData(cfg, world_size)
-    model = _model(cfg, data.vocab_size, device)
-    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
-    seqs0 = data.minibatch(0)
-    for mb in plan_step(cfg, seqs0, world_size, cost, method="diff_micro").microbatches_for(rank):
-        if mb.sequence_ids:
-            microbatch_loss(model, seqs0, mb.sequence_ids, 1.0, device=device).backward()  # warm-up
-    synchronize(device)
+    plain = PlainShares(cfg, rank, world_size, candidates)
+    plain.warm_up()
     out: dict[str, list[float]] = {name: [] for name in candidates}
     for step in range(1, cfg.steps):
-        seqs = data.minibatch(step)
-        lengths = [len(s) - 1 for s in seqs]
-        for name, shares in candidates.items():
-            mine = pack_share(lengths, shares[step - 1][rank], cfg.max_tokens)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for ids in mine:
-                microbatch_loss(model, seqs, ids, 1.0, device=device).backward()
-            synchronize(device)
-            out[name].append(time.perf_counter() - t0)
-    model.zero_grad()
+        for name, t in plain.run(step).items():
+            out[name].append(t)
     return out
