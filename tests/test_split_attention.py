@@ -111,6 +111,10 @@ def test_a_shard_attends_to_the_keys_its_runs_need_not_to_every_key(n, k):
         blocks = causal_blocks(pos, keys)
         ordered = keys if blocks.order is None else keys[blocks.order]
         assert ordered.tolist() == list(range(n))
+        # the same order as ranges of gathered rows, one block copy each: the zigzag's chunks
+        assert [i for a, b in blocks.segments for i in range(a, b)] == (blocks.order.tolist() if blocks.order
+                                                                         is not None else list(range(n)))
+        assert len(blocks.segments) <= 2 * k
         for begin, end, before, upto in blocks.runs:
             assert (before, upto) == (int(pos[begin]), int(pos[end - 1]) + 1)
         assert len(blocks.runs) == 2 and all(end - begin <= -(-len(pos) // 2) for begin, end, _, _ in blocks.runs)
@@ -126,6 +130,15 @@ def test_a_shard_attends_to_the_keys_its_runs_need_not_to_every_key(n, k):
     if n // k >= 16 * 64:
         assert max(masked) <= even * (1 + 1 / (6 * k))
     assert max(masked) < 0.75 * n * n / k  # (a masked call over every key: n / k queries x n keys each)
+
+
+def test_gathered_ranges_are_cut_at_the_ranks_rows():
+    """A range of the ranks' rows concatenated runs over from one rank's rows into the next's; the
+    gather copies each rank's part from that rank's padded rows."""
+    from posttrain.models.split_attention import _rank_spans
+
+    assert _rank_spans([(0, 11)], [6, 5]) == [(0, 0, 6), (1, 0, 5)]
+    assert _rank_spans([(0, 3), (9, 11), (3, 9)], [6, 5]) == [(0, 0, 3), (1, 3, 5), (0, 3, 6), (1, 0, 3)]
 
 
 @pytest.mark.parametrize("lse", [True, False], ids=["lse-blocks", "masked-pieces"])

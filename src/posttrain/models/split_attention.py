@@ -82,29 +82,58 @@ def _process_group(group):
     return getattr(group, "process_group", group)
 
 
+def _rank_spans(segments: list[tuple[int, int]], lengths: list[int]) -> list[tuple[int, int, int]]:
+    """``segments`` (row ranges of the ranks' rows concatenated in shard order) as ``(rank, start,
+    end)`` ranges of each rank's own rows, cut where a segment crosses from one rank to the next."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    out = []
+    for a, b in segments:
+        while a < b:
+            r = bisect.bisect_right(starts, a) - 1
+            end = min(b, starts[r + 1])
+            out.append((r, a - starts[r], end - starts[r]))
+            a = end
+    return out
+
+
 class _GatherRows(torch.autograd.Function):
     """All-gather along dim 2 of tensors padded to the group's longest, keeping each rank's true
-    rows; backward: the sum over the group of the gathered rows' gradients, this rank's rows (a
-    reduce-scatter)."""
+    rows in the order ``segments`` gives (row ranges of the ranks' rows concatenated in shard
+    order; default: shard order), each range one block copy; backward: the sum over the group of
+    the gathered rows' gradients, this rank's rows (a reduce-scatter). (Block copies instead of
+    concatenating in shard order and then selecting the rows one by one: at 4,096 tokens the
+    selection and its gradient's scatter were about a third of a split's own operations.)"""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, lengths: list[int], group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, lengths: list[int], group,
+                segments: list[tuple[int, int]] | None = None) -> torch.Tensor:
         longest = max(lengths)
-        padded = F.pad(x, (0, 0, 0, longest - x.shape[2])).contiguous()
+        padded = (x if x.shape[2] == longest else F.pad(x, (0, 0, 0, longest - x.shape[2]))).contiguous()
         out = padded.new_empty((len(lengths) * padded.shape[0], *padded.shape[1:]))  # ranks' rows along dim 0
         ex = _exchange(group)
         ex.all_gather_into(out, padded)
-        ctx.lengths, ctx.ex = lengths, ex
-        return torch.cat([p[:, :, :n] for p, n in zip(out.chunk(len(lengths)), lengths)], dim=2)
+        spans = _rank_spans(segments or [(0, sum(lengths))], lengths)
+        ctx.lengths, ctx.ex, ctx.spans = lengths, ex, spans
+        pieces = out.chunk(len(lengths))
+        return torch.cat([pieces[r][:, :, a:b] for r, a, b in spans], dim=2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        lengths, ex = ctx.lengths, ctx.ex
+        lengths, ex, spans = ctx.lengths, ctx.ex, ctx.spans
         longest = max(lengths)
-        pieces = torch.cat([F.pad(g, (0, 0, 0, longest - n)) for g, n in zip(grad.split(lengths, dim=2), lengths)])
+        shape = (len(lengths) * grad.shape[0], *grad.shape[1:2], longest, *grad.shape[3:])
+        # (rows past a rank's length are padding: zeros, so that nothing but zeros is summed there)
+        pieces = grad.new_zeros(shape) if min(lengths) < longest else grad.new_empty(shape)
+        chunks = pieces.chunk(len(lengths))
+        at = 0
+        for r, a, b in spans:
+            chunks[r][:, :, a:b].copy_(grad[:, :, at:at + b - a])
+            at += b - a
         mine = pieces.new_empty((grad.shape[0], *pieces.shape[1:]))
         ex.reduce_scatter_into(mine, pieces)
-        return mine[:, :, : lengths[ex.rank]], None, None
+        return mine[:, :, : lengths[ex.rank]], None, None, None
 
 
 def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
@@ -143,11 +172,11 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     key_pos = key_positions.to(q.device)
     if blocks is None:
         blocks = causal_blocks(positions, key_pos)
-    # keys and values in one collective each way (the exchange is latency-bound on a CPU's gloo)
-    keys, values = _GatherRows.apply(torch.cat([k, v], dim=1), lengths, group).chunk(2, dim=1)
-    if blocks.order is not None:  # the gathered rows in position order: a query run's keys are then a prefix
-        perm = blocks.order.to(q.device)
-        keys, values, key_pos = keys.index_select(2, perm), values.index_select(2, perm), key_pos.index_select(0, perm)
+    # keys and values in one collective each way (the exchange is latency-bound on a CPU's gloo),
+    # gathered in position order: a query run's keys are then a prefix
+    keys, values = _GatherRows.apply(torch.cat([k, v], dim=1), lengths, group, blocks.segments).chunk(2, dim=1)
+    if blocks.order is not None:
+        key_pos = key_pos.index_select(0, blocks.order.to(q.device))
     if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a block of query heads
         # (repeated, not SDPA's enable_gqa: with a mask that would leave a GPU only its math kernel)
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
@@ -183,6 +212,8 @@ class CausalBlocks(NamedTuple):
         pieces: ``(start, end, upto)``: the runs cut into pieces of an eighth of the shard (at
             least :data:`PIECE_ROWS` rows, at most half the shard), each attending to the first
             ``upto`` sorted keys under a mask.
+        segments: ``order`` as ranges of consecutive gathered rows, ``(start, end)`` (a zigzag
+            shard's chunks: a few), so that the gather puts the keys in order with block copies.
 
     A run's own keys are exactly its positions (``upto - before == end - start``: the shard holds
     every position from its first to its last), so it is a mask-free block over the keys before
@@ -192,6 +223,7 @@ class CausalBlocks(NamedTuple):
     order: torch.Tensor | None
     runs: list[tuple[int, int, int, int]]
     pieces: list[tuple[int, int, int]]
+    segments: list[tuple[int, int]]
 
 
 def causal_blocks(positions: torch.Tensor, key_positions: torch.Tensor) -> CausalBlocks:
@@ -221,8 +253,14 @@ def causal_blocks(positions: torch.Tensor, key_positions: torch.Tensor) -> Causa
         if end_run:
             runs.append((start, i, bisect.bisect_left(ordered, qpos[start]), bisect.bisect_right(ordered, qpos[i - 1])))
             start = i
+    segments: list[list[int]] = []
+    for i in order:
+        if segments and segments[-1][1] == i:
+            segments[-1][1] = i + 1
+        else:
+            segments.append([i, i + 1])
     sorted_order = None if order == list(range(len(order))) else torch.tensor(order, device=key_positions.device)
-    return CausalBlocks(sorted_order, runs, pieces)
+    return CausalBlocks(sorted_order, runs, pieces, [(a, b) for a, b in segments])
 
 
 #: Per device type, an attention kernel returning ``(output, log-sum-exp)`` and its backward taking
