@@ -175,8 +175,6 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     # keys and values in one collective each way (the exchange is latency-bound on a CPU's gloo),
     # gathered in position order: a query run's keys are then a prefix
     keys, values = _GatherRows.apply(torch.cat([k, v], dim=1), lengths, group, blocks.segments).chunk(2, dim=1)
-    if blocks.order is not None:
-        key_pos = key_pos.index_select(0, blocks.order.to(q.device))
     if keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a block of query heads
         # (repeated, not SDPA's enable_gqa: with a mask that would leave a GPU only its math kernel)
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
@@ -185,6 +183,8 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if lse_kernel is not None:
         return _RunAttention.apply(q, keys, values, blocks.runs, scale, lse_kernel)
     pos = positions.to(q.device)
+    if blocks.order is not None:  # (the masks compare positions: the keys' in the gathered order)
+        key_pos = key_pos.index_select(0, blocks.order.to(q.device))
     out = [F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :m], values[:, :, :m],
                                           attn_mask=pos[a:b, None] >= key_pos[None, :m], scale=scale)
            for a, b, m in blocks.pieces]
@@ -253,14 +253,14 @@ def causal_blocks(positions: torch.Tensor, key_positions: torch.Tensor) -> Causa
         if end_run:
             runs.append((start, i, bisect.bisect_left(ordered, qpos[start]), bisect.bisect_right(ordered, qpos[i - 1])))
             start = i
-    segments: list[list[int]] = []
-    for i in order:
+    segments: list[tuple[int, int]] = []
+    for i in order:  # (runs of consecutive gathered rows)
         if segments and segments[-1][1] == i:
-            segments[-1][1] = i + 1
+            segments[-1] = (segments[-1][0], i + 1)
         else:
-            segments.append([i, i + 1])
+            segments.append((i, i + 1))
     sorted_order = None if order == list(range(len(order))) else torch.tensor(order, device=key_positions.device)
-    return CausalBlocks(sorted_order, runs, pieces, [(a, b) for a, b in segments])
+    return CausalBlocks(sorted_order, runs, pieces, segments)
 
 
 #: Per device type, an attention kernel returning ``(output, log-sum-exp)`` and its backward taking
