@@ -288,7 +288,7 @@ def test_measure_bounds_times_odc_own_plan_beside_the_chosen_one(monkeypatch):
     assert got["even"]["tokens_per_s"] == pytest.approx(tokens / 2.0)
 
 
-def test_the_bench_times_its_bounds_in_the_variants_job_a_turn_of_their_own():
+def test_the_bench_times_its_bounds_in_the_variants_job_a_turn_of_their_own(monkeypatch):
     """The bounds' shares take turns with the variants step by step in one job (in jobs of their
     own after it, a machine that drifted between jobs moved every ratio to the bounds): every rank
     times its share of every step of every round, and each round's bounds come from that round."""
@@ -297,7 +297,8 @@ def test_the_bench_times_its_bounds_in_the_variants_job_a_turn_of_their_own():
 
     cfg = bench.TrainConfig(steps=3, sequences=4, max_len=64, dim=32, num_layers=1, device="cpu")
     choice = {"shares": {"chosen": [[[0, 1], [2, 3]], [[0, 2], [1, 3]]], "diff_micro": [[[0, 1, 2], [3]]] * 2},
-              "exact": True, "best": {"measured": 2}, "candidates_tokens_per_s": {}}
+              "exact": True, "best": {"measured": 2}, "candidates_tokens_per_s": {},
+              "tokens": bench._steady_tokens(cfg, 2)}
     cfgs = {"odc+diff_micro": bench._variant_cfg(cfg, "odc", "one-sided", "diff_micro")}
     per_round, raw = stepwise_rounds(cfgs, world_size=2, batches=2, rounds=2, shares=choice["shares"])
     assert set(per_round[0]) == {"odc+diff_micro"}
@@ -315,6 +316,19 @@ def test_the_bench_times_its_bounds_in_the_variants_job_a_turn_of_their_own():
         assert bounds["even"]["tokens_per_s"] == pytest.approx(
             tokens / (sum(per_rank[0]["chosen"]) + sum(per_rank[1]["chosen"])) * 2)
         assert bounds["partition"]["best"] == {"measured": 2}
+    # and bench odc times them there: no job of their own after the variants'
+    seen = []
+
+    def recording(cfgs, **kw):
+        seen.append(kw.get("shares"))
+        return stepwise_rounds(cfgs, **kw)
+
+    monkeypatch.setattr(bench, "stepwise_rounds", recording)
+    monkeypatch.setattr(bench, "measure_bounds", lambda *a: pytest.fail("the bounds ran in a job of their own"))
+    monkeypatch.setattr(bench, "choose_bounds", lambda c, n: choice)
+    got = bench.bench_odc(cfg, world_size=2, repeats=1, log=lambda *a, **k: None)
+    assert seen == [choice["shares"]]
+    assert got["rounds"][0]["partition"]["best"] == {"measured": 2} and got["rounds"][0]["even"]["tokens_per_s"] > 0
 
 
 def test_bench_lora_counts_what_the_adapters_save(cli, tmp_path):

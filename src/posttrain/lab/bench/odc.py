@@ -185,7 +185,7 @@ def choose_bounds(cfg: TrainConfig, world_size: int) -> dict:
     sequence timed alone, then the candidates run): ``{"shares": {"chosen": ..., "diff_micro":
     ...}}`` (sequence ids per rank per step: the chosen assignment, and diff_micro's own to time
     beside it), ``"exact"`` (every optimum searched proven), ``"best"`` (steps each candidate won)
-    and ``"candidates_tokens_per_s"``."""
+    ``"candidates_tokens_per_s"`` and ``"tokens"`` (those steps' tokens)."""
     times: dict = {}
     for part in _on_ranks(sequence_times_worker, world_size, cfg):
         times.update(part)
@@ -201,7 +201,7 @@ def choose_bounds(cfg: TrainConfig, world_size: int) -> dict:
     tokens = _steady_tokens(cfg, world_size)
     return {"shares": {"chosen": [candidates[name][k] for k, name in enumerate(best)],
                        "diff_micro": candidates["diff_micro"]},
-            "exact": exact, "best": {name: best.count(name) for name in candidates},
+            "exact": exact, "best": {name: best.count(name) for name in candidates}, "tokens": tokens,
             "candidates_tokens_per_s": {name: tokens / sum(v) for name, v in by_candidate.items()}}
 
 
@@ -211,7 +211,7 @@ def bounds_from_times(cfg: TrainConfig, world_size: int, choice: dict, per_rank:
     rank ``r``'s seconds per step): ``{"even": {...}, "partition": {...}}`` with ``tokens_per_s``,
     ``compute_s`` and, for the partition bound, ``plan_tokens_per_s`` (diff_micro's assignment in
     the same run) and the choice's ``exact``, ``best`` and ``candidates_tokens_per_s``."""
-    tokens, steps = _steady_tokens(cfg, world_size), cfg.steps - 1
+    tokens, steps = choice["tokens"], cfg.steps - 1
     partition_s = sum(max(r["chosen"][k] for r in per_rank) for k in range(steps))
     plan_s = sum(max(r["diff_micro"][k] for r in per_rank) for k in range(steps))
     # The even bound divides the same measured compute evenly over the ranks, so the two bounds
@@ -237,13 +237,13 @@ def measure_bounds(cfg: TrainConfig, world_size: int) -> dict[str, dict]:
 def stepwise_bounds(cfg: TrainConfig, world_size: int, choice: dict, raw: dict, rounds: int) -> list[dict[str, dict]]:
     """Both bounds per round of a :func:`posttrain.lab.bench.stepwise.stepwise_rounds` job that
     timed ``choice``'s shares among the variants (``raw["bounds"]``)."""
-    out = []
-    for k in range(rounds):
-        per_rank = [{name: [s for r, _, s in sorted((row for row in rows if row[0] == k), key=lambda row: row[1])]
-                     for name, rows in ((name, raw["bounds"][name][rank]) for name in choice["shares"])}
-                    for rank in range(world_size)]
-        out.append(bounds_from_times(cfg, world_size, choice, per_rank))
-    return out
+    def seconds(rows: list, k: int) -> list[float]:  # round k's, by step
+        return [s for _, _, s in sorted(row for row in rows if row[0] == k)]
+
+    return [bounds_from_times(cfg, world_size, choice,
+                              [{name: seconds(raw["bounds"][name][rank], k) for name in choice["shares"]}
+                               for rank in range(world_size)])
+            for k in range(rounds)]
 
 
 def _variant_cfg(base: TrainConfig, dp: str, mode: str, balance: str) -> TrainConfig:
