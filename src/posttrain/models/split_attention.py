@@ -57,7 +57,8 @@ _PAD = torch.iinfo(torch.int64).max
 class _GroupCollectives:
     """A process group's all-gather and reduce-scatter along dim 0, as a split shard's exchange
     (what an exchange object given as ``SplitShard.group`` provides itself: ``rank``, ``size``,
-    ``process_group``, ``all_gather_into(out, x)``, ``reduce_scatter_into(out, x)``; the ODC
+    ``process_group``, ``all_gather_into(out, x)``, ``reduce_scatter_into(out, x)``, and
+    optionally ``gather_spans`` / ``reduce_spans``, ranges copied straight into place; the ODC
     engines' ranks on one host use ``posttrain.odc.ShmRowExchange``)."""
 
     def __init__(self, group) -> None:
@@ -99,29 +100,36 @@ def _rank_spans(segments: list[tuple[int, int]], lengths: list[int]) -> list[tup
 
 
 class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 2 of tensors padded to the group's longest, keeping each rank's true
-    rows in the order ``segments`` gives (row ranges of the ranks' rows concatenated in shard
-    order; default: shard order), each range one block copy; backward: the sum over the group of
-    the gathered rows' gradients, this rank's rows (a reduce-scatter). (Block copies instead of
-    concatenating in shard order and then selecting the rows one by one: at 4,096 tokens the
-    selection and its gradient's scatter were about a third of a split's own operations.)"""
+    """All-gather along dim 2, keeping each rank's rows in the order ``segments`` gives (row
+    ranges of the ranks' rows concatenated in shard order; default: shard order), each range one
+    block copy; backward: the sum over the group of the gathered rows' gradients, this rank's rows
+    (a reduce-scatter). An exchange with ``gather_spans`` / ``reduce_spans`` (the shared-memory
+    one) copies each range straight into place; a process group's collectives gather tensors
+    padded to the group's longest in shard order, and the ranges are copied out of that. (Block
+    copies instead of concatenating in shard order and then selecting the rows one by one: at
+    4,096 tokens the selection and its gradient's scatter were about a third of a split's own
+    operations.)"""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, lengths: list[int], group,
                 segments: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        ex = _exchange(group)
+        spans = _rank_spans(segments or [(0, sum(lengths))], lengths)
+        ctx.lengths, ctx.ex, ctx.spans = lengths, ex, spans
+        if hasattr(ex, "gather_spans"):  # (the shared-memory exchange: each range copied once, into place)
+            return ex.gather_spans(x, lengths, spans, dim=2)
         longest = max(lengths)
         padded = (x if x.shape[2] == longest else F.pad(x, (0, 0, 0, longest - x.shape[2]))).contiguous()
         out = padded.new_empty((len(lengths) * padded.shape[0], *padded.shape[1:]))  # ranks' rows along dim 0
-        ex = _exchange(group)
         ex.all_gather_into(out, padded)
-        spans = _rank_spans(segments or [(0, sum(lengths))], lengths)
-        ctx.lengths, ctx.ex, ctx.spans = lengths, ex, spans
         pieces = out.chunk(len(lengths))
         return torch.cat([pieces[r][:, :, a:b] for r, a, b in spans], dim=2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         lengths, ex, spans = ctx.lengths, ctx.ex, ctx.spans
+        if hasattr(ex, "reduce_spans"):
+            return ex.reduce_spans(grad, lengths, spans, dim=2), None, None, None
         longest = max(lengths)
         shape = (len(lengths) * grad.shape[0], *grad.shape[1:2], longest, *grad.shape[3:])
         # (rows past a rank's length are padding: zeros, so that nothing but zeros is summed there)
@@ -277,19 +285,24 @@ class _RunAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, keys, values, runs, scale, kernel):
         fwd, _ = kernel
-        outs, lses = [], []
+        lses = []
+        out = torch.empty_like(q)  # (each run's rows written in place: no concatenation)
         for begin, end, before, upto in runs:
-            qr = q[:, :, begin:end]
+            qr, dst = q[:, :, begin:end], out[:, :, begin:end]
             parts = [fwd(qr, keys[:, :, a:b], values[:, :, a:b], causal, scale)
                      for a, b, causal in ((0, before, False), (before, upto, True)) if b > a]
             if len(parts) == 1:
-                out, lse = parts[0]
-            else:
-                lse = torch.logaddexp(parts[0][1], parts[1][1])
-                out = sum(o.float() * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in parts).to(q.dtype)
-            outs.append(out)
+                dst.copy_(parts[0][0])
+                lse = parts[0][1]
+            else:  # the two blocks merged by their log-sum-exps, in fp32
+                (o0, lse0), (o1, lse1) = parts
+                lse = torch.logaddexp(lse0, lse1)
+                w0, w1 = (torch.exp(part - lse).unsqueeze(-1) for part in (lse0, lse1))
+                if q.dtype == torch.float32:
+                    torch.mul(o0, w0, out=dst).addcmul_(o1, w1)
+                else:
+                    dst.copy_((o0.float() * w0).addcmul_(o1.float(), w1))
             lses.append(lse)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         ctx.save_for_backward(q, keys, values, out, *lses)  # (the output once, sliced per run in backward)
         ctx.runs, ctx.scale, ctx.kernel = runs, scale, kernel
         return out
@@ -299,17 +312,31 @@ class _RunAttention(torch.autograd.Function):
         q, keys, values, out, *lses = ctx.saved_tensors
         runs, scale = ctx.runs, ctx.scale
         _, bwd = ctx.kernel
-        # summed in fp32 over blocks and runs (bf16 inputs: one rounding at the end)
-        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, keys, values))
+        # summed in fp32 over blocks and runs (bf16 inputs: one rounding at the end); a row's first
+        # gradient is copied in, later ones added (the runs go up the positions, and a run's blocks
+        # cover the keys 0..upto: keys below ``seen`` have a gradient already), the keys after the
+        # last run's zeroed: no buffer is zero-filled first
+        dq, dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, keys, values))
+        seen = 0
         for (begin, end, before, upto), lse in zip(runs, lses):
             g = grad[:, :, begin:end].contiguous()
-            for a, b, causal in ((0, before, False), (before, upto, True)):
+            for j, (a, b, causal) in enumerate(((0, before, False), (before, upto, True))):
                 if b > a:
                     gq, gk, gv = bwd(g, q[:, :, begin:end], keys[:, :, a:b], values[:, :, a:b], out[:, :, begin:end], lse,
                                      causal, scale)
-                    dq[:, :, begin:end] += gq
-                    dk[:, :, a:b] += gk
-                    dv[:, :, a:b] += gv
+                    if j == 0 or before == 0:  # (the run's first block: its queries' first gradient)
+                        dq[:, :, begin:end].copy_(gq)
+                    else:
+                        dq[:, :, begin:end] += gq
+                    old = min(b, max(a, seen))  # keys a..old have a gradient, old..b none yet
+                    for buf, part in ((dk, gk), (dv, gv)):
+                        if old > a:
+                            buf[:, :, a:old] += part[:, :, :old - a]
+                        if b > old:
+                            buf[:, :, old:b].copy_(part[:, :, old - a:])
+                    seen = max(seen, b)
+        dk[:, :, seen:].zero_()
+        dv[:, :, seen:].zero_()
         return dq.to(q.dtype), dk.to(keys.dtype), dv.to(values.dtype), None, None, None
 
 

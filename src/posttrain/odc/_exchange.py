@@ -16,6 +16,15 @@ split sequence) uses half ``i % 2``:
 
 Two halves make one barrier a call enough: I write half ``h`` again at call ``i + 2``, after the
 barrier of call ``i + 1``, which no member reaches before it has finished reading call ``i``.
+
+A split sequence's attention wants the gathered rows in position order, not member order, and
+hands back their gradients in that order: :meth:`ShmRowExchange.gather_spans` copies each range
+of a member's rows straight from its half into its place in the output, and
+:meth:`ShmRowExchange.reduce_spans` writes each range of the gradient straight into the piece of
+my half that its owner reads. Neither pads the members' rows to the longest nor goes through a
+buffer in member order: against the plain calls and a reorder, a layer copies the whole
+sequence's keys and values once fewer forward and once fewer backward (and, where the members'
+lengths differ, pads and zero-fills nothing).
 The segments grow (re-created, a collective among the members, which all ask for the same size at
 the same call) when a call needs more than they hold. A member that fails ends the others' wait
 within a fraction of a second: its own abort, its exit, or ``watch`` (the engine's view of its peers).
@@ -24,7 +33,7 @@ within a fraction of a second: its own abort, its exit, or ``watch`` (the engine
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,12 +81,71 @@ class ShmRowExchange:
         self._transport = ShmTransport.create(self.process_group, {"rows": 2 * half}, timeout_s=self.timeout_s)
         self._half_bytes = half
 
-    def _post(self, x: torch.Tensor, tag: int) -> None:
-        """Write ``x`` into my half of this call and wait for every member's."""
+    def _post(self, x: torch.Tensor, tag: int, reserve: int = 0) -> None:
+        """Write ``x`` into my half of this call and wait for every member's (the halves hold at
+        least ``reserve`` bytes: every member must ask for the same size at the same call)."""
         nbytes = x.numel() * x.element_size()
-        self._reserve(nbytes)
+        self._reserve(max(nbytes, reserve))
         self._half(nbytes, x.dtype, x.numel()).copy_(x.reshape(-1))
         self._transport.barrier(tag, watch=self.watch)
+
+    @staticmethod
+    def _check_spans(x: torch.Tensor, lengths: Sequence[int], spans: Sequence[tuple[int, int, int]], dim: int,
+                     rows: int) -> None:
+        if x.shape[dim] != rows:
+            raise ValueError(f"{x.shape[dim]} rows along dim {dim}, expected {rows}")
+        for r, a, b in spans:
+            if not (0 <= r < len(lengths) and 0 <= a <= b <= lengths[r]):
+                raise ValueError(f"span {(r, a, b)} is outside the members' rows {list(lengths)}")
+        if sum(b - a for _, a, b in spans) != sum(lengths):
+            raise ValueError(f"spans {list(spans)} do not cover the members' {sum(lengths)} rows once")
+
+    def _pieces(self, owner: int, like: torch.Tensor, lengths: Sequence[int], dim: int) -> list[torch.Tensor]:
+        """``owner``'s half of this call as one piece per member, member ``r``'s shaped as ``like``
+        with ``lengths[r]`` rows along ``dim``, back to back."""
+        row = like.numel() // like.shape[dim]
+        shapes = [(*like.shape[:dim], n, *like.shape[dim + 1:]) for n in lengths]
+        flat = self._half(sum(lengths) * row * like.element_size(), like.dtype, sum(lengths) * row, owner)
+        return [t.view(shape) for t, shape in zip(flat.split([n * row for n in lengths]), shapes)]
+
+    def gather_spans(self, x: torch.Tensor, lengths: Sequence[int], spans: Sequence[tuple[int, int, int]],
+                     dim: int) -> torch.Tensor:
+        """The members' rows along ``dim`` (member ``r`` holds ``lengths[r]``; ``x`` is mine), the
+        ranges ``spans`` (``(member, start, end)``, together every row once) concatenated in
+        that order: each range copied once, from its member's half into the output."""
+        self._check_spans(x, lengths, spans, dim, lengths[self.rank])
+        x = x.contiguous()
+        row_bytes = x.numel() // max(1, x.shape[dim]) * x.element_size()
+        self._post(x, _GATHER, reserve=max(lengths) * row_bytes)
+        views = [x if r == self.rank else self._pieces(r, x, [lengths[r]], dim)[0] for r in range(self.size)]
+        out = x.new_empty((*x.shape[:dim], sum(lengths), *x.shape[dim + 1:]))
+        at = 0
+        for r, a, b in spans:
+            out.narrow(dim, at, b - a).copy_(views[r].narrow(dim, a, b - a))
+            at += b - a
+        self._calls += 1
+        return out
+
+    def reduce_spans(self, grad: torch.Tensor, lengths: Sequence[int], spans: Sequence[tuple[int, int, int]],
+                     dim: int) -> torch.Tensor:
+        """The backward of :meth:`gather_spans`: ``grad`` (its output's shape) back to the members,
+        summed; returns my rows, the sum over the members of what each held for them (in fp32,
+        in member order: the same on every member, as :meth:`reduce_scatter_into`). Each range
+        of ``grad`` is copied once, into the piece of my half its owner reads."""
+        self._check_spans(grad, lengths, spans, dim, sum(lengths))
+        self._reserve(grad.numel() * grad.element_size())
+        mine = self._pieces(self.rank, grad, lengths, dim)
+        at = 0
+        for r, a, b in spans:
+            mine[r].narrow(dim, a, b - a).copy_(grad.narrow(dim, at, b - a))
+            at += b - a
+        self._transport.barrier(_REDUCE, watch=self.watch)
+        acc = None
+        for m in range(self.size):
+            piece = (mine if m == self.rank else self._pieces(m, grad, lengths, dim))[self.rank]
+            acc = piece.to(torch.float32, copy=True) if acc is None else acc.add_(piece)
+        self._calls += 1
+        return acc if grad.dtype == torch.float32 else acc.to(grad.dtype)
 
     def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """``out`` (``size * x.shape[0]`` rows) takes every member's ``x`` in member order."""
