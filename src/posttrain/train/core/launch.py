@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.device import backend, check_world, device_count, rank_device, shares_devices, use
-from posttrain.launch import end_process_groups, run_job
+from posttrain.launch import end_process_groups, keep_freed_memory, run_job
 
 from .checkpoint import check_resumable
 from .config import RunConfig
@@ -206,6 +206,8 @@ def launch(worker: Callable[..., Any], world_size: int, *args: Any, device: str 
     if not under_torchrun():
         return run_job(worker, world_size, *args, timeout_s=timeout_s, **how)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if device == "cpu":
+        keep_freed_memory()
     use(rank_device(device, int(os.environ["RANK"])))
     dist.init_process_group(how["backend"])
     try:
