@@ -344,7 +344,9 @@ class ShmTransport:
             if now >= next_check:
                 next_check = now + 0.2
                 for r in pending:
-                    if not _pid_alive(self._pids[r]):
+                    # (a peer that arrived during the nap and then exited is not a failure: its
+                    # generation, read again after its death, says it got here)
+                    if not _pid_alive(self._pids[r]) and int(self._headers[r][_BARRIER]) >> _TAG_BITS < gen:
                         raise PeerFailedError(
                             f"rank {self.global_ranks[r]} (pid {self._pids[r]}) exited while "
                             f"rank {self.global_ranks[self.rank]} waited for it at a barrier"
