@@ -53,16 +53,19 @@ def test_a_short_cpu_run_learns_the_chat_task(sft):
 
 
 def test_grpo_raises_the_reward_of_sampled_answers(sft, tmp_path):
-    # docs/rl.md's run: sampling at temperature 1.5 the SFT model answers right about 3 times in
-    # 10; GRPO sharpens the policy (docs/rl.md has the measured means).
+    # docs/rl.md's run, twice as long: sampling at temperature 1.5 the SFT model answers right about
+    # 3 times in 10; GRPO sharpens the policy (docs/rl.md has the measured means). Where it starts
+    # depends on the CPU (the SFT run is bitwise the same only on one kind of machine): on one
+    # kind the means of the first and last 10 of 40 steps were 0.34 and 0.52, on another (AMD EPYC,
+    # AVX2) 0.18 and 0.26, and 0.18 and 0.34 over 80 steps; so the test asks for the rise, not a level.
     cfg = RLConfig(model_path=sft["trained"], prompts=sft["train"], samples_per_prompt=8, prompts_per_step=8,
-                   max_new_tokens=8, steps=40, temperature=1.5,
+                   max_new_tokens=8, steps=80, temperature=1.5,
                    optim=OptimConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=4, max_grad_norm=1.0),
                    engine=EngineConfig(deterministic=True),
                    metrics=str(tmp_path / "rl.jsonl"))
     rows = run_rl(cfg, world_size=2, quiet=True)[0]["metrics"]
     reward = [r["reward_mean"] for r in rows]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert last >= first + 0.08 and last >= 0.35, [round(r, 2) for r in reward]
-    assert len((tmp_path / "rl.jsonl").read_text().splitlines()) == 40
+    assert last >= first + 0.1, [round(r, 2) for r in reward]
+    assert len((tmp_path / "rl.jsonl").read_text().splitlines()) == 80
     assert all(json.loads(line)["response_len_max"] <= 8 for line in (tmp_path / "rl.jsonl").read_text().splitlines())
