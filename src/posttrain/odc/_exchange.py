@@ -17,6 +17,10 @@ split sequence) uses half ``i % 2``:
 Two halves make one barrier a call enough: I write half ``h`` again at call ``i + 2``, after the
 barrier of call ``i + 1``, which no member reaches before it has finished reading call ``i``.
 
+The segments grow (re-created, a collective among the members, which all ask for the same size at
+the same call) when a call needs more than they hold. A member that fails ends the others' wait
+within a fraction of a second: its own abort, its exit, or ``watch`` (the engine's view of its peers).
+
 A split sequence's attention wants the gathered rows in position order, not member order, and
 hands back their gradients in that order: :meth:`ShmRowExchange.gather_spans` copies each range
 of a member's rows straight from its half into its place in the output, and
@@ -25,9 +29,6 @@ my half that its owner reads. Neither pads the members' rows to the longest nor 
 buffer in member order: against the plain calls and a reorder, a layer copies the whole
 sequence's keys and values once fewer forward and once fewer backward (and, where the members'
 lengths differ, pads and zero-fills nothing).
-The segments grow (re-created, a collective among the members, which all ask for the same size at
-the same call) when a call needs more than they hold. A member that fails ends the others' wait
-within a fraction of a second: its own abort, its exit, or ``watch`` (the engine's view of its peers).
 """
 
 from __future__ import annotations
