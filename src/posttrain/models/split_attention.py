@@ -55,28 +55,51 @@ _PAD = torch.iinfo(torch.int64).max
 
 
 class _GroupCollectives:
-    """A process group's all-gather and reduce-scatter along dim 0, as a split shard's exchange
-    (what an exchange object given as ``SplitShard.group`` provides itself: ``rank``, ``size``,
-    ``process_group``, ``all_gather_into(out, x)``, ``reduce_scatter_into(out, x)``, and
-    optionally ``gather_spans`` / ``reduce_spans``, ranges copied straight into place; the ODC
-    engines' ranks on one host use ``posttrain.odc.ShmRowExchange``)."""
+    """A process group's collectives as a split shard's exchange (what an exchange object given as
+    ``SplitShard.group`` provides itself: ``rank``, ``size``, ``process_group``, and
+    ``gather_spans`` / ``reduce_spans`` as :class:`posttrain.odc.ShmRowExchange` has them, which
+    the ODC engines' ranks on one host use): an all-gather of tensors padded to the group's
+    longest, in shard order, the ranges copied out of it; backward, the ranges copied into a
+    padded buffer per rank and reduce-scattered."""
 
     def __init__(self, group) -> None:
         self.process_group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
-    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        all_gather_single(out, x, group=self.process_group)
+    def gather_spans(self, x: torch.Tensor, lengths: list[int], spans: list[tuple[int, int, int]],
+                     dim: int) -> torch.Tensor:
+        if dim != 2:
+            raise ValueError(f"the process group's exchange gathers along dim 2, not {dim}")
+        longest = max(lengths)
+        padded = (x if x.shape[2] == longest else F.pad(x, (0, 0, 0, longest - x.shape[2]))).contiguous()
+        out = padded.new_empty((len(lengths) * padded.shape[0], *padded.shape[1:]))  # ranks' rows along dim 0
+        all_gather_single(out, padded, group=self.process_group)
+        pieces = out.chunk(len(lengths))
+        return torch.cat([pieces[r][:, :, a:b] for r, a, b in spans], dim=2)
 
-    def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        reduce_scatter_single(out, x, group=self.process_group)
+    def reduce_spans(self, grad: torch.Tensor, lengths: list[int], spans: list[tuple[int, int, int]],
+                     dim: int) -> torch.Tensor:
+        if dim != 2:
+            raise ValueError(f"the process group's exchange reduces along dim 2, not {dim}")
+        longest = max(lengths)
+        shape = (len(lengths) * grad.shape[0], *grad.shape[1:2], longest, *grad.shape[3:])
+        # (rows past a rank's length are padding: zeros, so that nothing but zeros is summed there)
+        pieces = grad.new_zeros(shape) if min(lengths) < longest else grad.new_empty(shape)
+        chunks = pieces.chunk(len(lengths))
+        at = 0
+        for r, a, b in spans:
+            chunks[r][:, :, a:b].copy_(grad[:, :, at:at + b - a])
+            at += b - a
+        mine = pieces.new_empty((grad.shape[0], *pieces.shape[1:]))
+        reduce_scatter_single(mine, pieces, group=self.process_group)
+        return mine[:, :, : lengths[self.rank]]
 
 
 def _exchange(group):
     """``group``'s exchange: an exchange object as it is, a process group (or ``None``, the world)
     through its collectives."""
-    return group if hasattr(group, "all_gather_into") else _GroupCollectives(group)
+    return group if hasattr(group, "gather_spans") else _GroupCollectives(group)
 
 
 def _process_group(group):
@@ -103,12 +126,11 @@ class _GatherRows(torch.autograd.Function):
     """All-gather along dim 2, keeping each rank's rows in the order ``segments`` gives (row
     ranges of the ranks' rows concatenated in shard order; default: shard order), each range one
     block copy; backward: the sum over the group of the gathered rows' gradients, this rank's rows
-    (a reduce-scatter). An exchange with ``gather_spans`` / ``reduce_spans`` (the shared-memory
-    one) copies each range straight into place; a process group's collectives gather tensors
-    padded to the group's longest in shard order, and the ranges are copied out of that. (Block
-    copies instead of concatenating in shard order and then selecting the rows one by one: at
-    4,096 tokens the selection and its gradient's scatter were about a third of a split's own
-    operations.)"""
+    (a reduce-scatter). The exchange does both (``gather_spans`` / ``reduce_spans``: the
+    shared-memory one copies each range straight into place, a process group's collectives go
+    through padded buffers in shard order). (Block copies instead of concatenating in shard order
+    and then selecting the rows one by one: at 4,096 tokens the selection and its gradient's
+    scatter were about a third of a split's own operations.)"""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, lengths: list[int], group,
@@ -116,32 +138,11 @@ class _GatherRows(torch.autograd.Function):
         ex = _exchange(group)
         spans = _rank_spans(segments or [(0, sum(lengths))], lengths)
         ctx.lengths, ctx.ex, ctx.spans = lengths, ex, spans
-        if hasattr(ex, "gather_spans"):  # (the shared-memory exchange: each range copied once, into place)
-            return ex.gather_spans(x, lengths, spans, dim=2)
-        longest = max(lengths)
-        padded = (x if x.shape[2] == longest else F.pad(x, (0, 0, 0, longest - x.shape[2]))).contiguous()
-        out = padded.new_empty((len(lengths) * padded.shape[0], *padded.shape[1:]))  # ranks' rows along dim 0
-        ex.all_gather_into(out, padded)
-        pieces = out.chunk(len(lengths))
-        return torch.cat([pieces[r][:, :, a:b] for r, a, b in spans], dim=2)
+        return ex.gather_spans(x, lengths, spans, dim=2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        lengths, ex, spans = ctx.lengths, ctx.ex, ctx.spans
-        if hasattr(ex, "reduce_spans"):
-            return ex.reduce_spans(grad, lengths, spans, dim=2), None, None, None
-        longest = max(lengths)
-        shape = (len(lengths) * grad.shape[0], *grad.shape[1:2], longest, *grad.shape[3:])
-        # (rows past a rank's length are padding: zeros, so that nothing but zeros is summed there)
-        pieces = grad.new_zeros(shape) if min(lengths) < longest else grad.new_empty(shape)
-        chunks = pieces.chunk(len(lengths))
-        at = 0
-        for r, a, b in spans:
-            chunks[r][:, :, a:b].copy_(grad[:, :, at:at + b - a])
-            at += b - a
-        mine = pieces.new_empty((grad.shape[0], *pieces.shape[1:]))
-        ex.reduce_scatter_into(mine, pieces)
-        return mine[:, :, : lengths[ex.rank]], None, None, None
+        return ctx.ex.reduce_spans(grad, ctx.lengths, ctx.spans, dim=2), None, None, None
 
 
 def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,

@@ -10,9 +10,10 @@ group: each rank owns a segment (:class:`~posttrain.odc.ShmTransport`) of two ha
 ``i`` (forward or backward, in the order every member makes them: the same layers of the same
 split sequence) uses half ``i % 2``:
 
-- all-gather: write my rows into my half, barrier, copy every member's half into the output;
-- reduce-scatter: write all my pieces (one per member) into my half, barrier, sum (in fp32, in
-  member order: the same on every rank) the pieces the members wrote for me.
+- all-gather (``gather_spans``): write my rows into my half, barrier, copy every member's rows
+  from its half into the output;
+- reduce-scatter (``reduce_spans``): write all my pieces (one per member) into my half, barrier,
+  sum (in fp32, in member order: the same on every rank) the pieces the members wrote for me.
 
 Two halves make one barrier a call enough: I write half ``h`` again at call ``i + 2``, after the
 barrier of call ``i + 1``, which no member reaches before it has finished reading call ``i``.
@@ -26,9 +27,10 @@ hands back their gradients in that order: :meth:`ShmRowExchange.gather_spans` co
 of a member's rows straight from its half into its place in the output, and
 :meth:`ShmRowExchange.reduce_spans` writes each range of the gradient straight into the piece of
 my half that its owner reads. Neither pads the members' rows to the longest nor goes through a
-buffer in member order: against the plain calls and a reorder, a layer copies the whole
-sequence's keys and values once fewer forward and once fewer backward (and, where the members'
-lengths differ, pads and zero-fills nothing).
+buffer in member order: against an all-gather and a reorder (what a process group's collectives
+do, ``posttrain.models.split_attention``), a layer copies the whole sequence's keys and values
+once fewer forward and once fewer backward (and, where the members' lengths differ, pads and
+zero-fills nothing).
 """
 
 from __future__ import annotations
@@ -98,8 +100,13 @@ class ShmRowExchange:
         for r, a, b in spans:
             if not (0 <= r < len(lengths) and 0 <= a <= b <= lengths[r]):
                 raise ValueError(f"span {(r, a, b)} is outside the members' rows {list(lengths)}")
-        if sum(b - a for _, a, b in spans) != sum(lengths):
-            raise ValueError(f"spans {list(spans)} do not cover the members' {sum(lengths)} rows once")
+        ends = [0] * len(lengths)  # (each member's ranges, in order, must tile its rows: a row left out
+        for r, a, b in sorted(spans):  # would take a stale gradient, one taken twice a doubled one)
+            if a != ends[r]:
+                raise ValueError(f"spans {list(spans)} do not cover the members' rows {list(lengths)} once")
+            ends[r] = b
+        if ends != list(lengths):
+            raise ValueError(f"spans {list(spans)} do not cover the members' rows {list(lengths)} once")
 
     def _pieces(self, owner: int, like: torch.Tensor, lengths: Sequence[int], dim: int) -> list[torch.Tensor]:
         """``owner``'s half of this call as one piece per member, member ``r``'s shaped as ``like``
@@ -131,7 +138,7 @@ class ShmRowExchange:
                      dim: int) -> torch.Tensor:
         """The backward of :meth:`gather_spans`: ``grad`` (its output's shape) back to the members,
         summed; returns my rows, the sum over the members of what each held for them (in fp32,
-        in member order: the same on every member, as :meth:`reduce_scatter_into`). Each range
+        in member order: the same on every member). Each range
         of ``grad`` is copied once, into the piece of my half its owner reads."""
         self._check_spans(grad, lengths, spans, dim, sum(lengths))
         self._reserve(grad.numel() * grad.element_size())
@@ -147,33 +154,6 @@ class ShmRowExchange:
             acc = piece.to(torch.float32, copy=True) if acc is None else acc.add_(piece)
         self._calls += 1
         return acc if grad.dtype == torch.float32 else acc.to(grad.dtype)
-
-    def all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """``out`` (``size * x.shape[0]`` rows) takes every member's ``x`` in member order."""
-        if out.shape[0] != self.size * x.shape[0] or out.shape[1:] != x.shape[1:]:
-            raise ValueError(f"all_gather_into: out {tuple(out.shape)} does not hold {self.size} x {tuple(x.shape)}")
-        x = x.contiguous()
-        self._post(x, _GATHER)
-        nbytes = x.numel() * x.element_size()
-        for r, chunk in enumerate(out.chunk(self.size)):
-            chunk.copy_(x if r == self.rank else self._half(nbytes, x.dtype, x.numel(), r).view(x.shape))
-        self._calls += 1
-
-    def reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """``out`` takes the sum over the members of their ``x``'s piece ``rank`` (``x``: ``size``
-        pieces of ``out``'s shape along dim 0), summed in fp32 in member order."""
-        if x.shape[0] != self.size * out.shape[0] or out.shape[1:] != x.shape[1:]:
-            raise ValueError(f"reduce_scatter_into: x {tuple(x.shape)} is not {self.size} x {tuple(out.shape)}")
-        x = x.contiguous()
-        self._post(x, _REDUCE)
-        nbytes = x.numel() * x.element_size()
-        acc = None
-        for r in range(self.size):
-            theirs = x if r == self.rank else self._half(nbytes, x.dtype, x.numel(), r).view(x.shape)
-            mine = theirs[self.rank * out.shape[0]:(self.rank + 1) * out.shape[0]]
-            acc = mine.to(torch.float32, copy=True) if acc is None else acc.add_(mine)  # (never into a member's rows)
-        out.copy_(acc)
-        self._calls += 1
 
     def close(self) -> None:
         """Unmap the segments (idempotent)."""
