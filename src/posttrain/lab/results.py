@@ -67,6 +67,14 @@ SECTIONS: tuple[Section, ...] = (
             ("bench", "odc", *_LA, "--max-tokens", "4096"),
             "The same comparison on the `longalign` profile scaled to 4,096 tokens (16 sequences a step, 2 ranks).",
             20),
+    Section("bench-odc-cp", "Context parallelism: the longest sequences split across ranks (LongAlign-shaped, 4 a step)",
+            ("bench", "odc", "--profile", "longalign", "--max-len", "4096", "--max-tokens", "4096", "--sequences", "4",
+             "--steps", "12", "--repeats", "5", "--context-parallel", "auto"),
+            "The same variants and `odc+cp` (flat ODC whose plan splits the costliest sequences across the 2 ranks, "
+            "docs/odc.md, 'Context parallelism') at 4 sequences a step, where whole sequences leave about a fifth to "
+            "the even bound; 5 interleaved rounds of 11 steps. `cp` is `odc+cp` over `odc+diff_micro` (pooled); "
+            "the last lines calibrate the simulator on this machine and set its prediction of that gain beside it. "
+            "The goal (issue 48): `odc+cp` at 0.90 of the even bound and 1.15x `odc+diff_micro`.", 11),
     Section("sweep-longalign", "ODC's mechanism against its headroom, LongAlign-shaped, over a sweep",
             ("bench", "odc", *_LA, "--sweep", "--sequences-per-rank", "1,2,4,8", "--sweep-max-tokens", "4096,8192"),
             "Flat ODC only: `odc+diff_micro` over `odc-collective+same_micro` (the mechanism) against the "
