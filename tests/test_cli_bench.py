@@ -411,6 +411,16 @@ def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(cli_proc, tmp_pa
     r = got["rounds"][0]
     assert m == pytest.approx(r["odc+cp"]["tokens_per_s"] / r["odc+diff_micro"]["tokens_per_s"])
     assert "split sequences: odc+cp / odc+diff_micro" in proc.stdout
+    # what each leaves to the even bound, split into factors whose product is exact per round
+    assert "against the even bound" in proc.stdout
+    for name in ("odc+diff_micro", "odc+cp"):
+        e = got["vs_even"][name]
+        assert e["vs_even"][0] == pytest.approx(r[name]["tokens_per_s"] / r["even"]["tokens_per_s"])
+        assert e["vs_even"][0] == pytest.approx(e["work"][0] * e["balance"][0] * e["critical"][0])
+        assert 0 < e["balance"][0] <= 1 and 0 < e["critical"][0] <= 1
+        assert 0 < e["planned"]["balance"] <= 1
+    # whole sequences are their own work; split ones pay the exchange the planner prices
+    assert got["vs_even"]["odc+diff_micro"]["planned"]["work"] == pytest.approx(1.0)
     # the calibrated prediction needs more microbatch shapes than this run has: said, and the
     # measurements are written all the same
     assert "cp: no prediction (calibration needs 3 or more microbatches" in proc.stdout

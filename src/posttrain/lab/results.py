@@ -72,7 +72,9 @@ SECTIONS: tuple[Section, ...] = (
              "--steps", "12", "--repeats", "5", "--context-parallel", "auto"),
             "The same variants and `odc+cp` (flat ODC whose plan splits the costliest sequences across the 2 ranks, "
             "docs/odc.md, 'Context parallelism') at 4 sequences a step, where whole sequences leave about a fifth to "
-            "the even bound; 5 interleaved rounds of 11 steps. `cp` is `odc+cp` over `odc+diff_micro` (pooled); "
+            "the even bound; 5 interleaved rounds of 11 steps. 'Against the even bound' gives what `odc+diff_micro` "
+            "and `odc+cp` leave to it, split into work, balance and critical share beside the plans' own figures; "
+            "`cp` is `odc+cp` over `odc+diff_micro` (pooled); "
             "the last lines calibrate the simulator on this machine and set its prediction of that gain beside it. "
             "The goal (issue 48): `odc+cp` at 0.90 of the even bound and 1.15x `odc+diff_micro`.", 11),
     Section("sweep-longalign", "ODC's mechanism against its headroom, LongAlign-shaped, over a sweep",

@@ -43,6 +43,17 @@ ODC run's busiest-rank compute) and **critical** (the ODC run's busiest-rank com
 **Reachable headroom** = headroom x compute x critical: what scheduling could win once the engine's
 costs are counted; the mechanism's capture of it is reported beside the plain capture.
 
+[Note: against the even bound]
+What ``odc+diff_micro`` and ``odc+cp`` leave to the even bound (:func:`split_vs_even`) is, per
+round, the product of three measured factors: **work** (the even bound's compute over the
+variant's, both summed over the ranks: the engine's costs inside the forward and backward and, for
+split sequences, the exchange and the shards' own overhead), **balance** (the variant's mean rank
+compute over its busiest rank's: what its plan leaves, plus the ranks' jitter) and **critical**
+(the busiest rank's compute over the step: copies, waits, the optimizer). Beside them, the cost
+model's work and balance for the plans the variant ran (:func:`planned_vs_even`, the exchange
+priced as the planner prices it): where a measured factor falls short of its planned one, the
+plan's model is what to look at; where the planned one is short, the plan itself.
+
 ``sweep_odc`` repeats the mechanism measurement over sequences per rank and ``max_tokens`` and
 puts the calibrated simulator's predictions beside it (:mod:`posttrain.lab.calibrate`).
 """
@@ -316,6 +327,40 @@ def split_odc_vs_partition(r: dict[str, dict]) -> dict[str, float]:
     return out
 
 
+def split_vs_even(r: dict[str, dict], name: str, world_size: int) -> dict[str, float]:
+    """What variant ``name`` leaves to the even bound in round ``r``: ``vs_even`` and its factors
+    ``work`` x ``balance`` x ``critical`` (see [Note: against the even bound]; the product is exact,
+    both throughputs being tokens over summed step time and the even bound's step its compute over
+    the ranks)."""
+    v, even = r[name], r["even"]
+    return {"vs_even": v["tokens_per_s"] / even["tokens_per_s"],
+            "work": even["compute_s"] / v["compute_s"],
+            "balance": v["compute_s"] / (world_size * v["busiest_compute_s"]),
+            "critical": v["busiest_compute_s"] / v["step_time_s"]}
+
+
+def planned_vs_even(cfg: TrainConfig, world_size: int) -> dict[str, float]:
+    """The cost model's ``work`` and ``balance`` (see [Note: against the even bound]) for the plans
+    ``cfg`` runs at the steps after the first: with ``cfg.engine.context_parallel`` on, the
+    trainer's context plans (the exchange priced as the planner prices it), else its balancing
+    plans (whose work is the sequences' own)."""
+    from posttrain.train.sft.loop import plan_context_step, plan_step, step_cost
+
+    data = TrainData(cfg, world_size)
+    cost = step_cost(cfg, data.vocab_size)
+    whole = planned = mean = busiest = 0.0
+    for k in range(1, cfg.steps):
+        seqs = data.minibatch(k)
+        plan = (plan_step(cfg, seqs, world_size, cost) if cfg.engine.context_parallel == "off"
+                else plan_context_step(cfg, seqs, world_size, cost))
+        costs = plan.rank_costs
+        whole += sum(cost(len(s) - 1) for s in seqs)
+        planned += sum(costs)
+        mean += sum(costs) / world_size
+        busiest += max(costs)
+    return {"work": whole / planned, "balance": mean / busiest}
+
+
 def capture(mechanism: float, headroom: float) -> float | None:
     """Share of the time the mechanism could save that it saved; ``None`` without headroom."""
     if headroom <= 1.0:
@@ -348,7 +393,9 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         ``{"config", "world_size", "repeats", "rounds": [{variant: summary}], "median": {variant:
         {"tokens_per_s", "utilization", "vs_fsdp_same_micro", "vs_partition", "vs_even",
         "compute_vs_even"}}, "spread": {variant: {ratio: [lowest, highest]}}, "factors": {name:
-        [median, lowest, highest]}}``.
+        [median, lowest, highest]}, "vs_even": {variant: {"vs_even", "work", "balance", "critical":
+        [median, lowest, highest], "planned": {"work", "balance"}}}}`` (``vs_even``: ``odc+diff_micro``
+        and ``odc+cp``, [Note: against the even bound]).
     """
     ODCBench(base, world_size, repeats, json="")  # checks them
     base = replace(base, progress=False, checkpoint_dir=None)
@@ -411,6 +458,25 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
             f"{lo:5.2f}-{hi:<5.2f} {m['vs_partition']:13.2f} {plo:5.2f}-{phi:<5.2f} {m['compute_vs_even']:13.2f}")
     log("(util: compute share of step time; compute/even: the same microbatches' compute time, communication "
         "excluded, over the even bound's; (rounds): lowest and highest ratio of a single round)")
+    against = [name for name in (_ODC, _CP) if name in cfgs]
+    even_split = {}
+    for name in against:
+        per = [split_vs_even(r, name, world_size) for r in rounds]
+        even_split[name] = {k: list(_med(per, k)) for k in per[0]}
+        even_split[name]["planned"] = planned_vs_even(cfgs[name], world_size)
+    log("\nagainst the even bound (median of per-round ratios, lowest-highest; vs even = work x balance x critical, "
+        "exactly per round):")
+    log(f"{'variant':18} {'vs even':>8} {'(rounds)':>11} {'work':>6} {'balance':>8} {'critical':>9}   "
+        f"{'planned work':>12} {'balance':>8}")
+    for name in against:
+        e = even_split[name]
+        log(f"{name:18} {e['vs_even'][0]:8.3f} {e['vs_even'][1]:5.3f}-{e['vs_even'][2]:<5.3f} {e['work'][0]:6.3f} "
+            f"{e['balance'][0]:8.3f} {e['critical'][0]:9.3f}   {e['planned']['work']:12.3f} "
+            f"{e['planned']['balance']:8.3f}")
+    log("(work: the even bound's compute / the variant's, summed over ranks (the engine's costs in the forward and "
+        "backward; for split sequences the exchange and the shards' overhead too); balance: mean rank compute / the "
+        "busiest rank's (the plan, and jitter); critical: busiest-rank compute / step (copies, waits, optimizer); "
+        "planned: the cost model's work and balance for the plans run)")
     log("\nwhere the gain comes from (total, transport, engine, mechanism: pooled over the rounds, with the 5th-95th "
         "percentile over rounds drawn with replacement; the others: median of per-round ratios, lowest-highest):")
     text = {
@@ -443,7 +509,8 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
         f" steps); optimum searches {'exact' if exact else 'partly Karmarkar-Karp + refinement'}; "
         "transport x engine x mechanism = total)")
     out = {"config": asdict(base), "world_size": world_size, "repeats": repeats, "rounds": rounds, "median": median,
-           "spread": spread, "factors": fac, "captured": cap, "captured_of_reachable": reach}
+           "spread": spread, "factors": fac, "captured": cap, "captured_of_reachable": reach,
+           "vs_even": even_split}
     if _CP in cfgs and predict:
         _write(json_path, out, lambda *a, **k: None)  # (the measurements kept whatever the calibration does)
         try:
