@@ -74,7 +74,7 @@ def _per_step(base, raw) -> None:
     machine = measure_sweep_machine(base, [base], world_size=2, log=lambda *a, **k: None)
     lengths = [256, 512, 1024, 2048, 4096]
     got = measure(lengths, reps=5, cfg=base)["lengths"]
-    split = MeasuredSplitCost(lengths, [got[n]["split-shm"] - got[n]["whole"] / 2 for n in lengths])
+    split = MeasuredSplitCost(lengths, [got[n]["overhead_s (split-shm)"] for n in lengths])
     eng = machine["engine"]["one-sided"]
     model = SimModel(num_layers=base.num_layers, layer_cost=machine["layer_cost"], layer_param_bytes=0,
                      layer_grad_bytes=0, optimizer_s=eng["per_step"])

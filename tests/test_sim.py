@@ -574,3 +574,27 @@ def test_the_cp_prediction_refuses_what_it_cannot_measure_before_calibrating(mon
     for cfg in (replace(gpt, model="llama"), replace(gpt, engine=replace(gpt.engine, precision="bf16"))):
         with pytest.raises(ValueError, match="GPT in fp32"):
             predict_cp(cfg, "auto", log=lambda *a, **k: None)
+
+
+@pytest.mark.full
+def test_the_split_cost_is_the_median_of_paired_repetitions():
+    """cp_exchange.measure times a whole sequence and its split back to back per repetition and
+    takes the median of each repetition's split minus half its whole (two separate medians moved
+    with the machine between them)."""
+    import statistics
+    from dataclasses import replace
+
+    from posttrain.lab.bench.cp_exchange import measure
+    from posttrain.train.sft import TrainConfig
+
+    cfg = replace(TrainConfig(device="cpu"), dim=32, num_layers=1)
+    got = measure([16, 64], reps=3, cfg=cfg)
+    for n in (16, 64):
+        row = got["lengths"][n]
+        for mode in ("split", "split-shm"):
+            paired = row[f"paired_overhead_s ({mode})"]
+            assert len(paired) == 3
+            assert row[f"overhead_s ({mode})"] == statistics.median(paired)
+            assert row[f"overhead_flops ({mode})"] == pytest.approx(row[f"overhead_s ({mode})"] * row["flops_per_s"])
+        assert row["whole"] > 0 and row["split-shm"] > 0
+    assert set(got["fit"]) == {"split", "split-shm"}

@@ -7,7 +7,8 @@ each of 2 ranks at once (their mean) and split over them (:func:`posttrain.train
 the slower rank), the split both over
 gloo's collectives and through the shared-memory exchange the ODC trainers use on one host
 (:class:`posttrain.odc.ShmRowExchange`), interleaved ``reps`` times; per length, the median times
-and the overhead ``split - whole / 2``. The overheads, in the cost model's units (FLOPs, at the
+and the overhead: the median over repetitions of ``split - whole / 2``, each repetition's runs
+back to back. The overheads, in the cost model's units (FLOPs, at the
 rate the whole runs measured), are fitted per exchange as ``fixed + per_token * n / 2`` (least
 squares): ``fixed`` over the layers' exchanges gives the FLOPs one costs, ``per_token`` over the
 bytes of keys and values moved gives the FLOPs per byte
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int, lengths: list[int], reps: int, cfg=None) -> d
                 dist.barrier()
                 if rep:
                     times[mode].append(time.perf_counter() - t)
-        out[n] = {k: statistics.median(v) for k, v in times.items()}
+        out[n] = times
     exchanges["split-shm"].close()
     return out
 
@@ -79,15 +80,23 @@ def measured_config(lengths: list[int], cfg=None):
 
 
 def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
-    """Median whole and split seconds per length, the overheads in FLOPs and the fit (see the
-    module docstring), on ``cfg``'s model shape (default: ``TrainConfig``'s)."""
+    """Median whole and split seconds per length, the overheads (``overhead_s (mode)``: the median
+    of the repetitions' ``paired_overhead_s (mode)``; in FLOPs too) and the fit (see the module
+    docstring), on ``cfg``'s model shape (default: ``TrainConfig``'s)."""
     from posttrain.balance import FlopsCost
 
     ranks = run_ranks(_worker, 2, lengths, reps, cfg, timeout_s=1800)
-    # the whole sequence: the ranks' mean (each ran its own copy at once); a split: the slower rank
-    # (its ranks meet at every layer's exchange, so they end together)
-    times = {n: {"whole": statistics.mean(r[n]["whole"] for r in ranks),
-                 **{m: max(r[n][m] for r in ranks) for m in ("split", "split-shm")}} for n in lengths}
+    # per repetition, the whole sequence: the ranks' mean (each ran its own copy at once); a split:
+    # the slower rank (its ranks meet at every layer's exchange, so they end together). The overhead
+    # is the median of each repetition's split minus half its whole, run back to back: the
+    # difference of two separate medians moved with the machine between them (at 4,096 tokens one
+    # calibration measured 18 ms where others measured 48-58)
+    per_rep = {n: {"whole": [statistics.mean(r[n]["whole"][i] for r in ranks) for i in range(reps)],
+                   **{m: [max(r[n][m][i] for r in ranks) for i in range(reps)] for m in ("split", "split-shm")}}
+               for n in lengths}
+    times = {n: {k: statistics.median(v) for k, v in per_rep[n].items()} for n in lengths}
+    paired = {n: {m: [s - w / 2 for s, w in zip(per_rep[n][m], per_rep[n]["whole"])] for m in ("split", "split-shm")}
+              for n in lengths}
     cost = FlopsCost.from_config(measured_config(lengths, cfg).model_config())
     shape = cost.shape
     kv_bytes = 2 * shape.num_layers * shape.kv_heads * shape.head_dim * 4  # (fp32)
@@ -97,8 +106,12 @@ def measure(lengths: list[int], reps: int = 5, cfg=None) -> dict:
         for n in lengths:
             t = times[n]
             rate = cost(n) / t["whole"]
-            extra = (t[mode] - t["whole"] / 2) * rate
-            out["lengths"].setdefault(n, {**t, "flops_per_s": rate})[f"overhead_flops ({mode})"] = extra
+            seconds = statistics.median(paired[n][mode])
+            extra = seconds * rate
+            row = out["lengths"].setdefault(n, {**t, "flops_per_s": rate})
+            row[f"overhead_flops ({mode})"] = extra
+            row[f"overhead_s ({mode})"] = seconds
+            row[f"paired_overhead_s ({mode})"] = paired[n][mode]
             rows.append([1.0, n / 2])
             over.append(extra)
         a = torch.tensor(rows, dtype=torch.float64)

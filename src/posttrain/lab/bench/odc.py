@@ -526,7 +526,7 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     return out
 
 
-def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: int = 2, reps: int = 5,
+def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: int = 2, reps: int = 7,
                log=print) -> dict:
     """The calibrated simulator's ``odc+cp / odc+diff_micro`` for ``base``
     (:func:`posttrain.lab.calibrate.predict_context_parallel`): the per-layer cost, flat ODC's costs
@@ -545,11 +545,11 @@ def predict_cp(base: TrainConfig, context_parallel: int | str, *, world_size: in
     log("\ncalibrating the simulator on this machine for odc+cp's prediction ...", flush=True)
     machine = measure_sweep_machine(base, [base], world_size=world_size, log=log)
     got = measure(lengths, reps=reps, cfg=base)["lengths"]
-    over = [got[n]["split-shm"] - got[n]["whole"] / 2 for n in lengths]
+    over = [got[n]["overhead_s (split-shm)"] for n in lengths]
     split = MeasuredSplitCost(lengths, over)
     log("  splitting a sequence over 2 ranks costs beyond its half: " + ", ".join(
         f"{n} tokens {x * 1e3:.1f} ms ({x / (got[n]['whole'] / 2):+.0%})" for n, x in zip(lengths, over))
-        + f" ({reps} rounds, both ranks at once)", flush=True)
+        + f" (median of {reps} rounds of a whole and a split back to back, both ranks at once)", flush=True)
     pred = predict_context_parallel(base, machine, split, context_parallel=context_parallel, world_size=world_size)
     return {**pred, "split_lengths": lengths, "split_overhead_s": over,
             "layer_fit_median_error": machine["fit_median_error"], "jitter": machine["jitter"]}
