@@ -3,13 +3,15 @@
 # the checkout's root on the GPU machine (15 minutes of machine time a session, its start included):
 #
 #   bash scripts/gpu-verify.sh tests                   (a) the CUDA tests: pytest -m cuda, every core
-#   bash scripts/gpu-verify.sh measure [odc|pipeline|demo|none]
+#   bash scripts/gpu-verify.sh measure [odc|cp|pipeline|demo|none]
 #                                                      (b) posttrain doctor's measurements (copies, ODC's
 #                                                          device transport, flat ODC's engine overhead,
 #                                                          offload on a Llama stage: none, full and the
 #                                                          planner's share); with odc or pipeline, two CPU
 #                                                          benchmarks beside it on cores 4-15 and the doctor
-#                                                          on 0-3; with demo, posttrain demo at 4 ranks on
+#                                                          on 0-3 (cp: bench odc --context-parallel auto at
+#                                                          4 and 8 ranks, 2 long-tailed sequences a rank,
+#                                                          odc+cp against the even bound); with demo, posttrain demo at 4 ranks on
 #                                                          cores 4-7 and 8 on 8-15 (as with trl demo); with
 #                                                          none (the default) the doctor on every core
 #   bash scripts/gpu-verify.sh trl [demo]              (c) posttrain against TRL's SFTTrainer on the GPU
@@ -39,6 +41,7 @@
 #   tests.txt      (a) pytest's log with --durations; durations.txt the per-test seconds, to commit as
 #                  scripts/gpu-durations.txt so that the next run is planned from them
 #   doctor.txt     (b) the doctor's log; gpu-report.md its report; bench_*.txt the CPU benchmarks
+#                  (bench_cp_w4.txt, bench_cp_w8.txt: odc+cp against the even bound at 4 and 8 ranks)
 #   trl_sft.txt    (c) the comparison's table and losses; trl_sft.json its figures; trl_profile.txt
 #                  the profile of TRL's last warm-up step (with the variant trl); demo_w4.txt, demo_w8.txt
 #                  (and .json) the demos beside it
@@ -58,8 +61,8 @@ case $PART in
 esac
 BENCHES=${2:-none}
 case $PART:$BENCHES in
-  measure:odc|measure:pipeline|measure:demo|*:none|trl:demo) ;;
-  measure:*) echo "gpu-verify: what runs beside (b) is odc, pipeline, demo or none, not '$BENCHES'" >&2; exit 2 ;;
+  measure:odc|measure:cp|measure:pipeline|measure:demo|*:none|trl:demo) ;;
+  measure:*) echo "gpu-verify: what runs beside (b) is odc, cp, pipeline, demo or none, not '$BENCHES'" >&2; exit 2 ;;
   trl:*) echo "gpu-verify: what runs beside (c) is demo or none, not '$BENCHES'" >&2; exit 2 ;;
   *) echo "gpu-verify: part '$PART' takes nothing after it, not '$BENCHES'" >&2; exit 2 ;;
 esac
@@ -73,6 +76,9 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 
 TRL_ARGS="--dir ${TRL_DIR:-/tmp/trl_sft} --variants ${TRL_VARIANTS:-trl-pf:4,odc,fsdp} --rounds ${TRL_ROUNDS:-2} --steps ${TRL_STEPS:-20} --warmup 2 --timeout 150 --checkpointing ${TRL_CHECKPOINTING:-off}"
 DEMO="$PY -m posttrain demo --rounds ${DEMO_ROUNDS:-5} --plot ''"
+# context parallelism at 4 and 8 ranks (the 2-rank setting of docs/results.md's bench-odc-cp per rank:
+# 2 LongAlign-shaped sequences a rank up to 4,096 tokens); add --sequences 8|16 and --world-size 4|8
+CP="$PY -m posttrain bench odc --profile longalign --max-len 4096 --max-tokens 4096 --steps 8 --repeats 3 --context-parallel auto --no-predict --json ''"
 if [ "$DRY" = 1 ]; then
   echo "gpu-verify (dry run) of part '$PART' on this machine; on the GPU machine it would:"
   if [ "$PART" = trl ]; then
@@ -94,6 +100,9 @@ if [ "$DRY" = 1 ]; then
     $PY -m pytest -q --collect-only -m cuda -p no:cacheprovider tests 2>/dev/null | grep "::" >"${TMPDIR:-/tmp}/gpu-tests.txt"
     $PY scripts/gpu_plan.py "${TMPDIR:-/tmp}/gpu-tests.txt" scripts/gpu-durations.txt "$WORKERS" "$TEST_TIMEOUT" "$PART_TIMEOUT"
     exit $?
+  fi
+  if [ "$BENCHES" = cp ]; then
+    echo "  - on cores 4-7 and 8-15, beside the doctor: $CP --sequences 8|16 --world-size 4|8 > \$OUT/bench_cp_w4|8.txt"
   fi
   if [ "$BENCHES" = none ]; then cores="every core"; else cores="cores 0-3, with $BENCHES benchmarks on 4-15"; fi
   echo "  - run posttrain doctor --no-tests on $cores: devices, copies, ODC's device transport, flat ODC's engine"
@@ -167,6 +176,10 @@ else
         ODC="$PY -m posttrain bench odc --profile ${PROFILE:-long_tail} --max-len 4096 --steps 4 --sweep --sequences-per-rank 4 --sweep-max-tokens 4096 --repeats 3 --json ''"
         taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$ODC --world-size 4" >"$OUT/bench_odc_w4.txt" 2>&1 &
         taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$ODC --world-size 8" >"$OUT/bench_odc_w8.txt" 2>&1 &
+        ;;
+      cp)
+        taskset -c 4-7 timeout "$PART_TIMEOUT" bash -c "$CP --sequences 8 --world-size 4" >"$OUT/bench_cp_w4.txt" 2>&1 &
+        taskset -c 8-15 timeout "$PART_TIMEOUT" bash -c "$CP --sequences 16 --world-size 8" >"$OUT/bench_cp_w8.txt" 2>&1 &
         ;;
       pipeline)
         PDP="$PY -m posttrain bench pipeline-dp --repeats 3 --json ''"
