@@ -58,7 +58,7 @@ test-torch-compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff check src tests examples scripts
 
 # ARGS passes options through: `make demo ARGS="--json out/demo.json"` (posttrain demo --help).
 ARGS ?=

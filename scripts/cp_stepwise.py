@@ -91,7 +91,7 @@ def _per_step(base, raw) -> None:
     plans = {"odc+diff_micro": _plans(base, 2, "diff_micro"), "odc+cp": _cp_plans(base, 2, "auto")}
     print("step  lengths        | variant: measured ms / simulated ms (split sequences)")
     for k in range(base.steps - 1):
-        row = f"{k + 1:4d}  {str(plans['odc+cp'][k].lengths):14}"
+        row = f"{k + 1:4d}  {plans['odc+cp'][k].lengths!s:14}"
         for name, ps in plans.items():
             sim = simulate_minibatch(plan_lengths(priced(ps[k]), model.sequence_cost), strategy="odc", model=model,
                                      cluster=cluster, op_times=ops, overlap=False)

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     for t in tests:
         s = recorded.get(t)
         seconds.append(s if s is not None else GUESS_S)
-        print(f"    {'%6.1f s' % s if s is not None else '  no record'}  {t}")
+        print(f"    {f'{s:6.1f} s' if s is not None else '  no record'}  {t}")
     missing = sum(1 for t in tests if t not in recorded)
     w = max(1, workers)
     expected = makespan(seconds, w)

@@ -26,7 +26,8 @@ def main(seconds: float = 15.0) -> None:
     fastest = min(t for _, t in times)
     start = times[0][0]
     per_second = [statistics.mean(t for w, t in times if k <= w - start < k + 1) / fastest for k in range(int(seconds))]
-    print(f"{len(times)} timings of the same work over {seconds:.0f} s: median {statistics.median(t for _, t in times) / fastest:.2f}x "
+    median = statistics.median(t for _, t in times) / fastest
+    print(f"{len(times)} timings of the same work over {seconds:.0f} s: median {median:.2f}x "
           f"the fastest, 90th percentile {sorted(t for _, t in times)[int(0.9 * len(times))] / fastest:.2f}x")
     print("each second's mean over the fastest: " + " ".join(f"{x:.2f}" for x in per_second))
 
