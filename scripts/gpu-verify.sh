@@ -10,9 +10,10 @@
 #                                                          planner's share); with odc or pipeline, two CPU
 #                                                          benchmarks beside it on cores 4-15 and the doctor
 #                                                          on 0-3 (cp: bench odc --context-parallel auto at
-#                                                          4 and 8 ranks, 2 long-tailed sequences a rank,
-#                                                          odc+cp against the even bound); with demo, posttrain demo at 4 ranks on
-#                                                          cores 4-7 and 8 on 8-15 (as with trl demo); with
+#                                                          4 and 8 ranks, 2 LongAlign-shaped sequences a
+#                                                          rank, odc+cp against the even bound); with demo,
+#                                                          posttrain demo at 4 ranks on cores 4-7 and 8 on
+#                                                          8-15 (as with trl demo); with
 #                                                          none (the default) the doctor on every core
 #   bash scripts/gpu-verify.sh trl [demo]              (c) posttrain against TRL's SFTTrainer on the GPU
 #                                                          (lab/bench/trl_sft.py: a 1.1B Llama, the same

@@ -419,8 +419,7 @@ def test_bench_odc_with_context_parallel_runs_odc_cp_beside_odc(cli_proc, tmp_pa
         assert e["vs_even"][0] == pytest.approx(e["work"][0] * e["balance"][0] * e["critical"][0])
         assert 0 < e["balance"][0] <= 1 and 0 < e["critical"][0] <= 1
         assert 0 < e["planned"]["balance"] <= 1
-    # whole sequences are their own work; split ones pay the exchange the planner prices
-    assert got["vs_even"]["odc+diff_micro"]["planned"]["work"] == pytest.approx(1.0)
+    assert got["vs_even"]["odc+cp"]["planned"]["work"] <= 1  # (a split pays the exchange)
     # the calibrated prediction needs more microbatch shapes than this run has: said, and the
     # measurements are written all the same
     assert "cp: no prediction (calibration needs 3 or more microbatches" in proc.stdout

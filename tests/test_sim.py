@@ -598,3 +598,49 @@ def test_the_split_cost_is_the_median_of_paired_repetitions():
             assert row[f"overhead_flops ({mode})"] == pytest.approx(row[f"overhead_s ({mode})"] * row["flops_per_s"])
         assert row["whole"] > 0 and row["split-shm"] > 0
     assert set(got["fit"]) == {"split", "split-shm"}
+
+
+def test_the_split_cost_pairs_each_repetition_and_takes_the_ranks_as_they_meet(monkeypatch):
+    """With the ranks' timings given: per repetition the whole is the ranks' mean and a split the
+    slower rank's, and the overhead is the median of split - whole / 2 over the repetitions, not
+    the difference of the two medians (here 0.1 s against 0.5 s: the machine sped up and slowed
+    down between repetitions)."""
+    import posttrain.lab.bench.cp_exchange as cx
+    from posttrain.train.sft import TrainConfig
+
+    def ranks(fn, world, lengths, reps, cfg, timeout_s):
+        assert world == 2 and reps == 3
+        # rank 0 and rank 1: wholes averaging 1, 2, 3 s; splits whose slower rank took 0.6, 1.5, 1.6 s
+        return [{16: {"whole": [0.9, 2.1, 2.8], "split": [0.6, 1.5, 1.6], "split-shm": [0.6, 1.4, 1.6]}},
+                {16: {"whole": [1.1, 1.9, 3.2], "split": [0.5, 1.4, 1.6], "split-shm": [0.5, 1.5, 1.6]}}]
+
+    monkeypatch.setattr(cx, "run_ranks", ranks)
+    row = cx.measure([16], reps=3, cfg=TrainConfig(device="cpu"))["lengths"][16]
+    for mode in ("split", "split-shm"):
+        assert row[f"paired_overhead_s ({mode})"] == pytest.approx([0.1, 0.5, 0.1])
+        assert row[f"overhead_s ({mode})"] == pytest.approx(0.1)
+        assert row[mode] == pytest.approx(1.5)
+    assert row["whole"] == pytest.approx(2.0)
+
+
+def test_the_planned_work_and_balance_against_the_even_bound():
+    """bench odc's planned factors: work is the whole sequences' cost over the plan's (a split
+    pays the exchange the planner prices, so below 1), balance the mean rank cost over the
+    busiest, summed over the steps."""
+    from posttrain.balance import ExchangeCost, FlopsCost, plan_context, plan_minibatch
+    from posttrain.lab.bench.odc import planned_vs_even
+    from posttrain.train.sft import TrainConfig
+
+    cost = FlopsCost.from_config(TrainConfig().model_config(256))
+    steps = [[4096, 300, 200], [900, 800, 700, 600]]
+    whole = [plan_minibatch(n, world_size=2, max_tokens=4096, method="diff_micro", cost=cost) for n in steps]
+    split = [plan_context(n, world_size=2, max_tokens=4096, cost=cost, exchange=ExchangeCost(per_token=1e5, fixed=1e8),
+                          context_parallel=2) for n in steps]
+    assert split[0].split  # (the long sequence is split)
+    got = planned_vs_even(split, whole)
+    assert got["work"] == pytest.approx(sum(sum(p.rank_costs) for p in whole) / sum(sum(p.rank_costs) for p in split))
+    assert got["work"] < 1
+    mean = sum(sum(p.rank_costs) / 2 for p in split)
+    assert got["balance"] == pytest.approx(mean / sum(max(p.rank_costs) for p in split))
+    same = planned_vs_even(whole, whole)
+    assert same["work"] == 1 and got["balance"] > same["balance"]  # splitting evens the long step out

@@ -49,6 +49,7 @@ from posttrain.train.sft import (
     microbatch_loss,
     partition_bound_worker,
     plan_step,
+    step_cost,
     summarize,
     train_worker,
 )
@@ -60,8 +61,9 @@ __all__ = ["MeasuredSplitCost", "calibrate_odc", "calibrate_pipeline", "cp_confi
 
 
 def _plans(cfg: TrainConfig, world_size: int, method: str):
+    """The trainer's balancing plans (``method``) of ``cfg``'s steps after the first."""
     data = TrainData(cfg, world_size)
-    cost = FlopsCost.from_config(cfg.model_config(data.vocab_size))
+    cost = step_cost(cfg, data.vocab_size)
     c = replace(cfg, balance=method)
     return [plan_step(c, data.minibatch(k), world_size, cost) for k in range(1, cfg.steps)]  # step 0 is warm-up
 
@@ -414,7 +416,7 @@ def _cp_plans(cfg: TrainConfig, world_size: int, context_parallel: int | str) ->
 
     c = cp_config(cfg, context_parallel)
     data = TrainData(c, world_size)
-    cost = FlopsCost.from_config(c.model_config(data.vocab_size))
+    cost = step_cost(c, data.vocab_size)
     return [plan_context_step(c, data.minibatch(k), world_size, cost) for k in range(1, c.steps)]
 
 

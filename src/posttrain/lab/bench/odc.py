@@ -71,7 +71,7 @@ from typing import Literal
 
 from posttrain.device import check_world
 from posttrain.lab.bench.stepwise import pooled_ratio, stepwise_rounds
-from posttrain.lab.calibrate import cp_config
+from posttrain.lab.calibrate import _cp_plans, _plans, cp_config
 from posttrain.launch import run_ranks
 from posttrain.train.core import job_options
 from posttrain.train.sft import (
@@ -339,26 +339,13 @@ def split_vs_even(r: dict[str, dict], name: str, world_size: int) -> dict[str, f
             "critical": v["busiest_compute_s"] / v["step_time_s"]}
 
 
-def planned_vs_even(cfg: TrainConfig, world_size: int) -> dict[str, float]:
-    """The cost model's ``work`` and ``balance`` (see [Note: against the even bound]) for the plans
-    ``cfg`` runs at the steps after the first: with ``cfg.engine.context_parallel`` on, the
-    trainer's context plans (the exchange priced as the planner prices it), else its balancing
-    plans (whose work is the sequences' own)."""
-    from posttrain.train.sft.loop import plan_context_step, plan_step, step_cost
-
-    data = TrainData(cfg, world_size)
-    cost = step_cost(cfg, data.vocab_size)
-    whole = planned = mean = busiest = 0.0
-    for k in range(1, cfg.steps):
-        seqs = data.minibatch(k)
-        plan = (plan_step(cfg, seqs, world_size, cost) if cfg.engine.context_parallel == "off"
-                else plan_context_step(cfg, seqs, world_size, cost))
-        costs = plan.rank_costs
-        whole += sum(cost(len(s) - 1) for s in seqs)
-        planned += sum(costs)
-        mean += sum(costs) / world_size
-        busiest += max(costs)
-    return {"work": whole / planned, "balance": mean / busiest}
+def planned_vs_even(plans: Sequence, whole: Sequence) -> dict[str, float]:
+    """The cost model's ``work`` and ``balance`` (see [Note: against the even bound]) of a
+    variant's ``plans`` (one a step), against ``whole``, the same steps' plans of whole sequences
+    (whose costs sum to the sequences' own): a context plan's shards carry the exchange as the
+    planner prices it."""
+    return {"work": sum(sum(p.rank_costs) for p in whole) / sum(sum(p.rank_costs) for p in plans),
+            "balance": sum(sum(p.rank_costs) / len(p.rank_costs) for p in plans) / sum(max(p.rank_costs) for p in plans)}
 
 
 def capture(mechanism: float, headroom: float) -> float | None:
@@ -458,18 +445,20 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
             f"{lo:5.2f}-{hi:<5.2f} {m['vs_partition']:13.2f} {plo:5.2f}-{phi:<5.2f} {m['compute_vs_even']:13.2f}")
     log("(util: compute share of step time; compute/even: the same microbatches' compute time, communication "
         "excluded, over the even bound's; (rounds): lowest and highest ratio of a single round)")
-    against = [name for name in (_ODC, _CP) if name in cfgs]
+    # the trainer's own plans of the steps timed (odc+diff_micro's are every sequence whole)
+    plans = {_ODC: _plans(base, world_size, "diff_micro")}
+    if _CP in cfgs:
+        plans[_CP] = _cp_plans(base, world_size, context_parallel)
     even_split = {}
-    for name in against:
+    for name, ps in plans.items():
         per = [split_vs_even(r, name, world_size) for r in rounds]
         even_split[name] = {k: list(_med(per, k)) for k in per[0]}
-        even_split[name]["planned"] = planned_vs_even(cfgs[name], world_size)
+        even_split[name]["planned"] = planned_vs_even(ps, plans[_ODC])
     log("\nagainst the even bound (median of per-round ratios, lowest-highest; vs even = work x balance x critical, "
         "exactly per round):")
     log(f"{'variant':18} {'vs even':>8} {'(rounds)':>11} {'work':>6} {'balance':>8} {'critical':>9}   "
         f"{'planned work':>12} {'balance':>8}")
-    for name in against:
-        e = even_split[name]
+    for name, e in even_split.items():
         log(f"{name:18} {e['vs_even'][0]:8.3f} {e['vs_even'][1]:5.3f}-{e['vs_even'][2]:<5.3f} {e['work'][0]:6.3f} "
             f"{e['balance'][0]:8.3f} {e['critical'][0]:9.3f}   {e['planned']['work']:12.3f} "
             f"{e['planned']['balance']:8.3f}")
