@@ -68,7 +68,7 @@ def _per_step(base, raw) -> None:
     prediction: posttrain.lab.bench.odc.predict_cp's pieces)."""
     from posttrain.balance import ContextPlan
     from posttrain.lab.bench.cp_exchange import measure
-    from posttrain.lab.calibrate import MeasuredSplitCost, _cp_plans, _plans, measure_sweep_machine
+    from posttrain.lab.calibrate import MeasuredSplitCost, measure_sweep_machine, step_context_plans, step_plans
     from posttrain.sim import Cluster, SimModel, plan_lengths, simulate_minibatch
 
     machine = measure_sweep_machine(base, [base], world_size=2, log=lambda *a, **k: None)
@@ -88,7 +88,7 @@ def _per_step(base, raw) -> None:
             replace(sh, cost=model.sequence_cost(plan.lengths[sh.sequence_id]) / sh.num_shards
                     + split(plan.lengths[sh.sequence_id], sh.num_shards)) for sh in shards) for shards in plan.shards))
 
-    plans = {"odc+diff_micro": _plans(base, 2, "diff_micro"), "odc+cp": _cp_plans(base, 2, "auto")}
+    plans = {"odc+diff_micro": step_plans(base, 2, "diff_micro"), "odc+cp": step_context_plans(base, 2, "auto")}
     print("step  lengths        | variant: measured ms / simulated ms (split sequences)")
     for k in range(base.steps - 1):
         row = f"{k + 1:4d}  {plans['odc+cp'][k].lengths!s:14}"

@@ -491,7 +491,7 @@ def test_the_calibrated_prediction_of_splitting_prices_shards_at_the_machines_me
     on the machine (not the plan's own price): free splits gain on a long-tailed step, a split
     as dear as its whole sequence loses, and the prediction falls as the split gets dearer."""
     from posttrain.balance import ExchangeCost
-    from posttrain.lab.calibrate import _plans, predict_context_parallel, predict_plans
+    from posttrain.lab.calibrate import predict_context_parallel, predict_plans, step_plans
     from posttrain.train.sft import TrainConfig
 
     cfg = TrainConfig(profile="long_tail", max_len=4096, max_tokens=4096, sequences=2, steps=6, num_layers=2)
@@ -500,8 +500,8 @@ def test_the_calibrated_prediction_of_splitting_prices_shards_at_the_machines_me
                                                                                 "collective": dict(eng)}}
     free = predict_context_parallel(cfg, machine, ExchangeCost())  # (any cost (n, k) -> seconds)
     assert free["split"] >= 1 and free["cp"] > 1.05
-    plans = _plans(cfg, 2, "diff_micro")
-    same = predict_plans(_plans(cfg, 2, "same_micro"), plans, machine, num_layers=2, max_tokens=4096)
+    plans = step_plans(cfg, 2, "diff_micro")
+    same = predict_plans(step_plans(cfg, 2, "same_micro"), plans, machine, num_layers=2, max_tokens=4096)
     assert free["odc_s"] == pytest.approx(same["odc_s"], rel=1e-12)
     dearer = predict_context_parallel(cfg, machine, ExchangeCost(per_token=2e-6, fixed=1e-3))
     assert dearer["split"] == free["split"] and dearer["cp_s"] > free["cp_s"] and dearer["odc_s"] == free["odc_s"]

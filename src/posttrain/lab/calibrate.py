@@ -57,10 +57,10 @@ from posttrain.train.sft import (
 __all__ = ["MeasuredSplitCost", "calibrate_odc", "calibrate_pipeline", "cp_config", "fit_jitter", "flat_odc_costs",
            "machine_from_shapes", "measure_machine", "measure_sweep_machine", "pipeline_workload_from_metrics",
            "predict_context_parallel", "predict_mechanism", "predict_plans", "simulated_excess",
-           "write_pipeline_metrics"]
+           "step_context_plans", "step_plans", "write_pipeline_metrics"]
 
 
-def _plans(cfg: TrainConfig, world_size: int, method: str):
+def step_plans(cfg: TrainConfig, world_size: int, method: str):
     """The trainer's balancing plans (``method``) of ``cfg``'s steps after the first."""
     data = TrainData(cfg, world_size)
     cost = step_cost(cfg, data.vocab_size)
@@ -156,7 +156,7 @@ def _engine_cost(cfg: TrainConfig, dp: str, world_size: int, log) -> float:
 def measure_machine(cfg: TrainConfig, *, world_size: int = 2, iters: int = 3, log=print) -> dict:
     """Per-layer cost fit and per-layer engine cost of FSDP2 and ODC on this machine."""
     shapes = sorted({tuple(sorted(m_lens)) for method in ("same_micro", "diff_micro")
-                     for plan in _plans(cfg, world_size, method)
+                     for plan in step_plans(cfg, world_size, method)
                      for m_lens in ([plan.lengths[i] for i in mb.sequence_ids] for mbs in plan.ranks for mb in mbs)
                      if m_lens})
     seconds = run_ranks(_compute_worker, world_size, cfg, [list(s) for s in shapes], iters, timeout_s=1800)[0]
@@ -179,7 +179,7 @@ def predict_odc(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -> dict
     cluster = Cluster(num_gpus=world_size, gpus_per_node=world_size)
     out = {}
     for strat, method in (("fsdp", "same_micro"), ("fsdp", "round_robin"), ("odc", "round_robin"), ("odc", "diff_micro")):
-        res = simulate_dp(_plans(cfg, world_size, method), strategy=strat, model=model, cluster=cluster,
+        res = simulate_dp(step_plans(cfg, world_size, method), strategy=strat, model=model, cluster=cluster,
                           op_times=machine["comm"][strat], overlap=False)
         out[f"{strat}+{method}"] = {"time_s": res.time, "utilization": 1 - res.bubble_fraction}
     return out
@@ -195,7 +195,7 @@ def measure_sweep_machine(base: TrainConfig, points: list[TrainConfig], *, world
 
     shapes = sorted({tuple(sorted(plan.lengths[i] for i in mb.sequence_ids))
                      for cfg in points for method in ("same_micro", "diff_micro")
-                     for plan in _plans(cfg, world_size, method) for mbs in plan.ranks for mb in mbs if mb.sequence_ids})
+                     for plan in step_plans(cfg, world_size, method) for mbs in plan.ranks for mb in mbs if mb.sequence_ids})
     if len(shapes) > max_shapes:
         largest = max(shapes, key=sum)
         shapes = sorted({largest, *random.Random(0).sample(shapes, max_shapes - 1)})
@@ -362,7 +362,7 @@ def predict_mechanism(cfg: TrainConfig, machine: dict, *, world_size: int = 2) -
     ODC's measured per-layer and per-step costs and compute factor of their mode, and no overlap
     (on CPU the engine copies synchronously).
     """
-    return predict_plans(_plans(cfg, world_size, "same_micro"), _plans(cfg, world_size, "diff_micro"), machine,
+    return predict_plans(step_plans(cfg, world_size, "same_micro"), step_plans(cfg, world_size, "diff_micro"), machine,
                          num_layers=cfg.num_layers, max_tokens=cfg.max_tokens, world_size=world_size)
 
 
@@ -410,7 +410,7 @@ def cp_config(cfg: TrainConfig, context_parallel: int | str) -> TrainConfig:
                    balance="diff_micro")
 
 
-def _cp_plans(cfg: TrainConfig, world_size: int, context_parallel: int | str) -> list:
+def step_context_plans(cfg: TrainConfig, world_size: int, context_parallel: int | str) -> list:
     """The trainer's plans of ``cfg``'s steps after the first, run as :func:`cp_config`."""
     from posttrain.train.sft.loop import plan_context_step
 
@@ -464,8 +464,8 @@ def predict_context_parallel(cfg: TrainConfig, machine: dict, split: Callable[[i
             replace(sh, cost=model.sequence_cost(plan.lengths[sh.sequence_id]) / sh.num_shards
                     + split(plan.lengths[sh.sequence_id], sh.num_shards)) for sh in shards) for shards in plan.shards))
 
-    runs = {"odc+diff_micro": _plans(cfg, world_size, "diff_micro"),
-            "odc+cp": [priced(p) for p in _cp_plans(cfg, world_size, context_parallel)]}
+    runs = {"odc+diff_micro": step_plans(cfg, world_size, "diff_micro"),
+            "odc+cp": [priced(p) for p in step_context_plans(cfg, world_size, context_parallel)]}
     times = {name: statistics.mean(
         simulate_dp(plans, strategy="odc", model=model, cluster=cluster, op_times={"gather": per_op, "reduce": per_op,
                                                                                     "add": 0.0},

@@ -71,7 +71,7 @@ from typing import Literal
 
 from posttrain.device import check_world
 from posttrain.lab.bench.stepwise import pooled_ratio, stepwise_rounds
-from posttrain.lab.calibrate import _cp_plans, _plans, cp_config
+from posttrain.lab.calibrate import cp_config, step_context_plans, step_plans
 from posttrain.launch import run_ranks
 from posttrain.train.core import job_options
 from posttrain.train.sft import (
@@ -446,9 +446,9 @@ def bench_odc(base: TrainConfig, *, world_size: int = 2, repeats: int = 5, json_
     log("(util: compute share of step time; compute/even: the same microbatches' compute time, communication "
         "excluded, over the even bound's; (rounds): lowest and highest ratio of a single round)")
     # the trainer's own plans of the steps timed (odc+diff_micro's are every sequence whole)
-    plans = {_ODC: _plans(base, world_size, "diff_micro")}
+    plans = {_ODC: step_plans(base, world_size, "diff_micro")}
     if _CP in cfgs:
-        plans[_CP] = _cp_plans(base, world_size, context_parallel)
+        plans[_CP] = step_context_plans(base, world_size, context_parallel)
     even_split = {}
     for name, ps in plans.items():
         per = [split_vs_even(r, name, world_size) for r in rounds]
